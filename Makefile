@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` and `make test`.
+# Each sets up its own virtual environment (.venv) on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench docs venv clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(VENV)/bin/python pyproject.toml setup.py
+	$(PY) -m pip install -q -e '.[test,demo]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) demos/demo_intro.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/run.py
+
+docs: $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) -m sphinx -W -b html docs docs/_build/html
+
+clean:
+	rm -rf $(VENV) docs/_build bench/results *.egg-info

@@ -1,0 +1,10 @@
+"""Communicators: one interface, one class per backend."""
+
+from .base import Communicator
+from .ops import REDUCE_OPS, check_op
+from .shm import PeerFailed, ShmCommunicator
+
+__all__ = ["Communicator", "ShmCommunicator", "PeerFailed", "REDUCE_OPS", "check_op", "BACKENDS"]
+
+#: backend name -> Communicator class; the GPU backend registers itself here.
+BACKENDS = {"shm": ShmCommunicator}

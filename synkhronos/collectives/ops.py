@@ -1,0 +1,60 @@
+"""Reduction operators shared by every communicator backend."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["REDUCE_OPS", "check_op"]
+
+#: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
+REDUCE_OPS = {
+    "sum": np.add,
+    "avg": np.add,
+    "prod": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+}
+
+
+def check_op(op, allowed=tuple(REDUCE_OPS), what="op") -> str:
+    """Validate a reduce-op name; return it without any ``c_`` prefix."""
+    if not isinstance(op, str):
+        raise TypeError(f"{what} must be one of {sorted(allowed)}, got {op!r}")
+    name = op[2:] if op.startswith("c_") else op
+    if name not in allowed:
+        raise ValueError(f"unknown {what} {op!r}; expected one of {sorted(allowed)} "
+                         "(optionally with a 'c_' prefix)")
+    return name
+
+
+def combine(parts, op: str, weights=None, out=None):
+    """Reduce equal-shaped arrays ``parts`` with ``op``.
+
+    ``avg`` is ``sum(w_r * x_r) / sum(w_r)``: equal weights give the plain mean,
+    row counts give the mean over all rows when parts split unevenly.
+    """
+    if op == "avg":
+        w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
+        w = w / w.sum()
+        dtype = parts[0].dtype
+        if np.issubdtype(dtype, np.inexact):
+            acc = np.multiply(parts[0], dtype.type(w[0]), out=out)
+            for x, wi in zip(parts[1:], w[1:]):
+                acc += x * dtype.type(wi)
+            return acc
+        acc = parts[0] * w[0]
+        for x, wi in zip(parts[1:], w[1:]):
+            acc += x * wi
+        if out is not None:
+            out[...] = acc
+            return out
+        return acc.astype(dtype) if np.issubdtype(dtype, np.bool_) else acc
+    ufunc = REDUCE_OPS[op]
+    if out is None:
+        acc = np.array(parts[0], copy=True)
+    else:
+        acc = out
+        np.copyto(acc, parts[0])
+    for x in parts[1:]:
+        ufunc(acc, x, out=acc)
+    return acc

@@ -1,0 +1,272 @@
+"""Shared-memory Communicator for CPU processes.
+
+Each process owns a *slot* segment and writes its contribution there (a
+pickled header of dtypes and shapes first, then the data). After a barrier
+every process can read every slot in place. Large reductions are split in
+chunks, one per process, written to a common result segment, so all cores
+reduce at once. Every collective ends with a barrier, after which slots and
+the result segment may be written again.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Callable
+
+import numpy as np
+import posix_ipc
+
+from ..control import acquire, drain
+from ..shmem import Segment, create_semaphore, round_up
+from .base import Communicator
+from .ops import combine
+
+__all__ = ["ShmCommunicator", "PeerFailed"]
+
+#: Reductions smaller than this (bytes) are done whole by each process that
+#: needs the result; larger ones are split in one chunk per process.
+CHUNK_THRESHOLD = 1 << 18
+_BOARD_WORDS = 8
+
+
+class PeerFailed(Exception):
+    """Another process flagged a failure in this collective; nothing was combined."""
+
+
+class ShmCommunicator(Communicator):
+    """Collectives through POSIX shared memory; the hub (master) coordinates barriers."""
+
+    def __init__(self, prefix: str, rank: int, size: int, hub: int, create: bool,
+                 check: Callable[[], None] = lambda: None):
+        self.prefix = prefix + "c."
+        self.rank = rank
+        self.size = size
+        self.hub = hub
+        self.check = check
+        self._create = create
+        self._board_seg = Segment(self.prefix + "board", 8 * (_BOARD_WORDS + size), create=create)
+        self._board = self._board_seg.array(np.int64, (_BOARD_WORDS + size,))
+        self._slot_gen = self._board[_BOARD_WORDS:]
+        open_sem = create_semaphore if create else (lambda name: posix_ipc.Semaphore("/" + name))
+        self._arrive = open_sem(self.prefix + "arrive")
+        self._depart = {r: open_sem(f"{self.prefix}depart{r}") for r in range(size) if r != hub}
+        self._slot: Segment | None = None
+        self._peer_slots: dict[int, Segment] = {}
+        self._result: Segment | None = None
+        self._result_gen = 0
+
+    # -- synchronisation ---------------------------------------------------
+
+    def barrier(self) -> None:
+        if self.size == 1:
+            return
+        if self.rank == self.hub:
+            for _ in range(self.size - 1):
+                acquire(self._arrive, self.check)
+            for sem in self._depart.values():
+                sem.release()
+        else:
+            self._arrive.release()
+            acquire(self._depart[self.rank], self.check)
+
+    def reset(self) -> None:
+        """Zero every semaphore (hub only, while every process is idle)."""
+        drain(self._arrive)
+        for sem in self._depart.values():
+            drain(sem)
+
+    # -- slots -------------------------------------------------------------
+
+    def _publish(self, arrays, weight: float, failed: bool) -> None:
+        if arrays is None:
+            layout = None
+        else:
+            arrays = [np.asarray(a) for a in arrays]
+            layout = [(a.dtype.str, a.shape) for a in arrays]
+        meta = pickle.dumps((layout, float(weight), bool(failed)), protocol=pickle.HIGHEST_PROTOCOL)
+        offset = round_up(8 + len(meta))
+        offsets = []
+        if arrays is not None:
+            for a in arrays:
+                offsets.append(offset)
+                offset = round_up(offset + a.nbytes)
+        if self._slot is None or self._slot.size < offset:
+            gen = int(self._slot_gen[self.rank]) + 1
+            new = Segment(f"{self.prefix}slot{self.rank}.{gen}", max(offset * 3 // 2, 4096), create=True)
+            if self._slot is not None:
+                self._slot.close()
+            self._slot = new
+            self._slot_gen[self.rank] = gen
+        buf = self._slot.buffer()
+        self._slot.array(np.int64, (1,))[0] = len(meta)
+        buf[8:8 + len(meta)] = meta
+        if arrays is not None:
+            for a, off in zip(arrays, offsets):
+                if a.nbytes:
+                    np.copyto(self._slot.array(a.dtype, a.shape, off), a, casting="no")
+
+    def _peer(self, rank: int) -> Segment:
+        if rank == self.rank:
+            return self._slot
+        gen = int(self._slot_gen[rank])
+        seg = self._peer_slots.get(rank)
+        if seg is None or not seg.name.endswith(f".{gen}"):
+            if seg is not None:
+                seg.close()
+            seg = Segment(f"{self.prefix}slot{rank}.{gen}")
+            self._peer_slots[rank] = seg
+        return seg
+
+    def _read(self, rank: int):
+        """``(arrays or None, weight, failed)`` as published by ``rank`` (views)."""
+        seg = self._peer(rank)
+        n = int(seg.array(np.int64, (1,))[0])
+        layout, weight, failed = pickle.loads(seg.buffer()[8:8 + n])
+        if layout is None:
+            return None, weight, failed
+        offset = round_up(8 + n)
+        arrays = []
+        for dtype, shape in layout:
+            a = seg.array(dtype, shape, offset)
+            arrays.append(a)
+            offset = round_up(offset + a.nbytes)
+        return arrays, weight, failed
+
+    def _exchange(self, arrays, weight=1.0, failed=False, ranks=None):
+        """Publish, barrier, read every rank's contribution (or ``ranks``')."""
+        self._publish(arrays, weight, failed)
+        self.barrier()
+        views = {r: self._read(r) for r in (range(self.size) if ranks is None else ranks)}
+        if any(v[2] for v in views.values()):
+            self.barrier()
+            raise PeerFailed([r for r, v in views.items() if v[2]])
+        return views
+
+    # -- result segment ----------------------------------------------------
+
+    def _result_buffer(self, nbytes: int) -> Segment:
+        """A result segment of at least ``nbytes``, the same one in every process."""
+        need = self._result is None or self._result.size < nbytes
+        if need:  # every process reaches the same decision from the same headers
+            if self.rank == self.hub:
+                self._result_gen += 1
+                new = Segment(f"{self.prefix}res.{self._result_gen}", max(nbytes * 3 // 2, 4096), create=True)
+                self._board[0] = self._result_gen
+            self.barrier()
+            if self.rank != self.hub:
+                self._result_gen = int(self._board[0])
+                new = Segment(f"{self.prefix}res.{self._result_gen}")
+            if self._result is not None:
+                self._result.close()
+            self._result = new
+        return self._result
+
+    # -- collectives -------------------------------------------------------
+
+    def _combine(self, views, op, everywhere: bool, root: int | None):
+        present = [(r, v[0], v[1]) for r, v in sorted(views.items()) if v[0] is not None]
+        if not present:
+            self.barrier()
+            return None
+        layouts = [[(a.dtype, a.shape) for a in arrs] for _, arrs, _ in present]
+        first = layouts[0]
+        for (r, _, _), lay in zip(present, layouts):
+            if lay != first:
+                self.barrier()
+                raise ValueError(
+                    f"cannot {op}-reduce: rank {present[0][0]} holds "
+                    f"{[(str(d), s) for d, s in first]} but rank {r} holds "
+                    f"{[(str(d), s) for d, s in lay]}")
+        weights = [w for _, _, w in present]
+        per_rank = [arrs for _, arrs, _ in present]
+        n_arrays = len(first)
+        total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for d, s in first)
+        needs = everywhere or self.rank == root
+        if total < CHUNK_THRESHOLD or self.size == 1:
+            out = None
+            if needs:
+                out = [combine([arrs[i] for arrs in per_rank], op, weights) for i in range(n_arrays)]
+                out = [np.array(o, copy=True) if any(o is arrs[i] for arrs in per_rank) else o
+                       for i, o in enumerate(out)]
+            self.barrier()
+            return out
+        # Large: each process reduces its chunk of every array into the result segment.
+        offsets, off = [], 0
+        for d, s in first:
+            offsets.append(off)
+            off = round_up(off + int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize)
+        res = self._result_buffer(off)
+        for i, (d, s) in enumerate(first):
+            count = int(np.prod(s, dtype=np.int64))
+            lo = count * self.rank // self.size
+            hi = count * (self.rank + 1) // self.size
+            if hi > lo:
+                dst = res.array(d, (count,), offsets[i])[lo:hi]
+                combine([arrs[i].reshape(-1)[lo:hi] for arrs in per_rank], op, weights, out=dst)
+        self.barrier()
+        out = None
+        if needs:
+            out = [np.array(res.array(d, s, offsets[i]), copy=True) for i, (d, s) in enumerate(first)]
+        self.barrier()
+        return out
+
+    def reduce(self, arrays, op, root, weight=1.0, failed=False):
+        views = self._exchange(arrays, weight, failed)
+        return self._combine(views, op, everywhere=False, root=root)
+
+    def all_reduce(self, arrays, op, weight=1.0, failed=False):
+        views = self._exchange(arrays, weight, failed)
+        return self._combine(views, op, everywhere=True, root=None)
+
+    def gather(self, arrays, root, failed=False):
+        views = self._exchange(arrays, failed=failed)
+        out = None
+        if self.rank == root:
+            out = _transpose_copies(views)
+        self.barrier()
+        return out
+
+    def all_gather(self, arrays, failed=False):
+        views = self._exchange(arrays, failed=failed)
+        out = _transpose_copies(views)
+        self.barrier()
+        return out
+
+    def broadcast(self, arrays, root, failed=False):
+        views = self._exchange(arrays if self.rank == root else None, failed=failed, ranks=[root])
+        src = views[root][0]
+        out = [np.array(a, copy=True) for a in src] if self.rank != root else [np.asarray(a) for a in arrays]
+        self.barrier()
+        return out
+
+    def close(self) -> None:
+        for seg in self._peer_slots.values():
+            seg.close()
+        self._peer_slots.clear()
+        for seg in (self._slot, self._result):
+            if seg is not None:
+                seg.close()
+        self._slot = self._result = None
+        self._board = self._slot_gen = None
+        for sem in [self._arrive, *self._depart.values()]:
+            try:
+                sem.close()
+            except posix_ipc.Error:
+                pass
+            if self._create:
+                try:
+                    sem.unlink()
+                except posix_ipc.ExistentialError:
+                    pass
+        self._board_seg.close()
+
+
+def _transpose_copies(views):
+    """``{rank: (arrays,...)}`` -> for each array index, the list over ranks (None if absent)."""
+    n = max((len(v[0]) for v in views.values() if v[0] is not None), default=0)
+    out = [[] for _ in range(n)]
+    for r in sorted(views):
+        arrs = views[r][0]
+        for i in range(n):
+            out[i].append(None if arrs is None else np.array(arrs[i], copy=True))
+    return out

@@ -1,0 +1,241 @@
+"""Control plane: typed commands from the master to the workers.
+
+A small shared-memory control block carries the command and its pickled
+payload (size first, then bytes); POSIX semaphores wake the workers and
+collect their completion. Every wait is sliced with a liveness check, so a
+dead process is noticed within a fraction of a second and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pickle
+import time
+from typing import Callable
+
+import numpy as np
+import posix_ipc
+
+from .errors import WorkerDiedError
+from .shmem import Segment, create_semaphore
+
+__all__ = []
+
+#: How long one slice of a blocking wait lasts before liveness is checked.
+WAIT_SLICE = 0.05
+#: How long a waiter polls without sleeping before it blocks (seconds).
+SPIN_SECONDS = 50e-6
+
+_HEADER_WORDS = 16
+_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT = range(5)
+_PAYLOAD_OFFSET = 4096
+_PAYLOAD_CAP = 1 << 20
+_STATUS_OK, _STATUS_ERROR = 0, 1
+
+
+class Command(enum.IntEnum):
+    """What the master asks every worker to do next."""
+
+    DISTRIBUTE = 1
+    CALL = 2
+    COLLECTIVE = 3
+    RESET = 4
+    CLOSE = 5
+
+
+class Aborted(Exception):
+    """Raised in a process waiting on others once the master gave up."""
+
+
+class MasterGone(BaseException):
+    """Raised in a worker whose master has died; ends the worker."""
+
+
+#: Worker-side handlers, filled in by the feature modules:
+#: ``handlers[Command.X](ctx, payload)``.
+handlers: dict[Command, Callable] = {}
+
+
+def handler(cmd: Command):
+    """Register the worker-side half of a feature for ``cmd``."""
+
+    def deco(fn):
+        handlers[cmd] = fn
+        return fn
+
+    return deco
+
+
+def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
+    """Take ``sem``, polling briefly, then sleeping in slices; ``check()`` between slices."""
+    try:
+        sem.acquire(0)
+        return
+    except posix_ipc.BusyError:
+        pass
+    if spin > 0:
+        end = time.perf_counter() + spin
+        while time.perf_counter() < end:
+            try:
+                sem.acquire(0)
+                return
+            except posix_ipc.BusyError:
+                pass
+    while True:
+        try:
+            sem.acquire(WAIT_SLICE)
+            return
+        except posix_ipc.BusyError:
+            check()
+
+
+def drain(sem: posix_ipc.Semaphore) -> None:
+    """Bring a semaphore back to zero."""
+    while True:
+        try:
+            sem.acquire(0)
+        except posix_ipc.BusyError:
+            return
+
+
+class ControlBlock:
+    """The command mailbox, seen from the master (``create=True``) or a worker."""
+
+    def __init__(self, prefix: str, size: int, master_rank: int, create: bool):
+        self.prefix = prefix
+        self.size = size
+        self.master_rank = master_rank
+        self.create = create
+        words = _HEADER_WORDS + 2 * size
+        assert words * 8 <= _PAYLOAD_OFFSET, "control header outgrew its page"
+        self._seg = Segment(prefix + "ctl", _PAYLOAD_OFFSET + _PAYLOAD_CAP, create=create)
+        self._words = self._seg.array(np.int64, (words,))
+        self._status = self._words[_HEADER_WORDS:_HEADER_WORDS + size]
+        self._err_gen = self._words[_HEADER_WORDS + size:_HEADER_WORDS + 2 * size]
+        self._payload = self._seg.buffer()[_PAYLOAD_OFFSET:]
+        self._overflow: Segment | None = None
+        self._overflow_gen = 0
+        self._err_seq = 0
+        open_sem = create_semaphore if create else (lambda name: posix_ipc.Semaphore("/" + name))
+        self.go = {r: open_sem(f"{prefix}go{r}") for r in range(size) if r != master_rank}
+        self.done = open_sem(prefix + "done")
+        self._closed = False
+
+    # -- master side -------------------------------------------------------
+
+    def post(self, cmd: Command, payload) -> None:
+        """Write a command and its payload, then wake every worker."""
+        body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        n = len(body)
+        if n <= _PAYLOAD_CAP:
+            self._payload[:n] = body
+            self._words[_W_GEN] = 0
+        else:
+            self._overflow_gen += 1
+            old, self._overflow = self._overflow, Segment(
+                f"{self.prefix}pay{self._overflow_gen}", n, create=True)
+            self._overflow.buffer()[:n] = body
+            if old is not None:
+                old.close()
+            self._words[_W_GEN] = self._overflow_gen
+        self._status[:] = _STATUS_OK
+        self._words[_W_LEN] = n
+        self._words[_W_CMD] = int(cmd)
+        self._words[_W_SEQ] += 1
+        for sem in self.go.values():
+            sem.release()
+
+    def collect(self, check: Callable[[], None]) -> dict[int, bytes]:
+        """Wait until every worker finished the command; return their errors by rank."""
+        for _ in self.go:
+            acquire(self.done, check)
+        errors = {}
+        for rank in self.go:
+            if self._status[rank] == _STATUS_ERROR:
+                name = f"{self.prefix}err{rank}.{self._err_gen[rank]}"
+                try:
+                    seg = Segment(name)
+                    n = int(seg.array(np.int64, (1,))[0])
+                    errors[rank] = bytes(seg.buffer()[8:8 + n])
+                    seg.close()
+                finally:
+                    from .shmem import unlink_segment
+                    unlink_segment(name)
+        return errors
+
+    def set_abort(self, value: bool) -> None:
+        self._words[_W_ABORT] = int(value)
+
+    # -- worker side -------------------------------------------------------
+
+    def aborted(self) -> bool:
+        return bool(self._words[_W_ABORT])
+
+    def receive(self, rank: int, check: Callable[[], None]):
+        """Block until the next command for this worker; return ``(cmd, payload)``."""
+        acquire(self.go[rank], check, spin=0.0)
+        n = int(self._words[_W_LEN])
+        gen = int(self._words[_W_GEN])
+        if gen == 0:
+            body = self._payload[:n]
+        else:
+            seg = Segment(f"{self.prefix}pay{gen}")
+            body = bytes(seg.buffer()[:n])
+            seg.close()
+        return Command(int(self._words[_W_CMD])), pickle.loads(body)
+
+    def reply(self, rank: int, error: bytes | None) -> None:
+        """Report this worker's completion, with a packed exception if it failed."""
+        if error is not None:
+            self._err_seq += 1
+            seg = Segment(f"{self.prefix}err{rank}.{self._err_seq}", 8 + len(error), create=True)
+            seg.array(np.int64, (1,))[0] = len(error)
+            seg.buffer()[8:8 + len(error)] = error
+            seg.owner = False  # the master reads and unlinks it
+            seg.close()
+            self._err_gen[rank] = self._err_seq
+            self._status[rank] = _STATUS_ERROR
+        self.done.release()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._payload.release()
+        self._words = self._status = self._err_gen = None
+        for sem in list(self.go.values()) + [self.done]:
+            try:
+                sem.close()
+            except posix_ipc.Error:
+                pass
+            if self.create:
+                try:
+                    sem.unlink()
+                except posix_ipc.ExistentialError:
+                    pass
+        if self._overflow is not None:
+            self._overflow.close()
+        self._seg.close()
+
+
+class ChildWatch:
+    """The master's view of its worker processes: reap, and raise on death."""
+
+    def __init__(self, pids: dict[int, int]):
+        self.pids = dict(pids)  # rank -> pid
+        self.exited: dict[int, int] = {}
+
+    def poll(self) -> None:
+        for rank, pid in self.pids.items():
+            if rank in self.exited:
+                continue
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                self.exited[rank] = os.waitstatus_to_exitcode(status) if status else 0
+        if self.exited:
+            rank = min(self.exited)
+            raise WorkerDiedError(rank, self.exited[rank])

@@ -1,0 +1,283 @@
+"""synk.data: arrays in POSIX shared memory that every worker reads in place."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from . import runtime
+from .shmem import Segment
+
+__all__ = ["Data", "data"]
+
+_uids = itertools.count(1)
+
+
+class Data:
+    """An array in named shared memory, readable by every process of the fork.
+
+    Use it as a function input to avoid copying: a call then sends only index
+    ranges. Create it with :func:`synkhronos.data`.
+
+    Attributes:
+        name: optional user label.
+        minibatch: True if the array holds exactly the rows of one batch, so a
+            call's ``batch`` selects positions in it rather than indices.
+    """
+
+    def __init__(self, dtype, ndim: int, minibatch: bool = False, name=None, oversize: float = 1.0):
+        self._proc = runtime.session().proc
+        self._uid = next(_uids)
+        self._gen = 0
+        self._dtype = np.dtype(dtype)
+        self._ndim = int(ndim)
+        self._shape = (0,) * self._ndim
+        self._seg: Segment | None = None
+        self._alloc = 0
+        self._oversize = _check_oversize(oversize)
+        self.minibatch = bool(minibatch)
+        self.name = name
+
+    # -- properties --------------------------------------------------------
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return self._ndim
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def alloc_size(self) -> int:
+        """Elements the shared memory can hold before it must be reallocated."""
+        return self._alloc
+
+    @property
+    def data(self) -> np.ndarray:
+        """The array itself: a view into shared memory (writes are seen by all)."""
+        self._check_alive()
+        if self._seg is None:
+            return np.empty(self._shape, dtype=self._dtype)
+        return self._seg.array(self._dtype, self._shape)
+
+    # -- array protocol ----------------------------------------------------
+
+    def __len__(self) -> int:
+        if self._ndim == 0:
+            raise TypeError(f"len() of a 0-d synk.data {self._label()}")
+        return self._shape[0]
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def __setitem__(self, key, value):
+        self.data[key] = value
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.data
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        return np.array(arr, copy=True) if copy else arr
+
+    def __repr__(self) -> str:
+        return f"<synk.data {self._label()} dtype={self._dtype} shape={self._shape}>"
+
+    # -- values ------------------------------------------------------------
+
+    def condition_data(self, value, force_cast: bool = False) -> np.ndarray:
+        """``value`` as an array of this dtype and ndim, or a clear error.
+
+        Safe casts (no loss) happen silently, as do casts of Python lists and
+        scalars within the same kind; anything else needs ``force_cast``.
+
+        Raises:
+            TypeError: the dtype cannot be cast without ``force_cast``.
+            ValueError: the number of dimensions differs.
+        """
+        is_array = isinstance(value, (np.ndarray, Data))
+        arr = np.asarray(value)
+        if arr.ndim != self._ndim:
+            raise ValueError(f"synk.data {self._label()} has ndim={self._ndim}, but the value has "
+                             f"ndim={arr.ndim} (shape {arr.shape})")
+        if arr.dtype != self._dtype:
+            ok = np.can_cast(arr.dtype, self._dtype, "safe") or (
+                not is_array and np.can_cast(arr.dtype, self._dtype, "same_kind"))
+            if not (ok or force_cast):
+                raise TypeError(f"synk.data {self._label()} has dtype {self._dtype}; a value of dtype "
+                                f"{arr.dtype} would lose information: cast it first or pass "
+                                "force_cast=True")
+            arr = arr.astype(self._dtype)
+        return arr
+
+    def set_value(self, value, force_cast: bool = False, oversize: float | None = None) -> None:
+        """Replace the contents (and shape) with ``value``, reallocating if it does not fit."""
+        arr = self.condition_data(value, force_cast)
+        self._reshape(arr.shape, oversize, keep=False)
+        if arr.size:
+            np.copyto(self.data, arr)
+
+    def set_length(self, length: int, oversize: float | None = None) -> None:
+        """Change the length along axis 0, keeping the rows that remain."""
+        if self._ndim == 0:
+            raise TypeError(f"set_length() on a 0-d synk.data {self._label()}")
+        length = _check_index_int(length, "length")
+        if length < 0:
+            raise ValueError(f"length must be non-negative, got {length}")
+        self._reshape((length,) + self._shape[1:], oversize, keep=True)
+
+    def set_shape(self, shape, oversize: float | None = None) -> None:
+        """Change the shape; the flat contents that fit are kept."""
+        shape = tuple(_check_index_int(s, "shape entry") for s in np.atleast_1d(shape)) \
+            if self._ndim else ()
+        if len(shape) != self._ndim:
+            raise ValueError(f"synk.data {self._label()} has ndim={self._ndim}, got shape {shape}")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape entries must be non-negative, got {shape}")
+        self._reshape(shape, oversize, keep=True)
+
+    def free_memory(self) -> None:
+        """Release the shared memory; the data becomes empty."""
+        self._drop_segment()
+        self._alloc = 0
+        self._shape = (0,) * self._ndim
+
+    # -- internals ---------------------------------------------------------
+
+    def _label(self) -> str:
+        return repr(self.name) if self.name is not None else f"#{self._uid}"
+
+    def _check_alive(self) -> None:
+        s = runtime._session
+        if s is None or s.proc is not self._proc:
+            raise RuntimeError(f"synk.data {self._label()} belongs to a fork that was closed")
+
+    def _reshape(self, shape, oversize, keep: bool) -> None:
+        self._check_alive()
+        need = int(np.prod(shape, dtype=np.int64))
+        if need > self._alloc:
+            factor = self._oversize if oversize is None else _check_oversize(oversize)
+            alloc = max(int(need * factor), need)
+            self._gen += 1
+            seg = Segment(f"{self._proc.prefix}d{self._uid}.{self._gen}",
+                          alloc * self._dtype.itemsize, create=True)
+            if keep and self._seg is not None:
+                old = self._seg.array(self._dtype, (self._alloc,))
+                n = min(self.size, need)
+                seg.array(self._dtype, (alloc,))[:n] = old[:n]
+            self._drop_segment()
+            self._seg, self._alloc = seg, alloc
+        self._shape = tuple(int(s) for s in shape)
+
+    def _drop_segment(self) -> None:
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
+            s = runtime._session
+            if s is not None and s.proc is self._proc:
+                s.dropped.append(self._uid)
+
+    def _ref(self):
+        """What a worker needs to map this array: (uid, segment name, dtype, shape)."""
+        self._check_alive()
+        return (self._uid, None if self._seg is None else self._seg.name, self._dtype.str, self._shape)
+
+    def _release(self) -> None:
+        self._drop_segment()
+
+
+def attach(proc, ref) -> np.ndarray:
+    """In any process: the array a Data ref points to (cached mapping, no copy)."""
+    uid, segname, dtype, shape = ref
+    if segname is None:
+        return np.empty(shape, dtype=dtype)
+    seg = proc.data_cache.get(uid)
+    if seg is None or seg.name != segname:
+        if seg is not None:
+            seg.close()
+        seg = Segment(segname)
+        proc.data_cache[uid] = seg
+    return seg.array(dtype, shape)
+
+
+def forget(proc, uids) -> None:
+    """Close the mappings of Data objects the master reallocated or freed."""
+    for uid in uids:
+        seg = proc.data_cache.pop(uid, None)
+        if seg is not None:
+            seg.close()
+
+
+def _check_oversize(oversize) -> float:
+    if isinstance(oversize, bool) or not isinstance(oversize, (int, float)):
+        raise TypeError(f"oversize must be a number >= 1, got {oversize!r}")
+    if not 1.0 <= oversize:
+        raise ValueError(f"oversize must be >= 1, got {oversize}")
+    return float(oversize)
+
+
+def _check_index_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    return int(value)
+
+
+def data(value=None, var=None, dtype=None, ndim=None, minibatch=False, force_cast=False,
+         oversize=1.0, name=None) -> Data:
+    """Make a :class:`Data`: an array in shared memory for function inputs.
+
+    Args:
+        value: initial contents (array-like), optional.
+        var: a PyTensor variable whose dtype and ndim the data must match.
+        dtype, ndim: given explicitly instead of (or checked against) ``var``.
+        minibatch: the array holds one batch exactly (see :class:`Data`).
+        force_cast: cast ``value`` to the dtype even if that loses information.
+        oversize: allocate this factor more than needed, so growth is cheap.
+        name: a label used in messages.
+
+    Returns:
+        A new Data object.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError, ValueError: conflicting or missing dtype/ndim, bad value.
+    """
+    runtime.session()
+    if var is not None:
+        vtype = getattr(var, "type", None)
+        if vtype is None or not hasattr(vtype, "dtype") or not hasattr(vtype, "ndim"):
+            raise TypeError(f"var must be a PyTensor tensor variable, got {var!r}")
+        if dtype is not None and np.dtype(dtype) != np.dtype(vtype.dtype):
+            raise TypeError(f"dtype={dtype!r} conflicts with var {var} of dtype {vtype.dtype}")
+        if ndim is not None and ndim != vtype.ndim:
+            raise ValueError(f"ndim={ndim!r} conflicts with var {var} of ndim {vtype.ndim}")
+        dtype, ndim = vtype.dtype, vtype.ndim
+    if value is not None:
+        arr = np.asarray(value)
+        if dtype is None:
+            dtype = arr.dtype
+        if ndim is None:
+            ndim = arr.ndim
+    if dtype is None or ndim is None:
+        raise ValueError("synk.data needs a value, a var, or both dtype and ndim")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype {dtype!r} is not a numpy dtype") from None
+    if dtype.hasobject:
+        raise TypeError(f"synk.data cannot hold dtype {dtype} (object arrays do not live in shared memory)")
+    if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or ndim < 0:
+        raise ValueError(f"ndim must be a non-negative int, got {ndim!r}")
+    d = Data(dtype, ndim, minibatch=minibatch, name=name, oversize=oversize)
+    if value is not None:
+        d.set_value(value, force_cast=force_cast)
+    return d

@@ -1,0 +1,103 @@
+"""distribute(): ship the master's functions and shared variables to the workers."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import cloudpickle
+from pytensor.compile.sharedvalue import SharedVariable
+
+from . import runtime
+from .control import Command, handler
+
+__all__ = ["distribute"]
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles by value, except shared variables the workers already hold."""
+
+    def __init__(self, file, known: dict):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._known = known  # id(var) -> sid
+
+    def persistent_id(self, obj):
+        if isinstance(obj, SharedVariable):
+            sid = self._known.get(id(obj))
+            if sid is not None:
+                return ("shared", sid)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, shareds: dict):
+        super().__init__(file)
+        self._shareds = shareds
+
+    def persistent_load(self, pid):
+        kind, sid = pid
+        if kind != "shared" or sid not in self._shareds:
+            raise pickle.UnpicklingError(f"unknown shared variable reference {pid!r}")
+        return self._shareds[sid]
+
+
+def shared_variables(fn) -> list:
+    """The shared variables a compiled function reads or updates, in a stable order."""
+    compiled = fn._local.compiled()
+    out = [inp.variable for inp in compiled.maker.inputs if inp.shared]
+    for var in fn._spec.sliceable:
+        if all(v is not var for v in out):
+            out.append(var)
+    return out
+
+
+def distribute() -> None:
+    """Send every function built since the last distribute() to the workers.
+
+    Functions are pickled together, with their shared variables (values as
+    they are now), so variables shared between functions stay one variable in
+    every worker; variables the workers already hold are sent by reference.
+    Workers compile the functions at once, in parallel. Calling a function
+    that was never distributed distributes it first.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: a function cannot be pickled (the message says which).
+        Any exception a worker raised while unpickling or compiling.
+    """
+    s = runtime.session()
+    s.usable()
+    new = [f for f in s.functions if f._spec.fid not in s.distributed]
+    if not new:
+        return
+    known = dict(s.shared_ids)
+    fresh = []
+    for fn in new:
+        for var in shared_variables(fn):
+            if id(var) not in known and all(v is not var for _, v in fresh):
+                fresh.append((len(s.shared_vars) + len(fresh) + 1, var))
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, known).dump(([f._spec for f in new], fresh))
+    except Exception as err:
+        names = ", ".join(repr(f.name) for f in new)
+        raise TypeError(f"could not pickle functions {names} for the workers: {err}") from err
+    s.run(Command.DISTRIBUTE, buf.getvalue())
+    for sid, var in fresh:
+        s.shared_ids[id(var)] = sid
+        s.shared_vars[sid] = var
+        s.proc.shareds[sid] = var
+    s.distributed.update(f._spec.fid for f in new)
+
+
+@handler(Command.DISTRIBUTE)
+def _receive(proc, blob: bytes) -> None:
+    from .function import LocalFunction
+
+    specs, fresh = _Unpickler(io.BytesIO(blob), proc.shareds).load()
+    for sid, var in fresh:
+        proc.shareds[sid] = var
+    for spec in specs:
+        local = LocalFunction(spec)
+        local.compiled()
+        proc.functions[spec.fid] = local

@@ -1,0 +1,116 @@
+"""Exceptions that carry a worker's failure home to the master."""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import traceback
+
+__all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError"]
+
+
+class SynkError(RuntimeError):
+    """Base of the errors synkhronos raises itself."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in another process.
+
+    Chained as the ``__cause__`` of the re-raised exception, so Python prints
+    it above the master's own traceback.
+    """
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class WorkerError(SynkError):
+    """A worker raised an exception whose type could not be kept.
+
+    Attributes:
+        rank: the rank of the process that raised.
+        remote_traceback: the worker's traceback, as text.
+    """
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = ""):
+        super().__init__(f"worker rank {rank} raised: {message}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        return (_rebuild_worker_error, (self.rank, self.args[0], self.remote_traceback))
+
+
+def _rebuild_worker_error(rank, text, tb):
+    err = WorkerError.__new__(WorkerError)
+    SynkError.__init__(err, text)
+    err.rank, err.remote_traceback = rank, tb
+    return err
+
+
+class WorkerDiedError(SynkError):
+    """A worker process ended while the master needed it.
+
+    Attributes:
+        rank: the rank of the dead process.
+        exitcode: its exit status, or ``-signal`` when a signal ended it.
+    """
+
+    def __init__(self, rank: int, exitcode: int | None):
+        self.rank = rank
+        self.exitcode = exitcode
+        super().__init__(f"worker rank {rank} died ({describe_exit(exitcode)}); "
+                         "call synk.close() and then synk.fork() to start again")
+
+    def __reduce__(self):
+        return (WorkerDiedError, (self.rank, self.exitcode))
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def pack_exception(exc: BaseException, rank: int) -> bytes:
+    """Pickle an exception raised in process ``rank``, with its traceback text.
+
+    The original exception is kept when it pickles and unpickles; otherwise a
+    :class:`WorkerError` with its type and message stands in.
+    """
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = f'\n"""\nTraceback from worker rank {rank}:\n{tb}"""'
+    try:
+        body = pickle.dumps(exc)
+        pickle.loads(body)
+    except Exception:
+        body = None
+    if body is None:
+        body = pickle.dumps(WorkerError(rank, f"{type(exc).__name__}: {exc}", tb))
+    return pickle.dumps((rank, body, tb))
+
+
+def unpack_exception(blob: bytes) -> BaseException:
+    """Rebuild the exception made by :func:`pack_exception`, ready to raise."""
+    rank, body, tb = pickle.loads(blob)
+    exc = pickle.loads(body)
+    try:
+        exc.synk_rank = rank
+    except Exception:
+        pass
+    if not isinstance(exc, WorkerError):
+        try:
+            exc.add_note(f"(raised in synkhronos worker rank {rank})")
+        except Exception:
+            pass
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc

@@ -1,0 +1,578 @@
+"""synk.function: data-parallel PyTensor functions, master and worker halves."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import numpy as np
+import pytensor
+from pytensor.graph.basic import Variable
+
+from . import runtime
+from .batching import batch_length, check_batch, split, sub_batch
+from .collectives import PeerFailed, check_op
+from .collectives.ops import combine
+from .control import Command, handler
+from .data import Data, attach
+
+__all__ = ["Function", "function"]
+
+OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
+UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
+_fids = itertools.count(1)
+
+
+@dataclasses.dataclass
+class FunctionSpec:
+    """Everything a process needs to build its copy of a function (pickled to workers)."""
+
+    fid: int
+    name: str
+    inputs: list
+    outputs: list
+    output_ops: list          # op name or None, per output
+    updates: list             # [(shared variable, expression)]
+    update_ops: list          # op name per update, used across num_slices
+    givens: Any
+    kwargs: dict
+    bcast: tuple              # per input: broadcast (True) or scattered (False)
+    sliceable: list           # shared variables sliced by batch_s
+    returns_list: bool
+
+
+@dataclasses.dataclass
+class CallSpec:
+    """One call, as sent to the workers: references only, never the data itself."""
+
+    fid: int
+    inputs: list              # per input: (kind, Data ref); kind "b", "s" (batch) or "m" (positions)
+    batch: Any                # None, a slice, or a Data ref of int64 indices
+    n_rows: int | None        # rows to split, None when no input is scattered
+    num_slices: int
+    subset: tuple | None
+
+
+class LocalFunction:
+    """One process's compiled copies of a function, and how it runs its share."""
+
+    def __init__(self, spec: FunctionSpec):
+        self.spec = spec
+        self._compiled = {}
+
+    def compiled(self, subset=None, values=False):
+        """The PyTensor function for an output subset; ``values`` returns update values instead of applying them."""
+        key = (subset, values)
+        fn = self._compiled.get(key)
+        if fn is None:
+            spec = self.spec
+            outs = spec.outputs if subset is None else [spec.outputs[i] for i in subset]
+            if values:
+                fn = pytensor.function(spec.inputs, list(outs) + [u for _, u in spec.updates],
+                                       givens=spec.givens, **spec.kwargs)
+            else:
+                fn = pytensor.function(spec.inputs, list(outs), updates=spec.updates,
+                                       givens=spec.givens, **spec.kwargs)
+            self._compiled[key] = fn
+        return fn
+
+    def run(self, args, subset, num_slices: int, n_rows: int | None, ops):
+        """Run on this process's inputs; with ``num_slices`` > 1 accumulate over slices."""
+        if num_slices == 1 or n_rows is None or n_rows <= 1:
+            return self.compiled(subset)(*args)
+        spec = self.spec
+        fn = self.compiled(subset, values=True)
+        n_out = len(ops)
+        outs_parts, upd_parts, weights = [[] for _ in range(n_out)], [[] for _ in spec.updates], []
+        for k in range(num_slices):
+            lo, hi = split(n_rows, num_slices, k)
+            if hi == lo:
+                continue
+            sliced = [a if b else a[lo:hi] for a, b in zip(args, spec.bcast)]
+            res = fn(*sliced)
+            for i in range(n_out):
+                outs_parts[i].append(res[i])
+            for j in range(len(spec.updates)):
+                upd_parts[j].append(res[n_out + j])
+            weights.append(hi - lo)
+        outs = [_accumulate(parts, op, weights) for parts, op in zip(outs_parts, ops)]
+        for (var, _), op, parts in zip(spec.updates, spec.update_ops, upd_parts):
+            value = _accumulate(parts, op, weights)
+            var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
+        return outs
+
+
+def _accumulate(parts, op, weights):
+    if op is None:
+        return parts[-1]
+    if op == "gather":
+        return _concat(parts)
+    return combine(parts, op, weights)
+
+
+def _concat(parts):
+    parts = [np.asarray(p) for p in parts if p is not None]
+    if not parts:
+        return None
+    if parts[0].ndim == 0:
+        return np.stack(parts)
+    return np.concatenate(parts, axis=0)
+
+
+# ---------------------------------------------------------------------------
+# Executed by every process, master included.
+
+
+def execute_call(proc, call: CallSpec, own=None):
+    """Compute this process's share of a call and take part in the output reductions.
+
+    ``own`` maps input positions to arrays the master passes directly.
+    Returns the reduced outputs in the master, None in workers.
+    """
+    lf = proc.functions[call.fid]
+    spec = lf.spec
+    subset = call.subset if call.subset is not None else tuple(range(len(spec.outputs)))
+    ops = [spec.output_ops[i] for i in subset]
+    if call.n_rows is None:
+        lo, hi, weight = 0, 0, 1.0
+        active = True
+    else:
+        lo, hi = split(call.n_rows, proc.size, proc.rank)
+        weight = float(hi - lo)
+        active = hi > lo
+    outs, error = None, None
+    if active:
+        try:
+            args = _local_inputs(proc, call, lo, hi, own)
+            outs = lf.run(args, call.subset, call.num_slices,
+                          None if call.n_rows is None else hi - lo, ops)
+        except Exception as exc:
+            error = exc
+    results = _reduce_outputs(proc, outs, ops, weight, error is not None)
+    if error is not None:
+        raise error
+    return results
+
+
+def _local_inputs(proc, call, lo, hi, own):
+    batch = call.batch
+    if batch is not None and not isinstance(batch, slice):
+        batch = attach(proc, batch)
+    args = []
+    for i, (kind, ref) in enumerate(call.inputs):
+        if own is not None and i in own:
+            args.append(own[i])
+            continue
+        arr = attach(proc, ref)
+        if kind == "b":
+            args.append(arr)
+        elif kind == "m":
+            args.append(arr[lo:hi])
+        else:
+            args.append(arr[sub_batch(batch, lo, hi)])
+    return args
+
+
+def _reduce_outputs(proc, outs, ops, weight, failed):
+    """Combine outputs across processes, one collective per distinct op."""
+    comm, root = proc.comm, proc.master_rank
+    results = [None] * len(ops)
+    groups: dict = {}
+    for i, op in enumerate(ops):
+        groups.setdefault(op, []).append(i)
+    for op, idx in groups.items():
+        if op is None:
+            if proc.is_master and outs is not None:
+                for i in idx:
+                    results[i] = outs[i]
+            continue
+        mine = None if outs is None else [np.asarray(outs[i]) for i in idx]
+        if op == "gather":
+            got = comm.gather(mine, root=root, failed=failed)
+            if got is not None:
+                for i, parts in zip(idx, got):
+                    results[i] = _concat(parts)
+        else:
+            got = comm.reduce(mine, op, root=root, weight=weight, failed=failed)
+            if got is not None:
+                for i, r in zip(idx, got):
+                    results[i] = r
+    return results if proc.is_master else None
+
+
+@handler(Command.CALL)
+def _worker_call(proc, call: CallSpec) -> None:
+    execute_call(proc, call)
+
+
+# ---------------------------------------------------------------------------
+# Master side.
+
+
+class Function:
+    """A PyTensor function run data-parallel by every process of the fork.
+
+    Build it with :func:`synkhronos.function`.
+
+    Attributes:
+        name: the function's name (for messages).
+        output_modes: the reduce op of each output.
+        update_modes: the op accumulating each update over ``num_slices``.
+    """
+
+    def __init__(self, spec: FunctionSpec, local: LocalFunction):
+        self._spec = spec
+        self._local = local
+        self._scratch: dict = {}
+        self._input_names = [getattr(v, "name", None) for v in spec.inputs]
+
+    @property
+    def name(self) -> str:
+        return self._spec.name
+
+    @property
+    def output_modes(self) -> list:
+        return list(self._spec.output_ops)
+
+    @property
+    def update_modes(self) -> list:
+        return list(self._spec.update_ops)
+
+    @property
+    def inputs(self) -> list:
+        return list(self._spec.inputs)
+
+    def __repr__(self) -> str:
+        return f"<synk.Function {self.name!r}: {len(self._spec.inputs)} inputs, {len(self._spec.outputs)} outputs>"
+
+    # -- plain PyTensor ----------------------------------------------------
+
+    def as_pytensor(self, *args, **kwargs):
+        """Run the plain PyTensor function in the master only, on all of the inputs.
+
+        Updates apply to the master's shared variables. Returns what
+        PyTensor returns for the function's outputs.
+        """
+        values = self._bind(args, kwargs)
+        values = [v.data if isinstance(v, Data) else v for v in values]
+        out = self._local.compiled()(*values)
+        return self._shape_result(out)
+
+    as_theano = as_pytensor
+
+    # -- inputs ------------------------------------------------------------
+
+    def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False):
+        """Copy input values into new :class:`synkhronos.Data` objects, one per input.
+
+        Passing these to the function later sends no input data at call time.
+
+        Returns:
+            A list of Data (a single Data for a one-input function).
+        """
+        if len(args) != len(self._spec.inputs):
+            raise TypeError(f"function {self.name!r} takes {len(self._spec.inputs)} inputs, "
+                            f"build_inputs got {len(args)}")
+        from .data import data as make_data
+
+        out = []
+        for var, value in zip(self._spec.inputs, args):
+            out.append(make_data(value, var=var, force_cast=force_cast, oversize=oversize,
+                                 minibatch=minibatch, name=var.name))
+        return out[0] if len(out) == 1 else out
+
+    def _bind(self, args, kwargs):
+        inputs = self._spec.inputs
+        if len(args) > len(inputs):
+            raise TypeError(f"function {self.name!r} takes {len(inputs)} inputs, got {len(args)} "
+                            "positional arguments")
+        values = list(args) + [_MISSING] * (len(inputs) - len(args))
+        for key, value in kwargs.items():
+            try:
+                i = self._input_names.index(key)
+            except ValueError:
+                raise TypeError(f"function {self.name!r} has no input named {key!r}; its inputs are "
+                                f"{self._input_names}") from None
+            if values[i] is not _MISSING:
+                raise TypeError(f"input {key!r} of function {self.name!r} given twice")
+            values[i] = value
+        missing = [self._input_names[i] or f"#{i}" for i, v in enumerate(values) if v is _MISSING]
+        if missing:
+            raise TypeError(f"function {self.name!r} is missing inputs {missing}")
+        return values
+
+    def _check_value(self, i, value):
+        var = self._spec.inputs[i]
+        label = f"input {var.name or i!r} of function {self.name!r}"
+        if isinstance(value, Data):
+            if value.ndim != var.type.ndim:
+                raise ValueError(f"{label} expects ndim={var.type.ndim}, got synk.data with ndim={value.ndim}")
+            if value.dtype != np.dtype(var.type.dtype):
+                raise TypeError(f"{label} expects dtype {var.type.dtype}, got synk.data of dtype {value.dtype}")
+            value._check_alive()
+            return value
+        arr = np.asarray(value) if not isinstance(value, np.ndarray) else value
+        if arr.ndim != var.type.ndim:
+            raise ValueError(f"{label} expects ndim={var.type.ndim}, got ndim={arr.ndim} (shape {arr.shape})")
+        try:
+            return var.type.filter(value, strict=False,
+                                   allow_downcast=self._spec.kwargs.get("allow_input_downcast"))
+        except TypeError as err:
+            raise TypeError(f"{label}: {err}") from None
+
+    def _scratch_data(self, key, dtype, shape):
+        d = self._scratch.get(key)
+        if d is None:
+            d = Data(dtype, len(shape), name=f"{self.name}:{key}", oversize=1.25)
+            self._scratch[key] = d
+        d._reshape(shape, None, keep=False)
+        return d
+
+    # -- the call ----------------------------------------------------------
+
+    def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1, **kwargs):
+        """Run data-parallel: scatter inputs, compute everywhere, reduce outputs.
+
+        Args:
+            *args, **kwargs: one value per input (numpy arrays, array-likes or
+                synk.data), positionally or by input name.
+            output_subset: indices of the outputs to compute and return.
+            batch: rows of the scattered inputs to use: an int (the first
+                rows), a slice, or a list/array of indices.
+            batch_s: not supported yet (sliceable shared variables).
+            num_slices: each process accumulates over this many slices of its
+                rows (saves memory); updates accumulate with their op.
+
+        Returns:
+            The reduced outputs: a list for a list of outputs (or with
+            ``output_subset``), one array for a single output.
+
+        Raises:
+            TypeError, ValueError, IndexError: bad inputs, named in the message.
+            WorkerError or the worker's own exception type: a process failed.
+        """
+        s = runtime.session()
+        s.usable()
+        spec = self._spec
+        if batch_s is not None:
+            raise TypeError(f"function {self.name!r} has no sliceable shared variables; batch_s must be None")
+        if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
+            raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+        subset = self._check_subset(output_subset)
+        values = [self._check_value(i, v) for i, v in enumerate(self._bind(args, kwargs))]
+        scattered = [i for i, b in enumerate(spec.bcast) if not b]
+        n_rows, norm_batch = None, None
+        if scattered:
+            full = [len(values[i]) if not _is_minibatch(values[i]) else None for i in scattered]
+            lengths = [n for n in full if n is not None]
+            if batch is None and len(set(lengths)) > 1:
+                names = [self._input_names[i] for i in scattered]
+                raise ValueError(f"scattered inputs of function {self.name!r} differ in length: "
+                                 f"{dict(zip(names, full))}")
+            ref_len = min(lengths) if lengths else min(len(values[i]) for i in scattered)
+            norm_batch = check_batch(batch, ref_len)
+            n_rows = batch_length(norm_batch, ref_len)
+            short = [self._input_names[i] for i in scattered
+                     if _is_minibatch(values[i]) and len(values[i]) < n_rows]
+            if short:
+                raise ValueError(f"minibatch inputs {short} hold fewer rows than the {n_rows} asked for")
+        elif batch is not None:
+            raise ValueError(f"batch={batch!r} given, but function {self.name!r} has no scattered inputs")
+        if self._spec.fid not in s.distributed:
+            from .distribute import distribute
+
+            distribute()
+        own: dict = {}
+        refs = []
+        me = s.proc.rank
+        for i, value in enumerate(values):
+            if spec.bcast[i]:
+                if isinstance(value, Data):
+                    refs.append(("b", value._ref()))
+                else:
+                    own[i] = value
+                    refs.append(("b", self._scratch_fill_whole(i, value)))
+            elif isinstance(value, Data):
+                refs.append(("m" if value.minibatch else "s", value._ref()))
+            else:
+                own[i], ref = self._scatter_numpy(i, value, norm_batch, n_rows, me, s.n_parallel)
+                refs.append(("m", ref))
+        batch_ref = norm_batch
+        if isinstance(norm_batch, np.ndarray):
+            d = self._scratch_data("batch", np.int64, norm_batch.shape)
+            d.data[...] = norm_batch
+            batch_ref = d._ref()
+        call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset)
+        results = s.run(Command.CALL, call, local=lambda proc, c: execute_call(proc, c, own))
+        if subset is not None:
+            return results
+        return self._shape_result(results)
+
+    def _scratch_fill_whole(self, i, value):
+        d = self._scratch_data(i, value.dtype, value.shape)
+        if value.size:
+            np.copyto(d.data, value)
+        return d._ref()
+
+    def _scatter_numpy(self, i, value, batch, n_rows, me, n):
+        """Copy the other processes' rows of a numpy input to shared memory; keep ours."""
+        d = self._scratch_data(i, value.dtype, (n_rows,) + value.shape[1:])
+        dst = d.data
+        my_lo, my_hi = split(n_rows, n, me)
+        for lo, hi in ((0, my_lo), (my_hi, n_rows)):
+            if hi > lo:
+                sel = sub_batch(batch, lo, hi)
+                if isinstance(sel, slice):
+                    dst[lo:hi] = value[sel]
+                else:
+                    np.take(value, sel, axis=0, out=dst[lo:hi])
+        return value[sub_batch(batch, my_lo, my_hi)], d._ref()
+
+    def _check_subset(self, output_subset):
+        if output_subset is None:
+            return None
+        n = len(self._spec.outputs)
+        try:
+            subset = tuple(int(k) for k in output_subset)
+        except TypeError:
+            raise TypeError(f"output_subset must be a list of output indices, got {output_subset!r}") from None
+        bad = [k for k in subset if not 0 <= k < n]
+        if bad:
+            raise IndexError(f"output_subset {list(output_subset)} names outputs {bad}; "
+                             f"function {self.name!r} has {n} outputs")
+        return subset
+
+    def _shape_result(self, results):
+        if self._spec.returns_list:
+            return list(results)
+        return results[0]
+
+    def _release(self) -> None:
+        for d in self._scratch.values():
+            d._release()
+        self._scratch.clear()
+
+
+_MISSING = object()
+
+
+def _is_minibatch(value) -> bool:
+    return isinstance(value, Data) and value.minibatch
+
+
+def _as_var_list(what, items, label):
+    out = []
+    for item in items:
+        if not isinstance(item, Variable):
+            raise TypeError(f"{label} must be PyTensor variables, got {item!r} in {what}")
+        out.append(item)
+    return out
+
+
+def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
+             sliceable_shareds=None, reduce_ops=None, **pytensor_kwargs) -> Function:
+    """Build a data-parallel function, compiled here and in every worker.
+
+    Args:
+        inputs: list of PyTensor variables.
+        outputs: a variable, a list of variables, or ``(variable, op)`` pairs;
+            op is one of ``avg`` (default), ``sum``, ``prod``, ``max``,
+            ``min``, ``gather``, ``None`` (master's own result), optionally
+            ``c_``-prefixed.
+        bcast_inputs: inputs (variables or positions) every worker gets whole;
+            the others are scattered along axis 0.
+        updates: ``(shared, expression)`` or ``(shared, expression, op)``
+            pairs, or a dict; applied locally in each process.
+        givens: as for ``pytensor.function``.
+        sliceable_shareds: not supported yet.
+        reduce_ops: one op for every output, or one per output (instead of pairs).
+        **pytensor_kwargs: passed to ``pytensor.function`` (``mode``, ...).
+
+    Returns:
+        A :class:`Function`.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError, ValueError: bad arguments, named in the message.
+    """
+    s = runtime.session()
+    s.usable()
+    if not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs must be a list of PyTensor variables, got {inputs!r}")
+    inputs = _as_var_list("inputs", inputs, "inputs")
+    for key in ("outputs_subset", "output_subset"):
+        if key in pytensor_kwargs:
+            raise TypeError(f"{key} is a call keyword, not a function keyword")
+    returns_list = isinstance(outputs, (list, tuple))
+    if outputs is None:
+        out_items = []
+        returns_list = True
+    elif returns_list:
+        out_items = list(outputs)
+        if len(out_items) == 2 and isinstance(out_items[0], Variable) and not isinstance(out_items[1], Variable) \
+                and isinstance(outputs, tuple):
+            out_items, returns_list = [tuple(outputs)], False
+    else:
+        out_items = [outputs]
+    outs, ops = [], []
+    for item in out_items:
+        if isinstance(item, tuple):
+            if len(item) != 2:
+                raise TypeError(f"an output pair must be (variable, op), got {item!r}")
+            var, op = item
+        else:
+            var, op = item, "avg"
+        if not isinstance(var, Variable):
+            raise TypeError(f"outputs must be PyTensor variables, got {var!r}")
+        outs.append(var)
+        ops.append(op)
+    if reduce_ops is not None:
+        if isinstance(reduce_ops, (list, tuple)):
+            if len(reduce_ops) != len(outs):
+                raise ValueError(f"reduce_ops has {len(reduce_ops)} entries for {len(outs)} outputs")
+            ops = list(reduce_ops)
+        else:
+            ops = [reduce_ops] * len(outs)
+    ops = [None if op is None else check_op(op, OUTPUT_OPS, "output op") for op in ops]
+
+    upd_pairs, upd_ops = [], []
+    if updates is not None:
+        items = list(updates.items()) if isinstance(updates, dict) else list(updates)
+        for item in items:
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise TypeError(f"an update must be (shared, expression) or (shared, expression, op), got {item!r}")
+            var, expr = item[0], item[1]
+            op = item[2] if len(item) == 3 else "avg"
+            if not hasattr(var, "get_value"):
+                raise TypeError(f"update target must be a shared variable, got {var!r}")
+            upd_pairs.append((var, expr))
+            upd_ops.append(check_op(op, UPDATE_OPS, "update op"))
+
+    bcast = [False] * len(inputs)
+    for b in bcast_inputs or ():
+        if isinstance(b, (int, np.integer)) and not isinstance(b, bool):
+            if not 0 <= b < len(inputs):
+                raise IndexError(f"bcast_inputs position {b} is out of range for {len(inputs)} inputs")
+            bcast[b] = True
+            continue
+        pos = [i for i, v in enumerate(inputs) if v is b]
+        if not pos:
+            raise ValueError(f"bcast_inputs entry {b!r} is not one of the function's inputs")
+        bcast[pos[0]] = True
+    for i, v in enumerate(inputs):
+        if not bcast[i] and v.type.ndim == 0:
+            raise ValueError(f"input {v.name or i!r} is 0-d and cannot be scattered; list it in bcast_inputs")
+    if sliceable_shareds:
+        raise NotImplementedError("sliceable_shareds is not supported yet")
+
+    fid = next(_fids)
+    name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
+    spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
+                        dict(pytensor_kwargs), tuple(bcast), [], returns_list)
+    local = LocalFunction(spec)
+    local.compiled()  # compile now, as pytensor.function does: errors show here
+    fn = Function(spec, local)
+    s.functions.append(fn)
+    s.proc.functions[fid] = local
+    return fn

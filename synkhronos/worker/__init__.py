@@ -1,0 +1,1 @@
+"""The worker side: the loop every forked process runs."""
