@@ -78,6 +78,7 @@ class Session:
         self.shared_ids = {}         # id(shared variable) -> sid
         self.shared_vars = {}        # sid -> shared variable (keeps them alive)
         self.dropped = []            # Data uids whose old mappings workers should close
+        self.collective_scratch = {}  # staging Data for values the master sends
 
     @property
     def n_parallel(self) -> int:
@@ -315,6 +316,8 @@ def close() -> None:
     _reap(s.watch)
     for fn in s.functions:
         fn._release()
+    for d in s.collective_scratch.values():
+        d._release()
     proc.close()
     unlink_prefix(proc.prefix)
     s.thread_limit.restore()

@@ -1,0 +1,323 @@
+"""Collectives on PyTensor shared variables: every process holds its own copy.
+
+Master and worker halves sit together here: the public functions validate
+their arguments in the master, then one COLLECTIVE command runs
+:func:`_run` in every process, which talks only to the Communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from pytensor.compile.sharedvalue import SharedVariable
+
+from . import runtime
+from .batching import batch_length, check_batch, split, sub_batch
+from .collectives import check_op
+from .control import Command, handler
+from .data import Data, attach
+
+__all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
+           "set_value", "get_value", "get_lengths", "get_shapes"]
+
+_OPS = ("avg", "sum", "prod", "max", "min")
+
+
+@dataclasses.dataclass
+class CollectiveSpec:
+    kind: str
+    sids: list
+    op: str | None = None
+    root: int = 0
+    rank: int | None = None
+    refs: Any = None          # Data refs of values, when the master sends values
+    batch: Any = None         # normalised batch per value (scatter, set_value)
+    in_place: bool = True
+
+
+# ---------------------------------------------------------------------------
+# Master side: validation, then one command.
+
+
+def _as_list(shared_vars):
+    single = not isinstance(shared_vars, (list, tuple))
+    items = [shared_vars] if single else list(shared_vars)
+    if not items:
+        raise ValueError("no shared variables given")
+    return items, single
+
+
+def _resolve(shared_vars):
+    """Shared variables -> (session, vars, sids, single); errors name the variable."""
+    s = runtime.session()
+    s.usable()
+    items, single = _as_list(shared_vars)
+    for v in items:
+        if not isinstance(v, SharedVariable):
+            raise TypeError(f"expected PyTensor shared variables, got {v!r}")
+    if any(f._spec.fid not in s.distributed for f in s.functions):
+        from .distribute import distribute
+
+        distribute()
+    sids = []
+    for v in items:
+        sid = s.shared_ids.get(id(v))
+        if sid is None:
+            raise ValueError(f"shared variable {v.name or v!r} is used by no distributed synkhronos "
+                             "function, so the workers do not hold it")
+        sids.append(sid)
+    return s, items, sids, single
+
+
+def _values_for(vars_, values, what: str):
+    if not isinstance(values, (list, tuple)) or (len(vars_) == 1 and not _is_value_list(values)):
+        values = [values]
+    if len(values) != len(vars_):
+        raise ValueError(f"{what}: {len(values)} values for {len(vars_)} shared variables")
+    out = []
+    for var, value in zip(vars_, values):
+        arr = value.data if isinstance(value, Data) else value
+        try:
+            out.append(var.type.filter(arr, strict=False, allow_downcast=True))
+        except TypeError as err:
+            raise TypeError(f"{what}: value for shared variable {var.name or var!r}: {err}") from None
+    return out
+
+
+def _is_value_list(values) -> bool:
+    return len(values) > 0 and all(isinstance(v, (np.ndarray, Data, list, tuple)) for v in values) \
+        and not isinstance(values, np.ndarray)
+
+
+def _stage(fn_key, arrays):
+    """Copy arrays into the session's collective scratch segments; return their refs."""
+    s = runtime.session()
+    refs = []
+    for i, arr in enumerate(arrays):
+        key = (fn_key, i)
+        d = s.collective_scratch.get(key)
+        if d is None or d.dtype != arr.dtype or d.ndim != arr.ndim:
+            if d is not None:
+                d._release()
+            d = Data(arr.dtype, arr.ndim, name=f"collective:{fn_key}:{i}", oversize=1.25)
+            s.collective_scratch[key] = d
+        d._reshape(arr.shape, None, keep=False)
+        if arr.size:
+            np.copyto(d.data, arr)
+        refs.append(d._ref())
+    return refs
+
+
+def _ret(results, single):
+    return results[0] if single else tuple(results)
+
+
+def broadcast(shared_vars, values=None):
+    """Give every process the master's value of each shared variable.
+
+    Args:
+        shared_vars: one shared variable or a list/tuple of them.
+        values: new values (set in the master too) instead of the master's own.
+
+    Raises:
+        ValueError: a variable no distributed function uses; value count mismatch.
+        TypeError: a value of the wrong dtype or ndim.
+    """
+    s, vars_, sids, _ = _resolve(shared_vars)
+    if values is not None:
+        for var, val in zip(vars_, _values_for(vars_, values, "broadcast")):
+            var.set_value(val)
+    s.run(Command.COLLECTIVE, CollectiveSpec("broadcast", sids), _run)
+
+
+def scatter(shared_vars, values, batch=None):
+    """Split each value along axis 0 and give each process its part.
+
+    Rows split as evenly as possible, in rank order; ``batch`` (int, slice
+    or index list) selects the rows of the values first.
+    """
+    s, vars_, sids, _ = _resolve(shared_vars)
+    arrays = _values_for(vars_, values, "scatter")
+    batches = []
+    for var, arr in zip(vars_, arrays):
+        if arr.ndim == 0:
+            raise ValueError(f"scatter: shared variable {var.name or var!r} is 0-d; nothing to split")
+        batches.append(check_batch(batch, len(arr)))
+    spec = CollectiveSpec("scatter", sids, refs=_stage("scatter", arrays), batch=batches)
+    s.run(Command.COLLECTIVE, spec, _run)
+
+
+def gather(shared_vars, nd_up=1):
+    """Collect every process's value in the master, in rank order.
+
+    Args:
+        nd_up: 1 stacks the values along a new first axis (equal shapes
+            needed); 0 concatenates them along axis 0 (lengths may differ).
+
+    Returns:
+        An array per variable (a tuple for a list of variables).
+    """
+    if nd_up not in (0, 1) or isinstance(nd_up, bool):
+        raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
+    s, vars_, sids, single = _resolve(shared_vars)
+    parts = s.run(Command.COLLECTIVE, CollectiveSpec("gather", sids), _run)
+    return _ret([_join(p, nd_up, v) for p, v in zip(parts, vars_)], single)
+
+
+def all_gather(shared_vars):
+    """Concatenate every process's value along axis 0 and store it in every process.
+
+    0-d variables are stacked instead. Returns the new value(s).
+    """
+    s, vars_, sids, single = _resolve(shared_vars)
+    return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("all_gather", sids), _run), single)
+
+
+def reduce(shared_vars, op="avg", in_place=True):
+    """Combine every process's value with ``op`` into the master.
+
+    Args:
+        op: ``avg``, ``sum``, ``prod``, ``max`` or ``min`` (``c_`` prefix allowed).
+        in_place: store the result in the master's variable; otherwise return
+            it and leave the master's variable as it is.
+
+    Returns:
+        The result(s) when ``in_place`` is False, else None.
+    """
+    op = check_op(op, _OPS)
+    s, vars_, sids, single = _resolve(shared_vars)
+    res = s.run(Command.COLLECTIVE, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place)), _run)
+    return None if in_place else _ret(res, single)
+
+
+def all_reduce(shared_vars, op="avg"):
+    """Combine every process's value with ``op`` and store the result everywhere."""
+    op = check_op(op, _OPS)
+    s, vars_, sids, _ = _resolve(shared_vars)
+    s.run(Command.COLLECTIVE, CollectiveSpec("all_reduce", sids, op=op), _run)
+
+
+def _check_rank(s, rank):
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an int, got {rank!r}")
+    if not 0 <= rank < s.n_parallel:
+        raise ValueError(f"rank {rank} is out of range: the fork has ranks 0..{s.n_parallel - 1}")
+    return int(rank)
+
+
+def set_value(rank, shared_vars, values, batch=None):
+    """Set the value of shared variables in one process only.
+
+    ``batch`` selects rows of the values first.
+    """
+    s, vars_, sids, _ = _resolve(shared_vars)
+    rank = _check_rank(s, rank)
+    arrays = _values_for(vars_, values, "set_value")
+    batches = [check_batch(batch, len(a)) if batch is not None else None for a in arrays]
+    if batch is not None and any(a.ndim == 0 for a in arrays):
+        raise ValueError("set_value: batch needs values with at least one dimension")
+    spec = CollectiveSpec("set_value", sids, rank=rank, refs=_stage("set_value", arrays), batch=batches)
+    s.run(Command.COLLECTIVE, spec, _run)
+
+
+def get_value(rank, shared_vars):
+    """The value(s) of shared variables in process ``rank`` (copies)."""
+    s, vars_, sids, single = _resolve(shared_vars)
+    rank = _check_rank(s, rank)
+    return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_value", sids, rank=rank), _run), single)
+
+
+def get_lengths(shared_vars):
+    """Length along axis 0 of each variable in every process: an int array per variable."""
+    s, vars_, sids, single = _resolve(shared_vars)
+    for v in vars_:
+        if v.type.ndim == 0:
+            raise ValueError(f"get_lengths: shared variable {v.name or v!r} is 0-d")
+    shapes = s.run(Command.COLLECTIVE, CollectiveSpec("get_shapes", sids), _run)
+    return _ret([np.array([sh[0] for sh in per]) for per in shapes], single)
+
+
+def get_shapes(shared_vars):
+    """Shape of each variable in every process: a list of tuples per variable."""
+    s, vars_, sids, single = _resolve(shared_vars)
+    return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_shapes", sids), _run), single)
+
+
+def _join(parts, nd_up, var):
+    if nd_up == 1:
+        shapes = {p.shape for p in parts}
+        if len(shapes) > 1:
+            raise ValueError(f"gather(nd_up=1) needs equal shapes, but shared variable "
+                             f"{var.name or var!r} has shapes {[p.shape for p in parts]}; use nd_up=0")
+        return np.stack(parts)
+    if parts[0].ndim == 0:
+        raise ValueError(f"gather(nd_up=0) cannot concatenate 0-d shared variable {var.name or var!r}")
+    return np.concatenate(parts, axis=0)
+
+
+# ---------------------------------------------------------------------------
+# Every process.
+
+
+def _store(var, value) -> None:
+    var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
+
+
+@handler(Command.COLLECTIVE)
+def _run(proc, spec: CollectiveSpec):
+    vars_ = [proc.shareds[sid] for sid in spec.sids]
+    comm, root = proc.comm, proc.master_rank
+    mine = lambda: [v.get_value(borrow=True) for v in vars_]  # noqa: E731
+    kind = spec.kind
+    if kind == "broadcast":
+        got = comm.broadcast(mine() if proc.is_master else None, root=root)
+        if not proc.is_master:
+            for v, a in zip(vars_, got):
+                _store(v, a)
+    elif kind in ("scatter", "set_value"):
+        if kind == "set_value" and proc.rank != spec.rank:
+            return None
+        for v, ref, batch in zip(vars_, spec.refs, spec.batch):
+            arr = attach(proc, ref)
+            if kind == "scatter":
+                lo, hi = split(batch_length(batch, len(arr)), proc.size, proc.rank)
+                arr = arr[sub_batch(batch, lo, hi)]
+            elif batch is not None:
+                arr = arr[batch]
+            _store(v, np.array(arr, copy=True))
+    elif kind == "gather":
+        return comm.gather(mine(), root=root)
+    elif kind == "all_gather":
+        got = comm.all_gather(mine())
+        out = []
+        for v, parts in zip(vars_, got):
+            joined = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts, axis=0)
+            _store(v, joined)
+            out.append(joined)
+        return out if proc.is_master else None
+    elif kind == "reduce":
+        got = comm.reduce(mine(), spec.op, root=root)
+        if got is not None and proc.is_master:
+            got = [np.asarray(g, dtype=v.type.dtype) for g, v in zip(got, vars_)]
+            if spec.in_place:
+                for v, g in zip(vars_, got):
+                    _store(v, g)
+            return got
+    elif kind == "all_reduce":
+        got = comm.all_reduce(mine(), spec.op)
+        for v, g in zip(vars_, got):
+            _store(v, g)
+    elif kind == "get_value":
+        got = comm.gather(mine() if proc.rank == spec.rank else None, root=root)
+        if got is not None:
+            return [parts[spec.rank] for parts in got]
+    elif kind == "get_shapes":
+        shapes = [np.array(v.get_value(borrow=True).shape, dtype=np.int64) for v in vars_]
+        got = comm.gather(shapes, root=root)
+        if got is not None:
+            return [[tuple(int(d) for d in sh) for sh in per] for per in got]
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    return None
