@@ -52,6 +52,7 @@ class CallSpec:
     n_rows: int | None        # rows to split, None when no input is scattered
     num_slices: int
     subset: tuple | None
+    batch_s: Any = None       # None, or per rank: None, a slice, or an int64 index array
 
 
 class LocalFunction:
@@ -61,36 +62,55 @@ class LocalFunction:
         self.spec = spec
         self._compiled = {}
 
-    def compiled(self, subset=None, values=False):
-        """The PyTensor function for an output subset; ``values`` returns update values instead of applying them."""
-        key = (subset, values)
+    def compiled(self, subset=None, values=False, sliced=False):
+        """The PyTensor function for an output subset.
+
+        ``values`` returns the update values instead of applying them;
+        ``sliced`` takes one more input, the rows of the sliceable shared
+        variables to use.
+        """
+        key = (subset, values, sliced)
         fn = self._compiled.get(key)
         if fn is None:
             spec = self.spec
             outs = spec.outputs if subset is None else [spec.outputs[i] for i in subset]
+            inputs, givens = list(spec.inputs), spec.givens
+            if sliced:
+                rows = pytensor.tensor.lvector("batch_s")
+                inputs.append(rows)
+                pairs = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
+                givens = pairs + [(var, var[rows]) for var in spec.sliceable]
             if values:
-                fn = pytensor.function(spec.inputs, list(outs) + [u for _, u in spec.updates],
-                                       givens=spec.givens, **spec.kwargs)
+                fn = pytensor.function(inputs, list(outs) + [u for _, u in spec.updates],
+                                       givens=givens, **spec.kwargs)
             else:
-                fn = pytensor.function(spec.inputs, list(outs), updates=spec.updates,
-                                       givens=spec.givens, **spec.kwargs)
+                fn = pytensor.function(inputs, list(outs), updates=spec.updates,
+                                       givens=givens, **spec.kwargs)
             self._compiled[key] = fn
         return fn
 
-    def run(self, args, subset, num_slices: int, n_rows: int | None, ops):
-        """Run on this process's inputs; with ``num_slices`` > 1 accumulate over slices."""
+    def run(self, args, subset, num_slices: int, n_rows: int | None, ops, rows=None):
+        """Run on this process's inputs; with ``num_slices`` > 1 accumulate over slices.
+
+        ``rows`` selects rows of the sliceable shared variables (batch_s).
+        """
+        sliced = rows is not None
+        if sliced:
+            args = list(args) + [rows]
+            if n_rows is None:
+                n_rows = len(rows)
         if num_slices == 1 or n_rows is None or n_rows <= 1:
-            return self.compiled(subset)(*args)
+            return self.compiled(subset, sliced=sliced)(*args)
         spec = self.spec
-        fn = self.compiled(subset, values=True)
+        split_arg = list(b for b in spec.bcast) + ([False] if sliced else [])
+        fn = self.compiled(subset, values=True, sliced=sliced)
         n_out = len(ops)
         outs_parts, upd_parts, weights = [[] for _ in range(n_out)], [[] for _ in spec.updates], []
         for k in range(num_slices):
             lo, hi = split(n_rows, num_slices, k)
             if hi == lo:
                 continue
-            sliced = [a if b else a[lo:hi] for a, b in zip(args, spec.bcast)]
-            res = fn(*sliced)
+            res = fn(*[a if b else a[lo:hi] for a, b in zip(args, split_arg)])
             for i in range(n_out):
                 outs_parts[i].append(res[i])
             for j in range(len(spec.updates)):
@@ -134,25 +154,63 @@ def execute_call(proc, call: CallSpec, own=None):
     spec = lf.spec
     subset = call.subset if call.subset is not None else tuple(range(len(spec.outputs)))
     ops = [spec.output_ops[i] for i in subset]
+    outs, error, rows = None, None, None
+    try:
+        rows = _local_rows(proc, spec, call.batch_s)
+    except Exception as exc:
+        error = exc
     if call.n_rows is None:
-        lo, hi, weight = 0, 0, 1.0
-        active = True
+        lo = hi = 0
+        weight = 1.0 if rows is None else float(len(rows))
+        active = rows is None or len(rows) > 0
     else:
         lo, hi = split(call.n_rows, proc.size, proc.rank)
         weight = float(hi - lo)
         active = hi > lo
-    outs, error = None, None
-    if active:
+        if error is None and rows is not None and len(rows) != hi - lo:
+            error = ValueError(f"rank {proc.rank}: batch_s selects {len(rows)} rows of the sliceable "
+                               f"shared variables but this process has {hi - lo} rows of scattered inputs")
+    if active and error is None:
         try:
             args = _local_inputs(proc, call, lo, hi, own)
             outs = lf.run(args, call.subset, call.num_slices,
-                          None if call.n_rows is None else hi - lo, ops)
+                          None if call.n_rows is None else hi - lo, ops, rows)
         except Exception as exc:
             error = exc
-    results = _reduce_outputs(proc, outs, ops, weight, error is not None)
+    elif error is not None:
+        weight = 0.0
+    try:
+        results = _reduce_outputs(proc, outs, ops, weight, error is not None)
+    except PeerFailed:
+        # the collective fails in every process, the failing one too: report its own error
+        if error is not None:
+            raise error from None
+        raise
     if error is not None:
         raise error
     return results
+
+
+def _local_rows(proc, spec, batch_s):
+    """This process's rows of its sliceable shared variables, or None for all of them."""
+    if batch_s is None or not spec.sliceable:
+        return None
+    mine = batch_s[proc.rank]
+    lengths = {len(v.get_value(borrow=True)) for v in spec.sliceable}
+    if len(lengths) > 1:
+        raise ValueError(f"rank {proc.rank}: sliceable shared variables differ in length: "
+                         f"{[(v.name, len(v.get_value(borrow=True))) for v in spec.sliceable]}")
+    length = lengths.pop()
+    try:
+        sel = check_batch(mine, length)
+    except IndexError as err:
+        raise IndexError(f"rank {proc.rank}: batch_s is beyond this process's rows of "
+                         f"the sliceable shared variables: {err}") from None
+    if sel is None:
+        return np.arange(length, dtype=np.int64)
+    if isinstance(sel, slice):
+        return np.arange(sel.start, sel.stop, sel.step, dtype=np.int64)
+    return sel
 
 
 def _local_inputs(proc, call, lo, hi, own):
@@ -340,7 +398,9 @@ class Function:
             output_subset: indices of the outputs to compute and return.
             batch: rows of the scattered inputs to use: an int (the first
                 rows), a slice, or a list/array of indices.
-            batch_s: not supported yet (sliceable shared variables).
+            batch_s: rows of the sliceable shared variables: a slice or an
+                index list used by every process, or a list of those with one
+                entry per process (rank order).
             num_slices: each process accumulates over this many slices of its
                 rows (saves memory); updates accumulate with their op.
 
@@ -355,8 +415,7 @@ class Function:
         s = runtime.session()
         s.usable()
         spec = self._spec
-        if batch_s is not None:
-            raise TypeError(f"function {self.name!r} has no sliceable shared variables; batch_s must be None")
+        batch_s = self._check_batch_s(batch_s, s.n_parallel)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
             raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
         subset = self._check_subset(output_subset)
@@ -403,7 +462,7 @@ class Function:
             d = self._scratch_data("batch", np.int64, norm_batch.shape)
             d.data[...] = norm_batch
             batch_ref = d._ref()
-        call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset)
+        call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s)
         results = s.run(Command.CALL, call, local=lambda proc, c: execute_call(proc, c, own))
         if subset is not None:
             return results
@@ -428,6 +487,35 @@ class Function:
                 else:
                     np.take(value, sel, axis=0, out=dst[lo:hi])
         return value[sub_batch(batch, my_lo, my_hi)], d._ref()
+
+    def _check_batch_s(self, batch_s, n):
+        """None, or one selection per rank (each None, a slice or an int64 array)."""
+        if batch_s is None:
+            return None
+        if not self._spec.sliceable:
+            raise TypeError(f"function {self.name!r} has no sliceable shared variables; "
+                            f"batch_s must be None, got {batch_s!r}")
+        per_rank = isinstance(batch_s, (list, tuple)) and len(batch_s) > 0 and all(
+            b is None or isinstance(b, (slice, list, tuple, np.ndarray)) for b in batch_s)
+        items = list(batch_s) if per_rank else [batch_s] * n
+        if per_rank and len(items) != n:
+            raise ValueError(f"batch_s has {len(items)} entries, one per process expected ({n})")
+        out = []
+        for item in items:
+            if item is None or isinstance(item, slice):
+                check_batch(item, 1 << 62)
+                out.append(item)
+            elif isinstance(item, (list, tuple, np.ndarray)):
+                arr = np.asarray(item)
+                if arr.size == 0:
+                    arr = arr.astype(np.int64)
+                if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                    raise TypeError(f"batch_s entries must be slices or 1-d integer index lists, got {item!r}")
+                out.append(arr.astype(np.int64))
+            else:
+                raise TypeError(f"batch_s must be a slice, an index list, or a list of those "
+                                f"(one per process), got {item!r}")
+        return out
 
     def _check_subset(self, output_subset):
         if output_subset is None:
@@ -485,7 +573,8 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         updates: ``(shared, expression)`` or ``(shared, expression, op)``
             pairs, or a dict; applied locally in each process.
         givens: as for ``pytensor.function``.
-        sliceable_shareds: not supported yet.
+        sliceable_shareds: shared variables whose rows a call may select with
+            ``batch_s`` in each process's own copy.
         reduce_ops: one op for every output, or one per output (instead of pairs).
         **pytensor_kwargs: passed to ``pytensor.function`` (``mode``, ...).
 
@@ -563,13 +652,18 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     for i, v in enumerate(inputs):
         if not bcast[i] and v.type.ndim == 0:
             raise ValueError(f"input {v.name or i!r} is 0-d and cannot be scattered; list it in bcast_inputs")
-    if sliceable_shareds:
-        raise NotImplementedError("sliceable_shareds is not supported yet")
+    sliceable = []
+    for var in sliceable_shareds or ():
+        if not hasattr(var, "get_value") or not isinstance(var, Variable):
+            raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
+        if var.type.ndim == 0:
+            raise ValueError(f"sliceable shared variable {var.name or var!r} is 0-d; it has no rows")
+        sliceable.append(var)
 
     fid = next(_fids)
     name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
     spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
-                        dict(pytensor_kwargs), tuple(bcast), [], returns_list)
+                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list)
     local = LocalFunction(spec)
     local.compiled()  # compile now, as pytensor.function does: errors show here
     fn = Function(spec, local)

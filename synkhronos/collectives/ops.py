@@ -39,10 +39,11 @@ def combine(parts, op: str, weights=None, out=None):
         dtype = parts[0].dtype
         if np.issubdtype(dtype, np.inexact):
             acc = np.multiply(parts[0], dtype.type(w[0]), out=out)
+            acc = np.asarray(acc)
             for x, wi in zip(parts[1:], w[1:]):
                 acc += x * dtype.type(wi)
             return acc
-        acc = parts[0] * w[0]
+        acc = np.asarray(parts[0] * w[0])
         for x, wi in zip(parts[1:], w[1:]):
             acc += x * wi
         if out is not None:
