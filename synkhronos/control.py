@@ -88,6 +88,10 @@ def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = S
             return
         except posix_ipc.BusyError:
             check()
+        except posix_ipc.SignalError:
+            # a signal (Ctrl-C) interrupted the wait: its Python handler runs
+            # at the next bytecode; check() still guards against dead peers
+            check()
 
 
 def drain(sem: posix_ipc.Semaphore) -> None:

@@ -38,6 +38,8 @@ class Data:
         self._oversize = _check_oversize(oversize)
         self.minibatch = bool(minibatch)
         self.name = name
+        if self._ndim == 0:  # shape () holds one element: it needs memory from the start
+            self._reshape((), None, keep=False)
 
     # -- properties --------------------------------------------------------
 

@@ -45,10 +45,14 @@ class Process:
         self.data_cache = {}  # data id -> attached Segment
         self.scratch = {}     # this process's own scratch segments by key
 
-    def check_master(self) -> None:
-        """Worker-side liveness check used between wait slices."""
+    def check_parent(self) -> None:
+        """Worker-side: raise MasterGone once the master process has died."""
         if os.getppid() != self.master_pid:
             raise MasterGone()
+
+    def check_master(self) -> None:
+        """Worker-side check between wait slices inside a collective."""
+        self.check_parent()
         if self.control.aborted():
             raise Aborted("the master abandoned this command")
 
@@ -308,11 +312,10 @@ def close() -> None:
         return
     _session = None
     proc = s.proc
-    if s.broken is None:
-        try:
-            proc.control.post(Command.CLOSE, None)
-        except Exception:
-            pass
+    try:  # also after a failure: live workers finish what they do, then leave
+        proc.control.post(Command.CLOSE, None)
+    except Exception:
+        pass
     _reap(s.watch)
     for fn in s.functions:
         fn._release()

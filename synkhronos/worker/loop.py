@@ -23,7 +23,7 @@ def serve(proc) -> int:
     ctl = proc.control
     try:
         while True:
-            cmd, message = ctl.receive(proc.rank, proc.check_master)
+            cmd, message = ctl.receive(proc.rank, proc.check_parent)
             if cmd is Command.CLOSE:
                 return 0
             dropped, payload = message
