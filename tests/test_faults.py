@@ -57,28 +57,14 @@ def _wait_shm_clean(before, timeout=10.0):
     return left
 
 
-@pytest.fixture
-def clean():
-    """Close whatever a test left open, then check no process or segment is left."""
-    before = _ours()
-    yield
-    pids = list(runtime._session.watch.pids.values()) if runtime._session else []
-    synk.close()
-    assert _wait_gone(pids) == []
-    with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)
-    assert [e for e in _ours() if e not in before] == []
-
-
-def _worker_pids():
-    return dict(runtime.session().watch.pids)
+from conftest import worker_pids as _worker_pids  # noqa: E402
 
 
 # -- exceptions in workers ----------------------------------------------------
 
 
-def test_worker_raises_in_function_keeps_type_rank_and_traceback(clean):
-    synk.fork(2)
+def test_worker_raises_in_function_keeps_type_rank_and_traceback(fork):
+    fork(2)
     x = pt.dvector("x")
     checked = pytensor.raise_op.Assert("row sum too large")(x, pt.all(x < 100))
     f = synk.function([x], checked.sum(), **FAST)
@@ -112,8 +98,8 @@ def _flaky_shared(value, name):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_worker_raises_in_collective(clean, n):
-    synk.fork(n)
+def test_worker_raises_in_collective(fork, n):
+    fork(n)
     s = _flaky_shared(np.ones(3), "flaky")
     t = pytensor.shared(np.ones(3), name="t")
     x = pt.dvector("x")
@@ -150,8 +136,8 @@ def _rebuild_op():
     return _FailsToUnpickle()
 
 
-def test_worker_raises_in_distribute(clean):
-    synk.fork(2)
+def test_worker_raises_in_distribute(fork):
+    fork(2)
     x = pt.dvector("x")
     good = synk.function([x], x.sum(), **FAST)
     synk.function([x], _FailsToUnpickle()(x).sum(), **FAST)
@@ -163,8 +149,8 @@ def test_worker_raises_in_distribute(clean):
         good(np.ones(4))  # good was in the same batch; it is sent again with the bad one
 
 
-def test_unpicklable_function_fails_in_master(clean):
-    synk.fork(2)
+def test_unpicklable_function_fails_in_master(fork):
+    fork(2)
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), **FAST)
     f._spec.kwargs["unpicklable"] = threading.Lock()
@@ -177,8 +163,8 @@ def test_unpicklable_function_fails_in_master(clean):
 # -- dead workers -------------------------------------------------------------
 
 
-def test_worker_killed_between_calls(clean):
-    synk.fork(3)
+def test_worker_killed_between_calls(fork):
+    fork(3)
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), **FAST)
     synk.distribute()
@@ -194,13 +180,13 @@ def test_worker_killed_between_calls(clean):
         f(np.ones(6))
     synk.close()
     # and a new fork works
-    synk.fork(2)
+    fork(2)
     g = synk.function([x], x.sum(), **FAST)
     assert g(np.ones(4)) == pytest.approx(2.0)
 
 
-def test_worker_killed_during_call(clean):
-    synk.fork(2)
+def test_worker_killed_during_call(fork):
+    fork(2)
     x = pt.dmatrix("x")
     y = x
     for _ in range(30):
@@ -218,8 +204,8 @@ def test_worker_killed_during_call(clean):
     assert time.monotonic() - t0 < 30
 
 
-def test_worker_killed_during_collective_wait(clean):
-    synk.fork(2)
+def test_worker_killed_during_collective_wait(fork):
+    fork(2)
     s = pytensor.shared(np.ones(2), name="s")
     synk.function([], s.sum(), **FAST)
     synk.distribute()
@@ -290,7 +276,7 @@ def test_master_exit_leaves_nothing(tmp_path, how):
     assert [e for e in os.listdir("/dev/shm") if prefix in e] == []
 
 
-def test_fork_cleans_what_a_dead_master_left(clean):
+def test_fork_cleans_what_a_dead_master_left(fork):
     # A master killed at the wrong moment: its segments outlive it.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -300,7 +286,7 @@ def test_fork_cleans_what_a_dead_master_left(clean):
     sem = posix_ipc.Semaphore("/" + prefix + "done", posix_ipc.O_CREX)
     sem.close()
     assert any(prefix in e for e in os.listdir("/dev/shm"))
-    synk.fork(1)
+    fork(1)
     assert [e for e in os.listdir("/dev/shm") if prefix in e] == []
 
 
