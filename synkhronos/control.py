@@ -25,7 +25,10 @@ __all__ = []
 #: How long one slice of a blocking wait lasts before liveness is checked.
 WAIT_SLICE = 0.05
 #: How long a waiter polls without sleeping before it blocks (seconds).
-SPIN_SECONDS = 50e-6
+SPIN_SECONDS = 200e-6
+#: How long an idle worker polls for the next command before it sleeps: a
+#: loop of calls then never pays a wake-up, an idle fork costs no CPU.
+RECEIVE_SPIN_SECONDS = 2e-3
 
 _HEADER_WORDS = 16
 _W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT = range(5)
@@ -81,7 +84,8 @@ def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = S
                 sem.acquire(0)
                 return
             except posix_ipc.BusyError:
-                pass
+                # let a process we wait for run if the cores are oversubscribed
+                os.sched_yield()
     while True:
         try:
             sem.acquire(WAIT_SLICE)
@@ -178,7 +182,7 @@ class ControlBlock:
 
     def receive(self, rank: int, check: Callable[[], None]):
         """Block until the next command for this worker; return ``(cmd, payload)``."""
-        acquire(self.go[rank], check, spin=0.0)
+        acquire(self.go[rank], check, spin=RECEIVE_SPIN_SECONDS)
         n = int(self._words[_W_LEN])
         gen = int(self._words[_W_GEN])
         if gen == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class Data:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
+        return math.prod(self._shape)
 
     @property
     def alloc_size(self) -> int:
@@ -165,7 +166,7 @@ class Data:
 
     def _reshape(self, shape, oversize, keep: bool) -> None:
         self._check_alive()
-        need = int(np.prod(shape, dtype=np.int64))
+        need = math.prod(shape)
         if need > self._alloc:
             factor = self._oversize if oversize is None else _check_oversize(oversize)
             alloc = max(int(need * factor), need)

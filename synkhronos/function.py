@@ -80,12 +80,15 @@ class LocalFunction:
                 inputs.append(rows)
                 pairs = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
                 givens = pairs + [(var, var[rows]) for var in spec.sliceable]
+            kwargs = spec.kwargs
+            if subset is not None:  # as in PyTensor, a subset need not use every input
+                kwargs = {**kwargs, "on_unused_input": "ignore"}
             if values:
                 fn = pytensor.function(inputs, list(outs) + [u for _, u in spec.updates],
-                                       givens=givens, **spec.kwargs)
+                                       givens=givens, **kwargs)
             else:
                 fn = pytensor.function(inputs, list(outs), updates=spec.updates,
-                                       givens=givens, **spec.kwargs)
+                                       givens=givens, **kwargs)
             self._compiled[key] = fn
         return fn
 

@@ -71,8 +71,9 @@ def _resolve(shared_vars):
     return s, items, sids, single
 
 
-def _values_for(vars_, values, what: str):
-    if not isinstance(values, (list, tuple)) or (len(vars_) == 1 and not _is_value_list(values)):
+def _values_for(vars_, values, what: str, single: bool = False):
+    # one variable given bare takes its value whole, nested Python lists included
+    if single or not isinstance(values, (list, tuple)) or (len(vars_) == 1 and not _is_value_list(values)):
         values = [values]
     if len(values) != len(vars_):
         raise ValueError(f"{what}: {len(values)} values for {len(vars_)} shared variables")
@@ -125,9 +126,9 @@ def broadcast(shared_vars, values=None):
         ValueError: a variable no distributed function uses; value count mismatch.
         TypeError: a value of the wrong dtype or ndim.
     """
-    s, vars_, sids, _ = _resolve(shared_vars)
+    s, vars_, sids, single = _resolve(shared_vars)
     if values is not None:
-        for var, val in zip(vars_, _values_for(vars_, values, "broadcast")):
+        for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
     s.run(Command.COLLECTIVE, CollectiveSpec("broadcast", sids), _run)
 
@@ -138,8 +139,8 @@ def scatter(shared_vars, values, batch=None):
     Rows split as evenly as possible, in rank order; ``batch`` (int, slice
     or index list) selects the rows of the values first.
     """
-    s, vars_, sids, _ = _resolve(shared_vars)
-    arrays = _values_for(vars_, values, "scatter")
+    s, vars_, sids, single = _resolve(shared_vars)
+    arrays = _values_for(vars_, values, "scatter", single)
     batches = []
     for var, arr in zip(vars_, arrays):
         if arr.ndim == 0:
@@ -169,9 +170,16 @@ def gather(shared_vars, nd_up=1):
 def all_gather(shared_vars):
     """Concatenate every process's value along axis 0 and store it in every process.
 
-    0-d variables are stacked instead. Returns the new value(s).
+    Returns the new value(s).
+
+    Raises:
+        ValueError: a 0-d variable (its gathered values would not fit it; use gather).
     """
     s, vars_, sids, single = _resolve(shared_vars)
+    for v in vars_:
+        if v.type.ndim == 0:
+            raise ValueError(f"all_gather cannot store the gathered values of 0-d shared variable "
+                             f"{v.name or v!r} in it; use gather")
     return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("all_gather", sids), _run), single)
 
 
@@ -212,9 +220,9 @@ def set_value(rank, shared_vars, values, batch=None):
 
     ``batch`` selects rows of the values first.
     """
-    s, vars_, sids, _ = _resolve(shared_vars)
+    s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
-    arrays = _values_for(vars_, values, "set_value")
+    arrays = _values_for(vars_, values, "set_value", single)
     batches = [check_batch(batch, len(a)) if batch is not None else None for a in arrays]
     if batch is not None and any(a.ndim == 0 for a in arrays):
         raise ValueError("set_value: batch needs values with at least one dimension")
@@ -293,7 +301,7 @@ def _run(proc, spec: CollectiveSpec):
         got = comm.all_gather(mine())
         out = []
         for v, parts in zip(vars_, got):
-            joined = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts, axis=0)
+            joined = np.concatenate(parts, axis=0)
             _store(v, joined)
             out.append(joined)
         return out if proc.is_master else None

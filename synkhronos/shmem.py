@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -56,7 +57,7 @@ class Segment:
     def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
         """A numpy view of part of the segment (no copy)."""
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        count = math.prod(shape)
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def buffer(self) -> memoryview:

@@ -10,6 +10,7 @@ the result segment may be written again.
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Callable
 
@@ -180,7 +181,7 @@ class ShmCommunicator(Communicator):
         weights = [w for _, _, w in present]
         per_rank = [arrs for _, arrs, _ in present]
         n_arrays = len(first)
-        total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for d, s in first)
+        total = sum(math.prod(s) * np.dtype(d).itemsize for d, s in first)
         needs = everywhere or self.rank == root
         if total < CHUNK_THRESHOLD or self.size == 1:
             out = None
@@ -194,10 +195,10 @@ class ShmCommunicator(Communicator):
         offsets, off = [], 0
         for d, s in first:
             offsets.append(off)
-            off = round_up(off + int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize)
+            off = round_up(off + math.prod(s) * np.dtype(d).itemsize)
         res = self._result_buffer(off)
         for i, (d, s) in enumerate(first):
-            count = int(np.prod(s, dtype=np.int64))
+            count = math.prod(s)
             lo = count * self.rank // self.size
             hi = count * (self.rank + 1) // self.size
             if hi > lo:
