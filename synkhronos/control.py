@@ -31,7 +31,7 @@ SPIN_SECONDS = 200e-6
 RECEIVE_SPIN_SECONDS = 2e-3
 
 _HEADER_WORDS = 16
-_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT = range(5)
+_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT, _W_EPOCH = range(6)
 _PAYLOAD_OFFSET = 4096
 _PAYLOAD_CAP = 1 << 20
 _STATUS_OK, _STATUS_ERROR = 0, 1
@@ -174,6 +174,13 @@ class ControlBlock:
 
     def set_abort(self, value: bool) -> None:
         self._words[_W_ABORT] = int(value)
+
+    def new_epoch(self) -> None:
+        """Tell the workers that the communicator's semaphores were reset."""
+        self._words[_W_EPOCH] += 1
+
+    def epoch(self) -> int:
+        return int(self._words[_W_EPOCH])
 
     # -- worker side -------------------------------------------------------
 

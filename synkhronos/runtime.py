@@ -141,6 +141,7 @@ class Session:
             raise
         if aborted or errors:
             self.proc.comm.reset()
+            ctl.new_epoch()
             ctl.set_abort(False)
         if isinstance(local_err, KeyboardInterrupt):
             raise local_err

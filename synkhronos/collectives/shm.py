@@ -28,6 +28,8 @@ __all__ = ["ShmCommunicator", "PeerFailed"]
 #: needs the result; larger ones are split in one chunk per process.
 CHUNK_THRESHOLD = 1 << 18
 _BOARD_WORDS = 8
+_W_RESULT_GEN, _W_VERDICT = 0, 1
+_DONE, _LARGE, _FAILED, _MISMATCH = range(4)
 
 
 class PeerFailed(Exception):
@@ -51,6 +53,10 @@ class ShmCommunicator(Communicator):
         open_sem = create_semaphore if create else (lambda name: posix_ipc.Semaphore("/" + name))
         self._arrive = open_sem(self.prefix + "arrive")
         self._depart = {r: open_sem(f"{self.prefix}depart{r}") for r in range(size) if r != hub}
+        # rooted collectives to the hub let the others go on at once; the hub
+        # "releases" their slot once read, and they take that before reusing it
+        self._release = {r: open_sem(f"{self.prefix}release{r}") for r in range(size) if r != hub}
+        self._pending_release = False
         self._slot: Segment | None = None
         self._peer_slots: dict[int, Segment] = {}
         self._result: Segment | None = None
@@ -73,12 +79,19 @@ class ShmCommunicator(Communicator):
     def reset(self) -> None:
         """Zero every semaphore (hub only, while every process is idle)."""
         drain(self._arrive)
-        for sem in self._depart.values():
+        for sem in [*self._depart.values(), *self._release.values()]:
             drain(sem)
+
+    def local_reset(self) -> None:
+        """Forget a pending slot release (every process, after the hub's reset())."""
+        self._pending_release = False
 
     # -- slots -------------------------------------------------------------
 
     def _publish(self, arrays, weight: float, failed: bool) -> None:
+        if self._pending_release:
+            acquire(self._release[self.rank], self.check)
+            self._pending_release = False
         if arrays is None:
             layout = None
         else:
@@ -152,10 +165,10 @@ class ShmCommunicator(Communicator):
             if self.rank == self.hub:
                 self._result_gen += 1
                 new = Segment(f"{self.prefix}res.{self._result_gen}", max(nbytes * 3 // 2, 4096), create=True)
-                self._board[0] = self._result_gen
+                self._board[_W_RESULT_GEN] = self._result_gen
             self.barrier()
             if self.rank != self.hub:
-                self._result_gen = int(self._board[0])
+                self._result_gen = int(self._board[_W_RESULT_GEN])
                 new = Segment(f"{self.prefix}res.{self._result_gen}")
             if self._result is not None:
                 self._result.close()
@@ -164,54 +177,140 @@ class ShmCommunicator(Communicator):
 
     # -- collectives -------------------------------------------------------
 
-    def _combine(self, views, op, everywhere: bool, root: int | None):
+    @staticmethod
+    def _present(views, op):
+        """Contributing ranks' arrays and weights; ValueError if their layouts differ."""
         present = [(r, v[0], v[1]) for r, v in sorted(views.items()) if v[0] is not None]
-        if not present:
-            self.barrier()
-            return None
-        layouts = [[(a.dtype, a.shape) for a in arrs] for _, arrs, _ in present]
-        first = layouts[0]
-        for (r, _, _), lay in zip(present, layouts):
-            if lay != first:
-                self.barrier()
-                raise ValueError(
-                    f"cannot {op}-reduce: rank {present[0][0]} holds "
-                    f"{[(str(d), s) for d, s in first]} but rank {r} holds "
-                    f"{[(str(d), s) for d, s in lay]}")
-        weights = [w for _, _, w in present]
-        per_rank = [arrs for _, arrs, _ in present]
-        n_arrays = len(first)
-        total = sum(math.prod(s) * np.dtype(d).itemsize for d, s in first)
-        needs = everywhere or self.rank == root
-        if total < CHUNK_THRESHOLD or self.size == 1:
-            out = None
-            if needs:
-                out = [combine([arrs[i] for arrs in per_rank], op, weights) for i in range(n_arrays)]
-                out = [np.array(o, copy=True) if any(o is arrs[i] for arrs in per_rank) else o
-                       for i, o in enumerate(out)]
-            self.barrier()
-            return out
-        # Large: each process reduces its chunk of every array into the result segment.
-        offsets, off = [], 0
-        for d, s in first:
+        if present:
+            first = [(a.dtype, a.shape) for a in present[0][1]]
+            for r, arrs, _ in present[1:]:
+                lay = [(a.dtype, a.shape) for a in arrs]
+                if lay != first:
+                    raise ValueError(
+                        f"cannot {op}-reduce: rank {present[0][0]} holds "
+                        f"{[(str(d), s) for d, s in first]} but rank {r} holds "
+                        f"{[(str(d), s) for d, s in lay]}")
+        return [arrs for _, arrs, _ in present], [w for _, _, w in present]
+
+    @staticmethod
+    def _combine_whole(per_rank, weights, op):
+        out = [combine([arrs[i] for arrs in per_rank], op, weights) for i in range(len(per_rank[0]))]
+        return [np.array(o, copy=True) if any(o is arrs[i] for arrs in per_rank) else o
+                for i, o in enumerate(out)]
+
+    def _chunk_phase(self, per_rank, weights, op):
+        """Reduce this process's chunk of every array into the result segment."""
+        layout, offsets, off = [(a.dtype, a.shape) for a in per_rank[0]], [], 0
+        for d, s in layout:
             offsets.append(off)
             off = round_up(off + math.prod(s) * np.dtype(d).itemsize)
         res = self._result_buffer(off)
-        for i, (d, s) in enumerate(first):
+        for i, (d, s) in enumerate(layout):
             count = math.prod(s)
             lo = count * self.rank // self.size
             hi = count * (self.rank + 1) // self.size
             if hi > lo:
                 dst = res.array(d, (count,), offsets[i])[lo:hi]
                 combine([arrs[i].reshape(-1)[lo:hi] for arrs in per_rank], op, weights, out=dst)
+        return res, layout, offsets
+
+    @staticmethod
+    def _large(per_rank) -> bool:
+        return bool(per_rank) and sum(a.nbytes for a in per_rank[0]) >= CHUNK_THRESHOLD
+
+    def _combine(self, views, op, everywhere: bool, root: int | None):
+        try:
+            per_rank, weights = self._present(views, op)
+        except ValueError:
+            self.barrier()
+            raise
+        if not per_rank:
+            self.barrier()
+            return None
+        needs = everywhere or self.rank == root
+        if not self._large(per_rank) or self.size == 1:
+            out = self._combine_whole(per_rank, weights, op) if needs else None
+            self.barrier()
+            return out
+        res, layout, offsets = self._chunk_phase(per_rank, weights, op)
         self.barrier()
         out = None
         if needs:
-            out = [np.array(res.array(d, s, offsets[i]), copy=True) for i, (d, s) in enumerate(first)]
+            out = [np.array(res.array(d, s, offsets[i]), copy=True) for i, (d, s) in enumerate(layout)]
         self.barrier()
         return out
 
+    def _rooted(self, arrays, op, weight, failed):
+        """reduce (``op``) or gather (``op`` None) to the hub in one hop.
+
+        A contributing process that is not the hub publishes, signals and goes
+        on; it waits for the hub only when it has nothing to add (it must learn
+        whether a large reduction needs its share of the work) or when its
+        arrays are large enough to be reduced in parallel chunks.
+        """
+        self._publish(arrays, weight, failed)
+        if self.rank != self.hub:
+            mine = None if arrays is None else [np.asarray(a) for a in arrays]
+            waits = op is not None and (mine is None or self._large([mine]))
+            self._arrive.release()
+            if not waits:
+                self._pending_release = True
+                return None
+            acquire(self._depart[self.rank], self.check)
+            # other slots may already hold the next collective: the hub's word decides
+            verdict = int(self._board[_W_VERDICT])
+            if verdict == _FAILED:
+                raise PeerFailed("another process failed")
+            if verdict == _MISMATCH:
+                raise ValueError(f"cannot {op}-reduce arrays of different shapes or dtypes "
+                                 "(the master's error names them)")
+            if verdict == _LARGE:  # every contributor waits in this case: slots are stable
+                views = {r: self._read(r) for r in range(self.size)}
+                per_rank, weights = self._present(views, op)
+                self._chunk_phase(per_rank, weights, op)
+                self.barrier()
+            return None
+        for _ in range(self.size - 1):
+            acquire(self._arrive, self.check)
+        views = {r: self._read(r) for r in range(self.size)}
+        waiting, fast = [], []
+        for r, (arrs, _, _) in views.items():
+            if r != self.hub:
+                big = arrs is not None and sum(a.nbytes for a in arrs) >= CHUNK_THRESHOLD
+                (waiting if op is not None and (arrs is None or big) else fast).append(r)
+        self._board[_W_VERDICT] = _DONE
+        try:
+            failed_ranks = [r for r, v in views.items() if v[2]]
+            if failed_ranks:
+                self._board[_W_VERDICT] = _FAILED
+                raise PeerFailed(failed_ranks)
+            if op is None:
+                return _transpose_copies(views)
+            try:
+                per_rank, weights = self._present(views, op)
+            except ValueError:
+                self._board[_W_VERDICT] = _MISMATCH
+                raise
+            if not per_rank:
+                return None
+            if not self._large(per_rank):
+                return self._combine_whole(per_rank, weights, op)
+            self._board[_W_VERDICT] = _LARGE
+            for r in waiting:
+                self._depart[r].release()
+            waiting = []
+            res, layout, offsets = self._chunk_phase(per_rank, weights, op)
+            self.barrier()
+            return [np.array(res.array(d, s, offsets[i]), copy=True) for i, (d, s) in enumerate(layout)]
+        finally:
+            for r in waiting:
+                self._depart[r].release()
+            for r in fast:
+                self._release[r].release()
+
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
+        if root == self.hub and self.size > 1:
+            return self._rooted(arrays, op, weight, failed)
         views = self._exchange(arrays, weight, failed)
         return self._combine(views, op, everywhere=False, root=root)
 
@@ -220,6 +319,8 @@ class ShmCommunicator(Communicator):
         return self._combine(views, op, everywhere=True, root=None)
 
     def gather(self, arrays, root, failed=False):
+        if root == self.hub and self.size > 1:
+            return self._rooted(arrays, None, 1.0, failed)
         views = self._exchange(arrays, failed=failed)
         out = None
         if self.rank == root:
@@ -249,7 +350,7 @@ class ShmCommunicator(Communicator):
                 seg.close()
         self._slot = self._result = None
         self._board = self._slot_gen = None
-        for sem in [self._arrive, *self._depart.values()]:
+        for sem in [self._arrive, *self._depart.values(), *self._release.values()]:
             try:
                 sem.close()
             except posix_ipc.Error:

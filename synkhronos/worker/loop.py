@@ -21,6 +21,7 @@ def serve(proc) -> int:
     from .. import distribute, function, shareds  # noqa: F401
 
     ctl = proc.control
+    epoch = ctl.epoch()
     try:
         while True:
             cmd, message = ctl.receive(proc.rank, proc.check_parent)
@@ -28,6 +29,9 @@ def serve(proc) -> int:
                 return 0
             dropped, payload = message
             forget(proc, dropped)
+            if ctl.epoch() != epoch:  # the master reset the communicator after a failure
+                epoch = ctl.epoch()
+                proc.comm.local_reset()
             error = None
             try:
                 handlers[cmd](proc, payload)
