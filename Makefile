@@ -19,7 +19,7 @@ $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) demos/demo_intro.py
+	$(PY) demos/train_digits.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -159,12 +159,17 @@ def execute_call(proc, call: CallSpec, own=None):
     ops = [spec.output_ops[i] for i in subset]
     outs, error, rows = None, None, None
     try:
-        rows = _local_rows(proc, spec, call.batch_s)
+        rows = _local_rows(proc, spec, call)
     except Exception as exc:
         error = exc
     if call.n_rows is None:
         lo = hi = 0
-        weight = 1.0 if rows is None else float(len(rows))
+        if rows is not None:
+            weight = float(len(rows))
+        elif spec.sliceable and error is None:  # all rows of the sliceable variables
+            weight = float(_sliceable_length(proc, spec))
+        else:
+            weight = 1.0
         active = rows is None or len(rows) > 0
     else:
         lo, hi = split(call.n_rows, proc.size, proc.rank)
@@ -194,16 +199,29 @@ def execute_call(proc, call: CallSpec, own=None):
     return results
 
 
-def _local_rows(proc, spec, batch_s):
-    """This process's rows of its sliceable shared variables, or None for all of them."""
-    if batch_s is None or not spec.sliceable:
-        return None
-    mine = batch_s[proc.rank]
+def _sliceable_length(proc, spec) -> int:
     lengths = {len(v.get_value(borrow=True)) for v in spec.sliceable}
     if len(lengths) > 1:
         raise ValueError(f"rank {proc.rank}: sliceable shared variables differ in length: "
                          f"{[(v.name, len(v.get_value(borrow=True))) for v in spec.sliceable]}")
-    length = lengths.pop()
+    return lengths.pop()
+
+
+def _local_rows(proc, spec, call):
+    """This process's rows of its sliceable shared variables, or None for all of them.
+
+    Without ``batch_s`` the whole variables are used as they are, except when
+    ``num_slices`` must split their rows (and no scattered input sets the rows).
+    """
+    if not spec.sliceable:
+        return None
+    if call.batch_s is None:
+        if call.num_slices == 1 or call.n_rows is not None:
+            return None
+        mine = None
+    else:
+        mine = call.batch_s[proc.rank]
+    length = _sliceable_length(proc, spec)
     try:
         sel = check_batch(mine, length)
     except IndexError as err:
@@ -242,6 +260,7 @@ def _reduce_outputs(proc, outs, ops, weight, failed):
     groups: dict = {}
     for i, op in enumerate(ops):
         groups.setdefault(op, []).append(i)
+    failure = None
     for op, idx in groups.items():
         if op is None:
             if proc.is_master and outs is not None:
@@ -249,16 +268,26 @@ def _reduce_outputs(proc, outs, ops, weight, failed):
                     results[i] = outs[i]
             continue
         mine = None if outs is None else [np.asarray(outs[i]) for i in idx]
-        if op == "gather":
-            got = comm.gather(mine, root=root, failed=failed)
-            if got is not None:
-                for i, parts in zip(idx, got):
-                    results[i] = _concat(parts)
-        else:
-            got = comm.reduce(mine, op, root=root, weight=weight, failed=failed)
-            if got is not None:
-                for i, r in zip(idx, got):
-                    results[i] = r
+        # Every process must take part in every collective, also after one failed:
+        # a rooted collective tells only some processes that it failed, and the
+        # others would wait in the next one for a hub that had left.
+        flagged = failed or failure is not None
+        try:
+            if op == "gather":
+                got = comm.gather(mine, root=root, failed=flagged)
+                if got is not None:
+                    for i, parts in zip(idx, got):
+                        results[i] = _concat(parts)
+            else:
+                got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged)
+                if got is not None:
+                    for i, r in zip(idx, got):
+                        results[i] = r
+        except Exception as err:
+            if failure is None:
+                failure = err
+    if failure is not None:
+        raise failure
     return results if proc.is_master else None
 
 
@@ -287,6 +316,11 @@ class Function:
         self._local = local
         self._scratch: dict = {}
         self._input_names = [getattr(v, "name", None) for v in spec.inputs]
+        # inputs whose type PyTensor checks by dtype and ndim alone: an ndarray
+        # that already has both needs no conversion (the common case, made fast)
+        self._plain_types = [
+            (np.dtype(v.type.dtype), v.type.ndim) if all(d is None for d in v.type.shape) else None
+            for v in spec.inputs]
 
     @property
     def name(self) -> str:
@@ -364,6 +398,10 @@ class Function:
         return values
 
     def _check_value(self, i, value):
+        plain = self._plain_types[i]
+        if plain is not None and type(value) is np.ndarray and value.dtype == plain[0] \
+                and value.ndim == plain[1]:
+            return value
         var = self._spec.inputs[i]
         label = f"input {var.name or i!r} of function {self.name!r}"
         if isinstance(value, Data):
@@ -396,8 +434,9 @@ class Function:
         """Run data-parallel: scatter inputs, compute everywhere, reduce outputs.
 
         Args:
-            *args, **kwargs: one value per input (numpy arrays, array-likes or
-                synk.data), positionally or by input name.
+            *args: one value per input (numpy arrays, array-likes or
+                synk.data), in order.
+            **kwargs: input values by input name.
             output_subset: indices of the outputs to compute and return.
             batch: rows of the scattered inputs to use: an int (the first
                 rows), a slice, or a list/array of indices.
@@ -562,7 +601,8 @@ def _as_var_list(what, items, label):
 
 
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
-             sliceable_shareds=None, reduce_ops=None, **pytensor_kwargs) -> Function:
+             sliceable_shareds=None, reduce_ops=None, broadcast_inputs=None,
+             **pytensor_kwargs) -> Function:
     """Build a data-parallel function, compiled here and in every worker.
 
     Args:
@@ -572,7 +612,9 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             ``min``, ``gather``, ``None`` (master's own result), optionally
             ``c_``-prefixed.
         bcast_inputs: inputs (variables or positions) every worker gets whole;
-            the others are scattered along axis 0.
+            the others are scattered along axis 0. A variable not listed in
+            ``inputs`` is appended to them, as the original Synkhronos did.
+        broadcast_inputs: the original Synkhronos's name for ``bcast_inputs``.
         updates: ``(shared, expression)`` or ``(shared, expression, op)``
             pairs, or a dict; applied locally in each process.
         givens: as for ``pytensor.function``.
@@ -641,6 +683,15 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             upd_pairs.append((var, expr))
             upd_ops.append(check_op(op, UPDATE_OPS, "update op"))
 
+    if broadcast_inputs is not None:
+        if bcast_inputs is not None:
+            raise TypeError("give bcast_inputs or its alias broadcast_inputs, not both")
+        bcast_inputs = broadcast_inputs
+    if bcast_inputs is not None and not isinstance(bcast_inputs, (list, tuple)):
+        bcast_inputs = [bcast_inputs]
+    for b in bcast_inputs or ():
+        if isinstance(b, Variable) and all(v is not b for v in inputs):
+            inputs.append(b)
     bcast = [False] * len(inputs)
     for b in bcast_inputs or ():
         if isinstance(b, (int, np.integer)) and not isinstance(b, bool):

@@ -54,8 +54,9 @@ class TrainStep:
         """Take one step on a batch.
 
         Args:
-            *args, **kwargs: the inputs, as for the gradient function (numpy
-                arrays or :func:`synkhronos.data`), positionally or by name.
+            *args: the inputs, in order, as for the gradient function (numpy
+                arrays or :func:`synkhronos.data`).
+            **kwargs: inputs by name.
             batch: rows of the scattered inputs to train on (int, slice or
                 index list), selected before scattering.
             batch_s: rows of the sliceable shared variables, per process.

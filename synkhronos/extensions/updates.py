@@ -35,7 +35,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
 __all__ = ["SplitUpdates", "sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop",
-           "adadelta", "adam", "adamax", "plain_updates", "RULES",
+           "adadelta", "adam", "adamax", "plain_updates", "resolve_rule", "RULES",
            "flatten_vars", "unflatten_vars", "vars_flat_size"]
 
 

@@ -1,0 +1,105 @@
+"""Floors and the standard-library peer: numpy copy, semaphore round trip, multiprocessing.Pool.
+
+- numpy copy: ``np.copyto`` of a float32 array of each size into a
+  preallocated one, in one process: the least any collective of that size
+  can cost (it must move the bytes at least once).
+- semaphore round trip: two processes pass a POSIX semaphore back and forth
+  (the waker of a sleeping process), blocking and spinning.
+- ``multiprocessing.Pool(2).map`` of two trivial tasks per call: what
+  per-call overhead of the standard library looks like.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+
+import benchlib as bl
+
+args = bl.part_args(__doc__.splitlines()[0])
+BUDGET = 0.25 if args.quick else 1.0
+
+
+def numpy_copy() -> dict:
+    out = {}
+    for nbytes in bl.sizes_for(args.quick):
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        out[bl.label(nbytes)] = bl.measure(lambda: np.copyto(dst, src), warmup=3,
+                                           max_reps=bl.reps_for(nbytes, args.quick), budget_s=BUDGET)
+    return out
+
+
+def semaphore_round_trip(spin: bool) -> dict:
+    """Median time for ping -> pong between two processes through two POSIX semaphores."""
+    import posix_ipc
+
+    reps = 200 if args.quick else 2000
+    warmup = 20
+    tag = f"/synkbench.{os.getpid()}.{int(spin)}"
+    ping = posix_ipc.Semaphore(tag + "a", posix_ipc.O_CREX, initial_value=0)
+    pong = posix_ipc.Semaphore(tag + "b", posix_ipc.O_CREX, initial_value=0)
+
+    def take(sem):
+        if spin:
+            end = time.monotonic() + 5.0
+            while True:
+                try:
+                    sem.acquire(0)
+                    return
+                except posix_ipc.BusyError:
+                    if time.monotonic() > end:
+                        raise TimeoutError("partner did not answer in 5 s")
+        else:
+            sem.acquire(5.0)
+
+    try:
+        pid = os.fork()
+        if pid == 0:  # the partner: answer exactly warmup + reps pings, then leave
+            code = 0
+            try:
+                for _ in range(warmup + reps):
+                    take(ping)
+                    pong.release()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        times = []
+        for i in range(warmup + reps):
+            t0 = time.perf_counter()
+            ping.release()
+            take(pong)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        os.waitpid(pid, 0)
+        return bl.summarize(times)
+    finally:
+        for sem in (ping, pong):
+            sem.unlink()
+            sem.close()
+
+
+def _noop(x):
+    return x
+
+
+def pool_map() -> dict:
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        return bl.measure(lambda: pool.map(_noop, [0, 1]), warmup=20, max_reps=2000, budget_s=BUDGET)
+
+
+def main() -> None:
+    out = {"numpy_copy": numpy_copy(), "pool_map": pool_map()}
+    try:
+        out["semaphore_round_trip"] = semaphore_round_trip(spin=False)
+        out["semaphore_round_trip_spin"] = semaphore_round_trip(spin=True)
+    except ImportError as err:
+        out["semaphore_round_trip"] = {"skipped": f"posix_ipc not importable: {err}"}
+    bl.write_part(args.json, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Sphinx configuration for the synkhronos documentation (built offline: no intersphinx)."""
+
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+project = "synkhronos"
+author = "the synkhronos authors"
+copyright = "the synkhronos authors"
+
+try:
+    from synkhronos import __version__ as release
+except ImportError:  # autodoc will report the failure itself
+    release = "0.1.0"
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+
+# Google-style docstrings (Args/Returns/Raises), as the package writes them.
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_ivar = True
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
+autodoc_default_options = {"undoc-members": False}
+
+templates_path = []
+exclude_patterns = ["_build"]
+root_doc = "index"
+language = "en"
+
+html_theme = "alabaster"
+html_theme_options = {
+    "description": "Data-parallel PyTensor on one machine",
+    "fixed_sidebar": True,
+}
+html_static_path = []

@@ -1,0 +1,152 @@
+"""Fixtures: fork 1, 2 or 3 processes, close afterwards, and check nothing leaked."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import synkhronos as synk
+from synkhronos.batching import split
+
+#: Compile fast; the tests are about the runtime, not about PyTensor's optimiser.
+MODE = "FAST_COMPILE"
+SHM_DIR = "/dev/shm"
+
+
+def shm_names() -> list[str]:
+    """Shared-memory segments and semaphores of synkhronos forks made by this process.
+
+    Every name a fork creates (its workers' included) starts with the master's
+    prefix ``synk.<master pid>.``; restricting the check to our pid keeps it
+    correct when another test run shares the machine.
+    """
+    tag = f"synk.{os.getpid()}."
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(e for e in entries if e.startswith(tag) or e.startswith("sem." + tag))
+
+
+def child_pids() -> list[int]:
+    """Children of this process, zombies included (from /proc)."""
+    pids = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(path) as fh:
+                pids += [int(p) for p in fh.read().split()]
+        except OSError:
+            pass
+    return sorted(set(pids))
+
+
+def has_unreaped_child() -> bool:
+    """True if any child (running or zombie) is left; reaps a zombie it finds."""
+    try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return True
+
+
+def worker_pids() -> dict[int, int]:
+    """rank -> pid of the running fork's workers."""
+    from synkhronos import runtime
+
+    return dict(runtime.session().watch.pids)
+
+
+def rows_of(n_rows: int, n_parallel: int, rank: int) -> slice:
+    """The rows rank ``rank`` computes when ``n_rows`` split over ``n_parallel``."""
+    return slice(*split(n_rows, n_parallel, rank))
+
+
+def _force_cleanup(leaked_names, leaked_pids) -> None:
+    """After a failed leak check: don't let the leak poison the next tests."""
+    from synkhronos.shmem import unlink_prefix
+
+    for pid in leaked_pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.01)
+    for name in leaked_names:
+        unlink_prefix(name[4:] if name.startswith("sem.") else name)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Every test starts and ends with no fork, no segment, no child process."""
+    synk.close()
+    assert shm_names() == [], "leftovers from an earlier test"
+    yield
+    synk.close()
+    names, pids = shm_names(), child_pids()
+    unreaped = has_unreaped_child()
+    if names or pids or unreaped:
+        _force_cleanup(names, pids)
+    assert names == [], f"shared memory left in {SHM_DIR} after close(): {names}"
+    assert pids == [], f"child processes left after close(): {pids}"
+    assert not unreaped, "an unreaped child process was left after close()"
+
+
+@pytest.fixture
+def fork():
+    """Factory: ``fork(n_parallel, **kw)`` starts a fork; it is closed after the test."""
+
+    def _fork(n_parallel: int = 2, **kwargs) -> int:
+        with warnings.catch_warnings():
+            # 3 processes on a 2-core machine warn; that is tested on its own
+            warnings.simplefilter("ignore", UserWarning)
+            n = synk.fork(n_parallel, device="cpu", **kwargs)
+        assert n == n_parallel
+        assert len(worker_pids()) == n_parallel - 1
+        return n
+
+    yield _fork
+    synk.close()
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"n{n}")
+def n_parallel(request) -> int:
+    return request.param
+
+
+@pytest.fixture
+def forked(fork, n_parallel) -> int:
+    """A running fork of ``n_parallel`` processes (1, 2 and 3)."""
+    return fork(n_parallel)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+_OWN_FILES = ("test_function.py", "test_data.py", "test_errors.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A hung test in these files ends the run instead of blocking it forever.
+
+    The thread method is needed: a SIGALRM that lands while a process sleeps
+    on a POSIX semaphore is turned into posix_ipc.SignalError by posix_ipc
+    (the handler's own exception is dropped), so the signal method can miss.
+    """
+    for item in items:
+        if item.fspath.basename in _OWN_FILES and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(60, method="thread"))

@@ -1,0 +1,71 @@
+"""bench/run.py --quick --only synk runs end to end and writes the JSON it promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "bench" / "run.py"
+
+TARGET_COUNT = 7  # the five targets of issue 6; all_reduce and the two collectives split out
+
+
+@pytest.mark.slow
+def test_bench_quick_synk_only(tmp_path):
+    cmd = [sys.executable, str(RUN), "--quick", "--only", "synk", "--results", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"bench/run.py failed:\n{out}\n{err}"
+
+    path = tmp_path / "latest.json"
+    assert path.exists(), f"no JSON written:\n{out}"
+    result = json.loads(path.read_text())
+    assert set(result) >= {"meta", "parts", "collectives", "training", "targets", "plots"}
+    assert result["meta"]["quick"] is True
+    assert result["meta"]["only"] == ["synk"]
+
+    parts = result["parts"]
+    assert set(parts) == {"synk", "synk_train_2", "synk_train_1"}, parts.keys()
+    synk = parts["synk"]
+    assert "error" not in synk, synk.get("error")
+    assert set(synk) >= {"first_call", "overhead", "scatter", "reduce_outputs", "collectives"}
+    assert synk["overhead"]["overhead_us"] > 0
+    for op in ("all_reduce", "broadcast", "gather"):
+        assert set(synk["collectives"][op]) == {"4B", "4KiB", "4MiB"}
+        assert all(v["median"] > 0 for v in synk["collectives"][op].values())
+    assert set(synk["scatter"]) == {"64KiB", "4MiB"}
+    assert set(synk["reduce_outputs"]) >= {"avg", "sum", "gather", "None"}
+    assert parts["synk_train_2"]["train"]["n_parallel"] == 2
+    assert parts["synk_train_1"]["train"]["n_parallel"] == 1
+    assert parts["synk_train_1"]["train"]["threads_per_process"] == 1
+
+    assert [r["size"] for r in result["collectives"] if r["op"] == "all_reduce"] == ["4B", "4KiB", "4MiB"]
+    assert all(r["mpi"] is None and r["gloo"] is None for r in result["collectives"])
+    assert [r["batch"] for r in result["training"]] == [64, 512]
+
+    targets = result["targets"]
+    assert len(targets) == TARGET_COUNT
+    for t in targets:
+        assert t["status"] in ("MET", "NOT MET", "n/a")
+    # peers were not run, so the targets that compare with Open MPI cannot be judged
+    assert {t["status"] for t in targets if "Open MPI" in t["target"]} == {"n/a"}
+    assert "Targets of issue 6" in out
+    assert any(line.strip().startswith("[") and "MET" in line for line in out.splitlines())
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        names = {Path(p).name for p in result["plots"]}
+        assert {"collectives.png", "training.png", "per_call.png"} <= names
+        assert all((tmp_path / n).stat().st_size > 0 for n in names)
