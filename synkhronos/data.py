@@ -149,10 +149,12 @@ class Data:
         self._reshape(shape, oversize, keep=True)
 
     def free_memory(self) -> None:
-        """Release the shared memory; the data becomes empty."""
+        """Release the shared memory; the data becomes empty (a 0-d one keeps one element)."""
         self._drop_segment()
         self._alloc = 0
         self._shape = (0,) * self._ndim
+        if self._ndim == 0:  # shape () always holds one element
+            self._reshape((), None, keep=False)
 
     # -- internals ---------------------------------------------------------
 

@@ -40,6 +40,7 @@ class FunctionSpec:
     bcast: tuple              # per input: broadcast (True) or scattered (False)
     sliceable: list           # shared variables sliced by batch_s
     returns_list: bool
+    output_modes: list = dataclasses.field(default_factory=list)  # ops as given ("c_sum" stays)
 
 
 @dataclasses.dataclass
@@ -174,7 +175,8 @@ def execute_call(proc, call: CallSpec, own=None):
     else:
         lo, hi = split(call.n_rows, proc.size, proc.rank)
         weight = float(hi - lo)
-        active = hi > lo
+        # with no rows at all the master alone computes, as PyTensor would on an empty batch
+        active = hi > lo or (call.n_rows == 0 and proc.is_master)
         if error is None and rows is not None and len(rows) != hi - lo:
             error = ValueError(f"rank {proc.rank}: batch_s selects {len(rows)} rows of the sliceable "
                                f"shared variables but this process has {hi - lo} rows of scattered inputs")
@@ -328,7 +330,9 @@ class Function:
 
     @property
     def output_modes(self) -> list:
-        return list(self._spec.output_ops)
+        """The reduce op of each output, as given (a ``c_`` prefix, which forces
+        the CPU path on a GPU device, is kept)."""
+        return list(self._spec.output_modes)
 
     @property
     def update_modes(self) -> list:
@@ -511,6 +515,8 @@ class Function:
         return self._shape_result(results)
 
     def _scratch_fill_whole(self, i, value):
+        if runtime.session().n_parallel == 1:
+            return None  # nobody else reads it
         d = self._scratch_data(i, value.dtype, value.shape)
         if value.size:
             np.copyto(d.data, value)
@@ -518,6 +524,8 @@ class Function:
 
     def _scatter_numpy(self, i, value, batch, n_rows, me, n):
         """Copy the other processes' rows of a numpy input to shared memory; keep ours."""
+        if n == 1:
+            return value if batch is None else value[sub_batch(batch, 0, n_rows)], None
         d = self._scratch_data(i, value.dtype, (n_rows,) + value.shape[1:])
         dst = d.data
         my_lo, my_hi = split(n_rows, n, me)
@@ -565,7 +573,7 @@ class Function:
         n = len(self._spec.outputs)
         try:
             subset = tuple(int(k) for k in output_subset)
-        except TypeError:
+        except (TypeError, ValueError):
             raise TypeError(f"output_subset must be a list of output indices, got {output_subset!r}") from None
         bad = [k for k in subset if not 0 <= k < n]
         if bad:
@@ -668,6 +676,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             ops = list(reduce_ops)
         else:
             ops = [reduce_ops] * len(outs)
+    given_ops = list(ops)
     ops = [None if op is None else check_op(op, OUTPUT_OPS, "output op") for op in ops]
 
     upd_pairs, upd_ops = [], []
@@ -717,7 +726,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     fid = next(_fids)
     name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
     spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
-                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list)
+                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops)
     local = LocalFunction(spec)
     local.compiled()  # compile now, as pytensor.function does: errors show here
     fn = Function(spec, local)

@@ -47,7 +47,7 @@ class Process:
 
     def check_parent(self) -> None:
         """Worker-side: raise MasterGone once the master process has died."""
-        if os.getppid() != self.master_pid:
+        if os.getppid() != self.master_pid or _terminate_requested:
             raise MasterGone()
 
     def check_master(self) -> None:
@@ -297,7 +297,15 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         os._exit(code)
 
 
+_terminate_requested = False
+
+
 def _on_sigterm(signum, frame):  # pragma: no cover - worker only
+    # posix_ipc turns an exception raised in a handler during a semaphore wait
+    # into SignalError (which the wait retries): the flag makes the next
+    # liveness check end the worker all the same
+    global _terminate_requested
+    _terminate_requested = True
     raise MasterGone()
 
 

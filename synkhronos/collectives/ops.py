@@ -35,7 +35,8 @@ def combine(parts, op: str, weights=None, out=None):
     """
     if op == "avg":
         w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
-        w = w / w.sum()
+        total = w.sum()
+        w = w / total if total > 0 else np.full(len(parts), 1.0 / len(parts))
         dtype = parts[0].dtype
         if np.issubdtype(dtype, np.inexact):
             acc = np.multiply(parts[0], dtype.type(w[0]), out=out)
