@@ -41,8 +41,9 @@ def serve(proc) -> int:
                 error = pack_exception(exc, proc.rank)
             ctl.reply(proc.rank, error)
     except MasterGone:
-        # Nobody else will clean up after a master that died.
-        unlink_prefix(proc.prefix)
+        if os.getppid() != proc.master_pid:
+            # Nobody else will clean up after a master that died.
+            unlink_prefix(proc.prefix)
         return 1
     finally:
         try:

@@ -1,0 +1,74 @@
+"""Edge cases: empty batches, prefixes kept, 0-d data, broadcast inputs appended."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos import runtime
+from conftest import MODE, worker_pids
+
+
+def test_empty_batch_is_computed_like_pytensor(forked):
+    x = pt.dvector("x")
+    f = synk.function([x], [(x.sum(), "sum"), (x.shape[0], "sum"), (x, "gather")], mode=MODE)
+    total, count, rows = f(np.arange(5.0), batch=0)
+    assert total == 0.0 and count == 0 and rows.shape == (0,)
+    total, count, rows = f(np.zeros(0))
+    assert total == 0.0 and count == 0 and rows.shape == (0,)
+
+
+def test_output_modes_keep_the_cpu_prefix(fork):
+    fork(2)
+    x = pt.dvector("x")
+    f = synk.function([x], [(x.sum(), "c_sum"), (x.max(), "max"), (x.min(), None)], mode=MODE)
+    assert f.output_modes == ["c_sum", "max", None]
+    total, top, own = f(np.arange(6.0))
+    assert (total, top, own) == (15.0, 5.0, 0.0)
+
+
+def test_zero_d_data_keeps_memory_after_free(fork):
+    fork(2)
+    d = synk.data(dtype="float64", ndim=0)
+    d.free_memory()
+    assert d.shape == () and d.size == 1
+    d.set_value(3.5)
+    assert float(d.data) == 3.5
+
+
+def test_broadcast_input_missing_from_inputs_is_appended(fork):
+    fork(2)
+    x, y = pt.dmatrix("x"), pt.dmatrix("y")
+    f = synk.function([x], x.dot(y).mean(axis=0), broadcast_inputs=[y], mode=MODE)
+    assert [v.name for v in f.inputs] == ["x", "y"]
+    a, b = np.random.rand(7, 3), np.random.rand(3, 2)
+    np.testing.assert_allclose(f(a, b), a.dot(b).mean(axis=0))
+    with pytest.raises(TypeError, match="not both"):
+        synk.function([x], x.sum(), bcast_inputs=[y], broadcast_inputs=[y], mode=MODE)
+
+
+def test_sigterm_ends_an_idle_worker_promptly(fork):
+    fork(2)
+    x = pt.dvector("x")
+    f = synk.function([x], x.sum(), mode=MODE)
+    f(np.ones(4))
+    time.sleep(0.1)  # the worker now sleeps in its semaphore wait
+    pid = worker_pids()[1]
+    os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + 5
+    done = 0
+    while time.monotonic() < end and not done:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.01)
+    # reaped here, the fork's own watch no longer sees it; the fork is then closed
+    assert done == pid
+    # a terminated worker, unlike a dead master, leaves the fork's names alone
+    from conftest import shm_names
+
+    assert any(name.endswith("ctl") for name in shm_names())
+    runtime.session().watch.exited[1] = 0  # reaped here, so tell the fork's watch
