@@ -140,7 +140,7 @@ def targets(parts) -> list[dict]:
                        "" if not tr else f"2 proc {tr[-1]['2 processes'] or 0:.0f}/s vs 1 proc "
                                          f"{tr[-1]['1 process, 1 core'] or 0:.0f}/s"))
 
-    fc = _get(parts, "synk", "first_call") or {}
+    fc = _get(parts, "synk_first", "first_call") or {}
     w, m = fc.get("workers_first_call_s"), fc.get("master_first_call_s")
     r = _ratio(w, m)
     ready = _ratio(None if w is None else w + fc.get("distribute_s", 0.0),
@@ -177,7 +177,7 @@ def format_report(result) -> str:
                f"load average {meta['loadavg_before'][0]:.2f} → {meta['loadavg_after'][0]:.2f}")
     for name, part in parts.items():
         share = part.get("foreign_cpu_share")
-        if share is not None and share > 0.1:
+        if share is not None and share > 0.1 + part.get("free_cores_share", 0.0):
             out.append(f"  {name}: other programs used {share:.0%} of the CPUs meanwhile: noisy")
         if "skipped" in part:
             out.append(f"  {name}: skipped — {part['skipped']}")
@@ -243,7 +243,7 @@ def format_report(result) -> str:
                        + [fmt_ratio(r["speedup_2_vs_1core"]), fmt_ratio(r["speedup_2_vs_1allcores"])]
                        for r in tr])
 
-    fc = _get(parts, "synk", "first_call")
+    fc = _get(parts, "synk_first", "first_call")
     if fc:
         out.append("")
         out.append(f"First call (compile cache: {result['meta'].get('compile_cache')})")

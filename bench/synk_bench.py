@@ -1,8 +1,10 @@
 """synkhronos's side of the benchmark, run by run.py in a subprocess.
 
 Parts:
-  main   2 processes: first call after distribute(), per-call overhead,
-         scatter, output reductions, shared-variable collectives.
+  first  2 processes: the MLP's first call in the master vs the workers'
+         first call after distribute() (run.py gives it an empty compile cache).
+  main   2 processes: per-call overhead, scatter, output reductions,
+         shared-variable collectives.
   train  MLP training steps with --n processes; --pin-one-core keeps the
          process (and so its BLAS) to one core, the fair baseline for the
          2-process scaling target.
@@ -22,7 +24,7 @@ import benchlib as bl
 
 
 def _extra(p):
-    p.add_argument("--part", choices=("main", "train"), default="main")
+    p.add_argument("--part", choices=("first", "main", "train"), default="main")
     p.add_argument("--n", type=int, default=2, help="processes (master included)")
     p.add_argument("--pin-one-core", action="store_true",
                    help="restrict this process to one core before forking (1-process baseline)")
@@ -238,11 +240,12 @@ def versions() -> dict:
 def main() -> None:
     result = {"n_parallel": args.n, "versions": versions()}
     try:
-        if args.part == "main":
+        if args.part == "first":
             t0 = time.perf_counter()
             f, _ = build_mlp()
             build = time.perf_counter() - t0
             result["first_call"] = dict(first_call(f), master_build_s=build)
+        elif args.part == "main":
             result["overhead"] = overhead()
             result["scatter"] = scatter()
             result["reduce_outputs"] = reduce_outputs()

@@ -47,8 +47,12 @@ class Process:
 
     def check_parent(self) -> None:
         """Worker-side: raise MasterGone once the master process has died."""
-        if os.getppid() != self.master_pid or _terminate_requested:
+        if _terminate_requested or self.master_died():
             raise MasterGone()
+
+    def master_died(self) -> bool:
+        """Worker-side: the master has died (a parent-death signal came, or we were reparented)."""
+        return _master_died or os.getppid() != self.master_pid
 
     def check_master(self) -> None:
         """Worker-side check between wait slices inside a collective."""
@@ -266,7 +270,7 @@ def _set_parent_death_signal() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, _PARENT_DEATH_SIGNAL, 0, 0, 0)
     except Exception:  # not Linux: the liveness checks still catch a dead master
         pass
 
@@ -277,6 +281,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(_PARENT_DEATH_SIGNAL, _on_parent_death)
         _set_parent_death_signal()
         atexit._clear()
         proc = Process(master_proc.prefix, rank, master_proc.size, master_proc.master_rank,
@@ -298,6 +303,17 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
 
 
 _terminate_requested = False
+_master_died = False
+#: Sent to a worker when its master dies: a signal of its own, because the
+#: kernel may deliver it before the worker is reparented (getppid() then still
+#: names the dead master), and a SIGTERM may also come from close().
+_PARENT_DEATH_SIGNAL = signal.SIGRTMIN + 7
+
+
+def _on_parent_death(signum, frame):  # pragma: no cover - worker only
+    global _master_died, _terminate_requested
+    _master_died = _terminate_requested = True
+    raise MasterGone()
 
 
 def _on_sigterm(signum, frame):  # pragma: no cover - worker only

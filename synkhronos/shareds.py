@@ -273,6 +273,55 @@ def _store(var, value) -> None:
     var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
 
 
+def _resident(proc, sids, vars_) -> list:
+    """These processes's values of ``vars_``, moved into shared memory the communicator
+    can read (and all_reduce write) in place.
+
+    A value is copied only when an update or set_value has replaced it since
+    the last collective. PyTensor may give the old storage of an updated
+    shared variable to another one (in-place ops on an update target): memory
+    that any other shared variable now uses is abandoned, never written.
+    """
+    comm = proc.comm
+    values = [v.get_value(borrow=True) for v in vars_]
+    if not hasattr(comm, "resident"):
+        return values
+    views = [comm.resident(f"sv{sid}", a.dtype, a.shape) for sid, a in zip(sids, values)]
+    taken = _memory_in_use(proc, exclude=set(sids))
+    out = []
+    for sid, var, value, view in zip(sids, vars_, values, views):
+        if view.nbytes and _overlaps(view, taken):
+            view = comm.resident(f"sv{sid}", value.dtype, value.shape, fresh=True)
+        if view is not value:
+            np.copyto(view, value)
+            var.set_value(view, borrow=True)
+        out.append(view)
+    return out
+
+
+def _memory_in_use(proc, exclude) -> list:
+    """Byte ranges of the current values of every other shared variable of this process."""
+    ranges = []
+    for sid, var in proc.shareds.items():
+        if sid in exclude:
+            continue
+        value = var.container.storage[0]  # the storage itself, never a copy
+        if isinstance(value, np.ndarray) and value.nbytes:
+            ranges.append(_byte_bounds(value))
+    return ranges
+
+
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy < 2
+    _byte_bounds = np.byte_bounds
+
+
+def _overlaps(a, ranges) -> bool:
+    lo, hi = _byte_bounds(a)
+    return any(r_lo < hi and lo < r_hi for r_lo, r_hi in ranges)
+
+
 @handler(Command.COLLECTIVE)
 def _run(proc, spec: CollectiveSpec):
     vars_ = [proc.shareds[sid] for sid in spec.sids]
@@ -280,7 +329,8 @@ def _run(proc, spec: CollectiveSpec):
     mine = lambda: [v.get_value(borrow=True) for v in vars_]  # noqa: E731
     kind = spec.kind
     if kind == "broadcast":
-        got = comm.broadcast(mine() if proc.is_master else None, root=root)
+        mine_resident = _resident(proc, spec.sids, vars_) if proc.is_master else None
+        got = comm.broadcast(mine_resident, root=root)
         if not proc.is_master:
             for v, a in zip(vars_, got):
                 _store(v, a)
@@ -296,7 +346,7 @@ def _run(proc, spec: CollectiveSpec):
                 arr = arr[batch]
             _store(v, np.array(arr, copy=True))
     elif kind == "gather":
-        return comm.gather(mine(), root=root)
+        return comm.gather(_resident(proc, spec.sids, vars_), root=root)
     elif kind == "all_gather":
         got = comm.all_gather(mine())
         out = []
@@ -314,9 +364,11 @@ def _run(proc, spec: CollectiveSpec):
                     _store(v, g)
             return got
     elif kind == "all_reduce":
-        got = comm.all_reduce(mine(), spec.op)
+        arrays = _resident(proc, spec.sids, vars_)
+        got = comm.all_reduce(arrays, spec.op, in_place=True)
         for v, g in zip(vars_, got):
-            _store(v, g)
+            if v.get_value(borrow=True) is not g:
+                _store(v, g)
     elif kind == "get_value":
         got = comm.gather(mine() if proc.rank == spec.rank else None, root=root)
         if got is not None:

@@ -38,10 +38,12 @@ def test_bench_quick_synk_only(tmp_path):
     assert result["meta"]["only"] == ["synk"]
 
     parts = result["parts"]
-    assert set(parts) == {"synk", "synk_train_2", "synk_train_1"}, parts.keys()
+    assert set(parts) == {"synk_first", "synk", "synk_train_2", "synk_train_1"}, parts.keys()
+    assert set(parts["synk_first"]["first_call"]) >= {"master_first_call_s", "workers_first_call_s",
+                                                     "distribute_s", "master_build_s"}
     synk = parts["synk"]
     assert "error" not in synk, synk.get("error")
-    assert set(synk) >= {"first_call", "overhead", "scatter", "reduce_outputs", "collectives"}
+    assert set(synk) >= {"overhead", "scatter", "reduce_outputs", "collectives"}
     assert synk["overhead"]["overhead_us"] > 0
     for op in ("all_reduce", "broadcast", "gather"):
         assert set(synk["collectives"][op]) == {"4B", "4KiB", "4MiB"}

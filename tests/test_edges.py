@@ -72,3 +72,27 @@ def test_sigterm_ends_an_idle_worker_promptly(fork):
 
     assert any(name.endswith("ctl") for name in shm_names())
     runtime.session().watch.exited[1] = 0  # reaped here, so tell the fork's watch
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_in_place_all_reduce_survives_pytensor_reusing_update_storage(fork, n):
+    """PyTensor (Numba mode) may give the old storage of an updated shared
+    variable to another one; all_reduce must then not write into it."""
+    from synkhronos.extensions import make_train_function
+
+    fork(n)
+    rng = np.random.default_rng(0)
+    W = pytensor.shared(rng.normal(size=(16, 8)) * 0.1, name="W")
+    x, y = pt.dmatrix("x"), pt.dvector("y")
+    loss = ((x.dot(W).sum(axis=1) - y) ** 2).mean()
+    step = make_train_function(loss, [W], [x, y], "adam", learning_rate=0.01)  # default (Numba) mode
+    X, Y = rng.normal(size=(12, 16)), rng.normal(size=12)
+    W0 = W.get_value().copy()
+    losses = [step(X, Y) for _ in range(5)]
+    W1 = W.get_value().copy()
+    W.set_value(W0)
+    for s in step.state:
+        s.set_value(np.zeros_like(s.get_value()))
+    expected = [step.as_pytensor(X, Y) for _ in range(5)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-9)
+    np.testing.assert_allclose(W1, W.get_value(), rtol=1e-9)

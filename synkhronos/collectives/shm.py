@@ -59,6 +59,10 @@ class ShmCommunicator(Communicator):
         self._pending_release = False
         self._slot: Segment | None = None
         self._peer_slots: dict[int, Segment] = {}
+        self._owned: dict[str, tuple[Segment, np.ndarray]] = {}   # key -> resident array
+        self._resident_ids: dict[int, str] = {}                   # id(view) -> segment name
+        self._named: dict[str, Segment] = {}                      # peers' resident segments
+        self._resident_gen = 0
         self._result: Segment | None = None
         self._result_gen = 0
 
@@ -86,6 +90,54 @@ class ShmCommunicator(Communicator):
         """Forget a pending slot release (every process, after the hub's reset())."""
         self._pending_release = False
 
+    # -- resident arrays ---------------------------------------------------
+
+    def resident(self, key: str, dtype, shape, fresh: bool = False) -> np.ndarray:
+        """An array of this process that lives in shared memory of its own.
+
+        Collectives read such an array where it is instead of copying it to
+        the slot, and ``all_reduce(..., in_place=True)`` writes the result
+        straight into every process's resident arrays. Asking again with the
+        same key, dtype and shape returns the same array object, unless
+        ``fresh`` asks for new memory (the caller found that something else
+        now uses the old one).
+        """
+        dtype, shape = np.dtype(dtype), tuple(int(d) for d in shape)
+        have = self._owned.get(key)
+        if have is not None and have[1].dtype == dtype and have[1].shape == shape and not fresh:
+            return have[1]
+        if have is not None:
+            self._resident_ids.pop(id(have[1]), None)
+            have[0].close()  # the name goes; the memory stays while views of it live
+        self._resident_gen += 1
+        seg = Segment(f"{self.prefix}r{self.rank}.{key}.{self._resident_gen}",
+                      max(math.prod(shape) * dtype.itemsize, 1), create=True)
+        view = seg.array(dtype, shape)
+        self._owned[key] = (seg, view)
+        self._resident_ids[id(view)] = seg.name
+        return view
+
+    def _resident_name(self, a) -> str | None:
+        name = self._resident_ids.get(id(a))
+        if name is None:
+            return None
+        key = name[len(self.prefix):].split(".")[1]
+        have = self._owned.get(key)
+        return name if have is not None and have[1] is a else None
+
+    def _attach_named(self, name: str, dtype, shape) -> np.ndarray:
+        if name.startswith(f"{self.prefix}r{self.rank}."):
+            key = name[len(self.prefix):].split(".")[1]
+            return self._owned[key][1]
+        family = name.rsplit(".", 1)[0]  # the same rank and key, any generation
+        seg = self._named.get(family)
+        if seg is None or seg.name != name:
+            if seg is not None:
+                seg.close()
+            seg = Segment(name)
+            self._named[family] = seg
+        return seg.array(dtype, shape)
+
     # -- slots -------------------------------------------------------------
 
     def _publish(self, arrays, weight: float, failed: bool) -> None:
@@ -96,14 +148,15 @@ class ShmCommunicator(Communicator):
             layout = None
         else:
             arrays = [np.asarray(a) for a in arrays]
-            layout = [(a.dtype.str, a.shape) for a in arrays]
+            layout = [(a.dtype.str, a.shape, self._resident_name(a)) for a in arrays]
         meta = pickle.dumps((layout, float(weight), bool(failed)), protocol=pickle.HIGHEST_PROTOCOL)
         offset = round_up(8 + len(meta))
         offsets = []
         if arrays is not None:
-            for a in arrays:
+            for a, (_, _, name) in zip(arrays, layout):
                 offsets.append(offset)
-                offset = round_up(offset + a.nbytes)
+                if name is None:
+                    offset = round_up(offset + a.nbytes)
         if self._slot is None or self._slot.size < offset:
             gen = int(self._slot_gen[self.rank]) + 1
             new = Segment(f"{self.prefix}slot{self.rank}.{gen}", max(offset * 3 // 2, 4096), create=True)
@@ -115,8 +168,8 @@ class ShmCommunicator(Communicator):
         self._slot.array(np.int64, (1,))[0] = len(meta)
         buf[8:8 + len(meta)] = meta
         if arrays is not None:
-            for a, off in zip(arrays, offsets):
-                if a.nbytes:
+            for a, off, (_, _, name) in zip(arrays, offsets, layout):
+                if a.nbytes and name is None:
                     np.copyto(self._slot.array(a.dtype, a.shape, off), a, casting="no")
 
     def _peer(self, rank: int) -> Segment:
@@ -132,19 +185,23 @@ class ShmCommunicator(Communicator):
         return seg
 
     def _read(self, rank: int):
-        """``(arrays or None, weight, failed)`` as published by ``rank`` (views)."""
+        """``(arrays or None, weight, failed, resident)`` as published by ``rank`` (views);
+        ``resident`` is True when every array was read where it lives."""
         seg = self._peer(rank)
         n = int(seg.array(np.int64, (1,))[0])
         layout, weight, failed = pickle.loads(seg.buffer()[8:8 + n])
         if layout is None:
-            return None, weight, failed
+            return None, weight, failed, False
         offset = round_up(8 + n)
         arrays = []
-        for dtype, shape in layout:
+        for dtype, shape, name in layout:
+            if name is not None:
+                arrays.append(self._attach_named(name, dtype, shape))
+                continue
             a = seg.array(dtype, shape, offset)
             arrays.append(a)
             offset = round_up(offset + a.nbytes)
-        return arrays, weight, failed
+        return arrays, weight, failed, all(entry[2] is not None for entry in layout)
 
     def _exchange(self, arrays, weight=1.0, failed=False, ranks=None):
         """Publish, barrier, read every rank's contribution (or ``ranks``')."""
@@ -274,7 +331,7 @@ class ShmCommunicator(Communicator):
             acquire(self._arrive, self.check)
         views = {r: self._read(r) for r in range(self.size)}
         waiting, fast = [], []
-        for r, (arrs, _, _) in views.items():
+        for r, (arrs, *_) in views.items():
             if r != self.hub:
                 big = arrs is not None and sum(a.nbytes for a in arrs) >= CHUNK_THRESHOLD
                 (waiting if op is not None and (arrs is None or big) else fast).append(r)
@@ -314,9 +371,33 @@ class ShmCommunicator(Communicator):
         views = self._exchange(arrays, weight, failed)
         return self._combine(views, op, everywhere=False, root=root)
 
-    def all_reduce(self, arrays, op, weight=1.0, failed=False):
+    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
+        """With ``in_place`` and arrays from :meth:`resident` in every process,
+        the result is written into those arrays (no copies) and they are returned."""
         views = self._exchange(arrays, weight, failed)
-        return self._combine(views, op, everywhere=True, root=None)
+        if not in_place:
+            return self._combine(views, op, everywhere=True, root=None)
+        resident = all(v[3] for v in views.values())
+        try:
+            per_rank, weights = self._present(views, op)
+        except ValueError:
+            self.barrier()
+            raise
+        mine = views[self.rank][0]
+        if not resident or not self._large(per_rank) or self.size == 1:
+            out = self._combine_whole(per_rank, weights, op)
+            self.barrier()  # everyone has read every array: now each may overwrite its own
+            for dst, src in zip(mine, out):
+                np.copyto(dst, src, casting="unsafe")
+            return mine
+        for i in range(len(mine)):
+            flats = [arrs[i].reshape(-1) for arrs in per_rank]
+            count = flats[0].size
+            lo, hi = count * self.rank // self.size, count * (self.rank + 1) // self.size
+            _reduce_into_all(flats, lo, hi, op, weights)
+        self.barrier()
+        return mine
+
 
     def gather(self, arrays, root, failed=False):
         if root == self.hub and self.size > 1:
@@ -345,6 +426,13 @@ class ShmCommunicator(Communicator):
         for seg in self._peer_slots.values():
             seg.close()
         self._peer_slots.clear()
+        for seg in self._named.values():
+            seg.close()
+        self._named.clear()
+        for seg, *_ in self._owned.values():
+            seg.close()
+        self._owned.clear()
+        self._resident_ids.clear()
         for seg in (self._slot, self._result):
             if seg is not None:
                 seg.close()
@@ -361,6 +449,20 @@ class ShmCommunicator(Communicator):
                 except posix_ipc.ExistentialError:
                     pass
         self._board_seg.close()
+
+
+#: Elements per block of an in-place reduction: small enough to stay in cache.
+_BLOCK = 1 << 15
+
+
+def _reduce_into_all(flats, lo, hi, op, weights) -> None:
+    """Combine ``flats[*][lo:hi]`` block by block and write the result into every one."""
+    tmp = np.empty(min(_BLOCK, max(hi - lo, 0)), dtype=flats[0].dtype)
+    for start in range(lo, hi, _BLOCK):
+        stop = min(start + _BLOCK, hi)
+        out = combine([f[start:stop] for f in flats], op, weights, out=tmp[:stop - start])
+        for f in flats:
+            np.copyto(f[start:stop], out, casting="unsafe")
 
 
 def _transpose_copies(views):

@@ -41,7 +41,7 @@ def serve(proc) -> int:
                 error = pack_exception(exc, proc.rank)
             ctl.reply(proc.rank, error)
     except MasterGone:
-        if os.getppid() != proc.master_pid:
+        if proc.master_died():
             # Nobody else will clean up after a master that died.
             unlink_prefix(proc.prefix)
         return 1
