@@ -27,36 +27,47 @@ def check_op(op, allowed=tuple(REDUCE_OPS), what="op") -> str:
     return name
 
 
+def _fold(ufunc, parts, out=None):
+    """``ufunc`` over all of ``parts`` in one pass per extra part (no copy of the first)."""
+    if len(parts) == 1:
+        if out is None:
+            return np.array(parts[0], copy=True)
+        np.copyto(out, parts[0])
+        return out
+    acc = np.asarray(ufunc(parts[0], parts[1], out=out))
+    for x in parts[2:]:
+        ufunc(acc, x, out=acc)
+    return acc
+
+
 def combine(parts, op: str, weights=None, out=None):
     """Reduce equal-shaped arrays ``parts`` with ``op``.
 
-    ``avg`` is ``sum(w_r * x_r) / sum(w_r)``: equal weights give the plain mean,
-    row counts give the mean over all rows when parts split unevenly.
+    ``avg`` is ``sum(w_r * x_r) / sum(w_r)``: equal weights give the sum times
+    the reciprocal of the count, row counts give the mean over all rows when
+    parts split unevenly.
     """
-    if op == "avg":
-        w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
-        total = w.sum()
-        w = w / total if total > 0 else np.full(len(parts), 1.0 / len(parts))
-        dtype = parts[0].dtype
-        if np.issubdtype(dtype, np.inexact):
-            acc = np.multiply(parts[0], dtype.type(w[0]), out=out)
-            acc = np.asarray(acc)
-            for x, wi in zip(parts[1:], w[1:]):
-                acc += x * dtype.type(wi)
+    if op != "avg":
+        return _fold(REDUCE_OPS[op], parts, out)
+    w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
+    total = w.sum()
+    w = w / total if total > 0 else np.full(len(parts), 1.0 / len(parts))
+    dtype = parts[0].dtype
+    if np.issubdtype(dtype, np.inexact):
+        if np.all(w == w[0]):
+            acc = _fold(np.add, parts, out)
+            acc *= dtype.type(w[0])
             return acc
-        acc = np.asarray(parts[0] * w[0])
+        acc = np.asarray(np.multiply(parts[0], dtype.type(w[0]), out=out))
+        tmp = np.empty_like(acc)
         for x, wi in zip(parts[1:], w[1:]):
-            acc += x * wi
-        if out is not None:
-            out[...] = acc
-            return out
-        return acc.astype(dtype) if np.issubdtype(dtype, np.bool_) else acc
-    ufunc = REDUCE_OPS[op]
-    if out is None:
-        acc = np.array(parts[0], copy=True)
-    else:
-        acc = out
-        np.copyto(acc, parts[0])
-    for x in parts[1:]:
-        ufunc(acc, x, out=acc)
-    return acc
+            np.multiply(x, dtype.type(wi), out=tmp)
+            acc += tmp
+        return acc
+    acc = np.asarray(parts[0] * w[0])
+    for x, wi in zip(parts[1:], w[1:]):
+        acc += x * wi
+    if out is not None:
+        out[...] = acc
+        return out
+    return acc.astype(dtype) if np.issubdtype(dtype, np.bool_) else acc
