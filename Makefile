@@ -13,7 +13,7 @@ $(VENV)/bin/python:
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
-	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m pip install -q -e '.[test,demo,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -45,6 +45,7 @@ class Command(enum.IntEnum):
     COLLECTIVE = 3
     RESET = 4
     CLOSE = 5
+    INIT_GPU = 6
 
 
 class Aborted(Exception):

@@ -201,25 +201,33 @@ class Data:
 
 
 def attach(proc, ref) -> np.ndarray:
-    """In any process: the array a Data ref points to (cached mapping, no copy)."""
+    """In any process: the array a Data ref points to (cached mapping and view, no copy)."""
     uid, segname, dtype, shape = ref
     if segname is None:
         return np.empty(shape, dtype=dtype)
-    seg = proc.data_cache.get(uid)
-    if seg is None or seg.name != segname:
-        if seg is not None:
-            seg.close()
-        seg = Segment(segname)
-        proc.data_cache[uid] = seg
-    return seg.array(dtype, shape)
+    hit = proc.data_cache.get(uid)
+    if hit is not None and hit[0].name == segname:
+        seg, views = hit
+        view = views.get((dtype, shape))
+        if view is None:
+            if len(views) >= 8:  # shapes keep changing (scratch inputs): keep few
+                views.clear()
+            view = views[(dtype, shape)] = seg.array(dtype, shape)
+        return view
+    if hit is not None:
+        hit[0].close()
+    seg = Segment(segname)
+    view = seg.array(dtype, shape)
+    proc.data_cache[uid] = (seg, {(dtype, shape): view})
+    return view
 
 
 def forget(proc, uids) -> None:
     """Close the mappings of Data objects the master reallocated or freed."""
     for uid in uids:
-        seg = proc.data_cache.pop(uid, None)
-        if seg is not None:
-            seg.close()
+        hit = proc.data_cache.pop(uid, None)
+        if hit is not None:
+            hit[0].close()
 
 
 def _check_oversize(oversize) -> float:

@@ -8,7 +8,7 @@ import pickle
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import runtime
+from . import gpu, runtime
 from .control import Command, handler
 
 __all__ = ["distribute"]
@@ -88,6 +88,7 @@ def distribute() -> None:
         s.shared_vars[sid] = var
         s.proc.shareds[sid] = var
     s.distributed.update(f._spec.fid for f in new)
+    gpu.place_shareds(s.proc)
 
 
 @handler(Command.DISTRIBUTE)
@@ -101,3 +102,4 @@ def _receive(proc, blob: bytes) -> None:
         local = LocalFunction(spec)
         local.compiled()
         proc.functions[spec.fid] = local
+    gpu.place_shareds(proc)

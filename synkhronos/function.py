@@ -10,7 +10,7 @@ import numpy as np
 import pytensor
 from pytensor.graph.basic import Variable
 
-from . import runtime
+from . import gpu, runtime
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives import PeerFailed, check_op
 from .collectives.ops import combine
@@ -41,6 +41,7 @@ class FunctionSpec:
     sliceable: list           # shared variables sliced by batch_s
     returns_list: bool
     output_modes: list = dataclasses.field(default_factory=list)  # ops as given ("c_sum" stays)
+    nccl: bool = True         # on a GPU device, reduce outputs through NCCL (except "c_" ops)
 
 
 @dataclasses.dataclass
@@ -183,14 +184,17 @@ def execute_call(proc, call: CallSpec, own=None):
     if active and error is None:
         try:
             args = _local_inputs(proc, call, lo, hi, own)
+            gpu.keep_on_device(proc)
             outs = lf.run(args, call.subset, call.num_slices,
                           None if call.n_rows is None else hi - lo, ops, rows)
+            gpu.keep_on_device(proc)  # updates accumulated over slices come back to the host
         except Exception as exc:
             error = exc
     elif error is not None:
         weight = 0.0
     try:
-        results = _reduce_outputs(proc, outs, ops, weight, error is not None)
+        results = _reduce_outputs(proc, outs, ops, weight, error is not None,
+                                  gpu.output_comms(proc, spec, subset))
     except PeerFailed:
         # the collective fails in every process, the failing one too: report its own error
         if error is not None:
@@ -255,31 +259,36 @@ def _local_inputs(proc, call, lo, hi, own):
     return args
 
 
-def _reduce_outputs(proc, outs, ops, weight, failed):
-    """Combine outputs across processes, one collective per distinct op."""
-    comm, root = proc.comm, proc.master_rank
+def _reduce_outputs(proc, outs, ops, weight, failed, comms=None):
+    """Combine outputs across processes, one collective per distinct op (and communicator).
+
+    ``comms`` gives each output's communicator; default: the shared-memory one.
+    """
+    root = proc.master_rank
     results = [None] * len(ops)
     groups: dict = {}
     for i, op in enumerate(ops):
-        groups.setdefault(op, []).append(i)
+        groups.setdefault((op, proc.comm if comms is None else comms[i]), []).append(i)
     failure = None
-    for op, idx in groups.items():
+    for (op, comm), idx in groups.items():
         if op is None:
             if proc.is_master and outs is not None:
                 for i in idx:
                     results[i] = outs[i]
             continue
-        mine = None if outs is None else [np.asarray(outs[i]) for i in idx]
+        on_device = getattr(comm, "device_arrays", False)
+        mine = None if outs is None else [outs[i] if on_device else np.asarray(outs[i]) for i in idx]
+        concat = (lambda _, parts: comm.concat(parts)) if on_device else (lambda _, parts: _concat(parts))
         # Every process must take part in every collective, also after one failed:
         # a rooted collective tells only some processes that it failed, and the
         # others would wait in the next one for a hub that had left.
         flagged = failed or failure is not None
         try:
             if op == "gather":
-                got = comm.gather(mine, root=root, failed=flagged)
+                got = comm.gather(mine, root=root, failed=flagged, join=concat)
                 if got is not None:
-                    for i, parts in zip(idx, got):
-                        results[i] = _concat(parts)
+                    for i, joined in zip(idx, got):
+                        results[i] = joined
             else:
                 got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged)
                 if got is not None:
@@ -434,7 +443,8 @@ class Function:
 
     # -- the call ----------------------------------------------------------
 
-    def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1, **kwargs):
+    def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
+                 device_outputs=False, **kwargs):
         """Run data-parallel: scatter inputs, compute everywhere, reduce outputs.
 
         Args:
@@ -449,6 +459,9 @@ class Function:
                 entry per process (rank order).
             num_slices: each process accumulates over this many slices of its
                 rows (saves memory); updates accumulate with their op.
+            device_outputs: on a GPU device, return the outputs as JAX arrays
+                on the master's GPU instead of numpy arrays (for chaining GPU
+                work). On a CPU device outputs are numpy arrays either way.
 
         Returns:
             The reduced outputs: a list for a list of outputs (or with
@@ -464,6 +477,8 @@ class Function:
         batch_s = self._check_batch_s(batch_s, s.n_parallel)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
             raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+        if not isinstance(device_outputs, bool):
+            raise TypeError(f"device_outputs must be True or False, got {device_outputs!r}")
         subset = self._check_subset(output_subset)
         values = [self._check_value(i, v) for i, v in enumerate(self._bind(args, kwargs))]
         scattered = [i for i, b in enumerate(spec.bcast) if not b]
@@ -510,6 +525,8 @@ class Function:
             batch_ref = d._ref()
         call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s)
         results = s.run(Command.CALL, call, local=lambda proc, c: execute_call(proc, c, own))
+        if s.proc.gpu is not None:
+            results = gpu.convert_outputs(results, device_outputs, s.proc.gpu.jax_device)
         if subset is not None:
             return results
         return self._shape_result(results)
@@ -629,7 +646,11 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         sliceable_shareds: shared variables whose rows a call may select with
             ``batch_s`` in each process's own copy.
         reduce_ops: one op for every output, or one per output (instead of pairs).
+        nccl: on a GPU device where every process has a GPU of its own, reduce
+            this function's outputs through NCCL (default); ``False`` takes
+            the CPU (shared-memory) path, as ``c_`` ops do for one output.
         **pytensor_kwargs: passed to ``pytensor.function`` (``mode``, ...).
+            On a GPU device ``mode`` defaults to ``"JAX"``.
 
     Returns:
         A :class:`Function`.
@@ -723,10 +744,16 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             raise ValueError(f"sliceable shared variable {var.name or var!r} is 0-d; it has no rows")
         sliceable.append(var)
 
+    nccl = pytensor_kwargs.pop("nccl", True)
+    if not isinstance(nccl, bool):
+        raise TypeError(f"nccl must be True or False, got {nccl!r}")
+    if s.proc.device == "gpu":
+        pytensor_kwargs.setdefault("mode", "JAX")  # the graph runs on this process's GPU
     fid = next(_fids)
     name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
     spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
-                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops)
+                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops,
+                        nccl=nccl)
     local = LocalFunction(spec)
     local.compiled()  # compile now, as pytensor.function does: errors show here
     fn = Function(spec, local)

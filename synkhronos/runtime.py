@@ -11,11 +11,12 @@ import sys
 import time
 import warnings
 
-from . import control
+from . import control, gpu
 from .collectives import PeerFailed, ShmCommunicator
 from .control import Aborted, ChildWatch, Command, ControlBlock, MasterGone
 from .errors import SynkError, WorkerDiedError, pack_exception, unpack_exception
 from .shmem import new_prefix, unlink_prefix, unlink_stale
+from .memory import keep_freed_memory
 from .threads import available_cores, limit_threads
 
 __all__ = ["fork", "close"]
@@ -42,8 +43,11 @@ class Process:
         self.comm = None
         self.functions = {}   # function id -> local executor
         self.shareds = {}     # shared-variable id -> this process's variable
-        self.data_cache = {}  # data id -> attached Segment
+        self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.scratch = {}     # this process's own scratch segments by key
+        self.gpu_plan = None  # gpu.GpuPlan on a GPU device
+        self.gpu = None       # gpu.GpuState once this process opened its GPU
+        self.nccl = None      # NcclCommunicator when every process has a GPU of its own
 
     def check_parent(self) -> None:
         """Worker-side: raise MasterGone once the master process has died."""
@@ -61,12 +65,15 @@ class Process:
             raise Aborted("the master abandoned this command")
 
     def close(self) -> None:
-        for seg in self.data_cache.values():
+        for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()
         for seg in self.scratch.values():
             seg.close()
         self.scratch.clear()
+        if self.nccl is not None:
+            self.nccl.close()
+            self.nccl = None
         if self.comm is not None:
             self.comm.close()
         if self.control is not None:
@@ -197,8 +204,15 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     Returns:
         The number of processes, master included.
 
+    On a GPU device each process uses GPU ``rank % n_gpus`` (bound through
+    ``CUDA_VISIBLE_DEVICES`` before CUDA starts) and runs its functions
+    through PyTensor's JAX backend; when every process has a GPU of its own,
+    output reductions and shared-variable collectives go through NCCL.
+
     Raises:
-        RuntimeError: already forked.
+        RuntimeError: already forked; ``device="gpu"`` without the GPU stack
+            (the message names what to install) or without a visible GPU; JAX
+            already initialised CUDA in this process.
         TypeError, ValueError: a bad argument, named in the message.
     """
     global _session
@@ -206,12 +220,11 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         raise RuntimeError("synk.fork() was already called; call synk.close() before forking again")
     if device not in _DEVICES:
         raise ValueError(f"device must be one of {_DEVICES}, got {device!r}")
-    if device == "gpu":
-        _require_gpu_stack()
-    device = "cpu"
+    n_gpus = gpu.require_gpu() if device == "gpu" else gpu.auto_gpus() if device == "auto" else 0
+    device = "gpu" if n_gpus else "cpu"
     cores = available_cores()
     if n_parallel is None:
-        n_parallel = cores
+        n_parallel = n_gpus or cores
     if isinstance(n_parallel, bool) or not isinstance(n_parallel, int):
         raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
     if n_parallel < 1:
@@ -223,20 +236,31 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         raise TypeError(f"master_rank must be an int, got {master_rank!r}")
     if not 0 <= master_rank < n_parallel:
         raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
+    gpu_plan = None
+    if device == "gpu":
+        if n_parallel > n_gpus:
+            warnings.warn(f"n_parallel={n_parallel} is more than the {n_gpus} GPUs visible; processes "
+                          "will share GPUs and use the CPU (shared-memory) collectives", stacklevel=2)
+        gpu_plan = gpu.plan(n_gpus, n_parallel)
+        gpu_plan.saved_env = gpu.bind(gpu_plan, master_rank, n_parallel)
 
     stale = unlink_stale()
     if stale:
         log.info("removed %d shared-memory objects left by dead synkhronos masters", len(stale))
     prefix = new_prefix()
     proc = Process(prefix, master_rank, n_parallel, master_rank, device)
+    proc.gpu_plan = gpu_plan
     try:
         proc.control = ControlBlock(prefix, n_parallel, master_rank, create=True)
         proc.comm = ShmCommunicator(prefix, master_rank, n_parallel, master_rank, create=True)
     except BaseException:
         proc.close()
         unlink_prefix(prefix)
+        if gpu_plan is not None:
+            gpu.unbind(gpu_plan.saved_env)
         raise
     threads = max(1, cores // n_parallel)
+    keep_freed_memory()  # before forking: the workers inherit it
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
@@ -252,18 +276,13 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     proc.comm.check = _session.check
     atexit.register(_close_at_exit)
     log.debug("forked %d workers: %s", len(pids), pids)
+    if device == "gpu":
+        try:
+            gpu.start(_session)  # every process opens its GPU; NCCL when each has its own
+        except BaseException:
+            close()
+            raise
     return n_parallel
-
-
-def _require_gpu_stack() -> None:
-    import importlib.util
-
-    missing = [m for m in ("cupy", "jax") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise RuntimeError(f"device='gpu' needs {' and '.join(missing)}, which could not be "
-                           "imported: pip install synkhronos[gpu]")
-    raise RuntimeError("device='gpu' is not available in this build of synkhronos yet; "
-                       "use device='cpu'")
 
 
 def _set_parent_death_signal() -> None:
@@ -284,8 +303,11 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         signal.signal(_PARENT_DEATH_SIGNAL, _on_parent_death)
         _set_parent_death_signal()
         atexit._clear()
+        if master_proc.gpu_plan is not None:  # before anything touches CUDA
+            gpu.bind(master_proc.gpu_plan, rank)
         proc = Process(master_proc.prefix, rank, master_proc.size, master_proc.master_rank,
                        master_proc.device)
+        proc.gpu_plan = master_proc.gpu_plan
         proc.master_pid = os.getppid()
         if proc.master_pid != master_proc.master_pid:
             os._exit(1)
@@ -349,6 +371,8 @@ def close() -> None:
     proc.close()
     unlink_prefix(proc.prefix)
     s.thread_limit.restore()
+    if proc.gpu_plan is not None:
+        gpu.unbind(proc.gpu_plan.saved_env)
     try:
         atexit.unregister(_close_at_exit)
     except Exception:

@@ -35,6 +35,8 @@ class CollectiveSpec:
     refs: Any = None          # Data refs of values, when the master sends values
     batch: Any = None         # normalised batch per value (scatter, set_value)
     in_place: bool = True
+    nd_up: int = 1
+    cpu: bool = False         # a "c_" op: the CPU path, also on a GPU device
 
 
 # ---------------------------------------------------------------------------
@@ -163,8 +165,8 @@ def gather(shared_vars, nd_up=1):
     if nd_up not in (0, 1) or isinstance(nd_up, bool):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
     s, vars_, sids, single = _resolve(shared_vars)
-    parts = s.run(Command.COLLECTIVE, CollectiveSpec("gather", sids), _run)
-    return _ret([_join(p, nd_up, v) for p, v in zip(parts, vars_)], single)
+    joined = s.run(Command.COLLECTIVE, CollectiveSpec("gather", sids, nd_up=nd_up), _run)
+    return _ret(joined, single)
 
 
 def all_gather(shared_vars):
@@ -194,17 +196,20 @@ def reduce(shared_vars, op="avg", in_place=True):
     Returns:
         The result(s) when ``in_place`` is False, else None.
     """
+    cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
     s, vars_, sids, single = _resolve(shared_vars)
-    res = s.run(Command.COLLECTIVE, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place)), _run)
+    res = s.run(Command.COLLECTIVE, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place),
+                                                   cpu=cpu), _run)
     return None if in_place else _ret(res, single)
 
 
 def all_reduce(shared_vars, op="avg"):
     """Combine every process's value with ``op`` and store the result everywhere."""
+    cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
     s, vars_, sids, _ = _resolve(shared_vars)
-    s.run(Command.COLLECTIVE, CollectiveSpec("all_reduce", sids, op=op), _run)
+    s.run(Command.COLLECTIVE, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu), _run)
 
 
 def _check_rank(s, rank):
@@ -299,6 +304,21 @@ def _resident(proc, sids, vars_) -> list:
     return out
 
 
+def _receive_into(proc, sid, var, src) -> np.ndarray:
+    """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
+    value (memory allocated once, not at every broadcast)."""
+    comm = proc.comm
+    if not hasattr(comm, "resident") or np.dtype(src.dtype) != np.dtype(var.type.dtype):
+        _store(var, np.array(src, copy=True))
+        return var.get_value(borrow=True)
+    view = comm.resident(f"sv{sid}", src.dtype, src.shape)
+    if view.nbytes and _overlaps(view, _memory_in_use(proc, exclude={sid})):
+        view = comm.resident(f"sv{sid}", src.dtype, src.shape, fresh=True)
+    np.copyto(view, src)
+    var.set_value(view, borrow=True)
+    return view
+
+
 def _memory_in_use(proc, exclude) -> list:
     """Byte ranges of the current values of every other shared variable of this process."""
     ranges = []
@@ -324,16 +344,25 @@ def _overlaps(a, ranges) -> bool:
 
 @handler(Command.COLLECTIVE)
 def _run(proc, spec: CollectiveSpec):
+    if getattr(proc, "gpu", None) is not None:  # a GPU device: NCCL, or the host path and back
+        from .gpu import run_shared_collective
+
+        return run_shared_collective(proc, spec, _run_host)
+    return _run_host(proc, spec)
+
+
+def _run_host(proc, spec: CollectiveSpec):
+    """The collective through the shared-memory communicator, on values in host memory."""
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     comm, root = proc.comm, proc.master_rank
     mine = lambda: [v.get_value(borrow=True) for v in vars_]  # noqa: E731
     kind = spec.kind
     if kind == "broadcast":
-        mine_resident = _resident(proc, spec.sids, vars_) if proc.is_master else None
-        got = comm.broadcast(mine_resident, root=root)
-        if not proc.is_master:
-            for v, a in zip(vars_, got):
-                _store(v, a)
+        if proc.is_master:
+            comm.broadcast(_resident(proc, spec.sids, vars_), root=root)
+        else:
+            comm.broadcast(None, root=root, receive=lambda i, src: _receive_into(
+                proc, spec.sids[i], vars_[i], src))
     elif kind in ("scatter", "set_value"):
         if kind == "set_value" and proc.rank != spec.rank:
             return None
@@ -346,7 +375,8 @@ def _run(proc, spec: CollectiveSpec):
                 arr = arr[batch]
             _store(v, np.array(arr, copy=True))
     elif kind == "gather":
-        return comm.gather(_resident(proc, spec.sids, vars_), root=root)
+        return comm.gather(_resident(proc, spec.sids, vars_), root=root,
+                           join=lambda i, parts: _join(parts, spec.nd_up, vars_[i]))
     elif kind == "all_gather":
         got = comm.all_gather(mine())
         out = []

@@ -7,6 +7,7 @@ import mmap
 import os
 import re
 import secrets
+import struct
 
 import numpy as np
 import posix_ipc
@@ -19,6 +20,7 @@ _ROOT = "synk"
 # a later fork() find what a killed master left behind.
 _NAME_RE = re.compile(r"^(?:sem\.)?synk\.(\d+)\.([0-9a-f]+)\.")
 _ALIGN = 64
+_I64 = struct.Struct("q")
 
 
 def new_prefix() -> str:
@@ -62,6 +64,19 @@ class Segment:
 
     def buffer(self) -> memoryview:
         return memoryview(self._map)
+
+    def get_int(self, offset: int = 0) -> int:
+        """The int64 at ``offset`` (cheaper than a numpy view for one number)."""
+        return _I64.unpack_from(self._map, offset)[0]
+
+    def set_int(self, value: int, offset: int = 0) -> None:
+        _I64.pack_into(self._map, offset, value)
+
+    def get_bytes(self, start: int, stop: int) -> bytes:
+        return self._map[start:stop]
+
+    def set_bytes(self, start: int, data: bytes) -> None:
+        self._map[start:start + len(data)] = data
 
     def close(self) -> None:
         """Unmap; unlink too when this process created the segment."""

@@ -18,7 +18,7 @@ log = logging.getLogger("synkhronos")
 def serve(proc) -> int:
     """Serve commands until CLOSE; returns the exit code."""
     # The feature modules register their worker-side handlers on import.
-    from .. import distribute, function, shareds  # noqa: F401
+    from .. import distribute, function, gpu, shareds  # noqa: F401
 
     ctl = proc.control
     epoch = ctl.epoch()

@@ -1,0 +1,433 @@
+"""NCCL Communicator for GPU processes, one GPU each, through CuPy's NCCL binding.
+
+Arrays in and out are device arrays: JAX arrays are read in place through
+DLPack, results come back as CuPy arrays. Before every collective the
+processes agree, through the shared-memory communicator this one wraps, on
+what each contributes (dtypes and shapes, weights, failure flags), then again
+that every process has its buffers ready: a process with nothing to add sends
+identity elements of the agreed shape, and an error in one process is an
+error in all of them, never a process left waiting inside NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import time
+
+import numpy as np
+
+from ..control import SPIN_SECONDS, WAIT_SLICE
+from ..errors import SynkError
+from .base import Communicator
+from .shm import PeerFailed
+
+__all__ = ["NcclCommunicator", "new_unique_id", "avg_factors", "reduce_plan"]
+
+#: dtype -> NCCL datatype name (resolved against cupy.cuda.nccl when used).
+NCCL_DTYPES = {
+    np.dtype(np.int8): "NCCL_INT8",
+    np.dtype(np.uint8): "NCCL_UINT8",
+    np.dtype(np.int32): "NCCL_INT32",
+    np.dtype(np.uint32): "NCCL_UINT32",
+    np.dtype(np.int64): "NCCL_INT64",
+    np.dtype(np.uint64): "NCCL_UINT64",
+    np.dtype(np.float16): "NCCL_FLOAT16",
+    np.dtype(np.float32): "NCCL_FLOAT32",
+    np.dtype(np.float64): "NCCL_FLOAT64",
+}
+#: reduce op -> NCCL op name. "avg" is a sum (NCCL's own average is not used).
+NCCL_OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX",
+            "min": "NCCL_MIN"}
+#: dtypes that may travel through NCCL (as bytes for broadcast and gathers).
+MOVABLE_KINDS = "biufc"
+#: bytes each rank's part of a padded all-gather is rounded up to (alignment of the views).
+_GATHER_ALIGN = 16
+
+
+def new_unique_id() -> tuple:
+    """A fresh NCCL unique id (the master makes it, every process joins with it)."""
+    from cupy.cuda import nccl
+
+    return nccl.get_unique_id()
+
+
+def avg_factors(weights, mine: float) -> tuple[float, float]:
+    """``(pre, post)`` for a weighted average as an NCCL sum.
+
+    Each contributing process multiplies its arrays by ``pre`` before the sum,
+    and the sum is multiplied by ``post``: ``pre * post == mine / sum(weights)``.
+    With equal weights ``pre`` is exactly 1 (no multiply) and ``post`` is the
+    reciprocal of the count: a sum followed by a multiply by the reciprocal.
+    With uneven weights (rows split unevenly) ``pre = mine / max(weights) <= 1``
+    (no overflow in low precision) and ``post = max(weights) / sum(weights)``.
+    A total weight of 0 counts every contribution once, as the CPU path does.
+    """
+    w = [float(x) for x in weights]
+    total = sum(w)
+    if total <= 0:
+        w, mine, total = [1.0] * len(w), 1.0, float(len(w))
+    ref = max(w)
+    return float(mine) / ref, ref / total
+
+
+def reduce_plan(dtype, op: str):
+    """How ``op`` reduces ``dtype`` through NCCL: ``(work dtype, NCCL datatype name,
+    NCCL op name, result dtype, elements per array element)``.
+
+    The results match the CPU path: ``avg`` of integers is float64 (of
+    booleans, computed in float64, it is a boolean again);
+    ``sum``/``max`` of booleans is a logical or, ``prod``/``min`` a logical and;
+    int16 and uint16 reduce exactly in 32 bits; complex numbers sum and
+    average as pairs of floats.
+
+    Raises:
+        TypeError: NCCL cannot reduce ``dtype`` with ``op`` (the message names
+            both and the CPU ops to use instead).
+    """
+    dtype = np.dtype(dtype)
+    nccl_op = NCCL_OPS[op]
+    bad = TypeError(f"NCCL cannot {op}-reduce arrays of dtype {dtype}; use op 'c_{op}' "
+                    "(or nccl=False for a function) for the CPU path")
+    if dtype.kind == "b":
+        if op == "avg":  # as on the CPU: any weight of True gives True
+            return np.dtype(np.float64), "NCCL_FLOAT64", nccl_op, dtype, 1
+        logical = {"sum": "NCCL_MAX", "max": "NCCL_MAX", "prod": "NCCL_MIN", "min": "NCCL_MIN"}[op]
+        return np.dtype(np.uint8), "NCCL_UINT8", logical, dtype, 1
+    if dtype.kind in "iu":
+        if op == "avg":
+            return np.dtype(np.float64), "NCCL_FLOAT64", nccl_op, np.dtype(np.float64), 1
+        work = dtype if dtype in NCCL_DTYPES else np.dtype(f"{dtype.kind}4") if dtype.itemsize < 4 else None
+        if work is None or work not in NCCL_DTYPES:
+            raise bad
+        return work, NCCL_DTYPES[work], nccl_op, dtype, 1
+    if dtype.kind == "f" and dtype in NCCL_DTYPES:
+        return dtype, NCCL_DTYPES[dtype], nccl_op, dtype, 1
+    if dtype.kind == "c" and op in ("sum", "avg"):
+        part = np.dtype(f"f{dtype.itemsize // 2}")
+        if part in NCCL_DTYPES:
+            return dtype, NCCL_DTYPES[part], nccl_op, dtype, 2
+    raise bad
+
+
+def _identity(op: str, work):
+    """The element a process with nothing to add contributes to ``op``."""
+    work = np.dtype(work)
+    if op in ("sum", "avg"):
+        return 0
+    if op == "prod":
+        return 1
+    if work.kind == "f":
+        return -np.inf if op == "max" else np.inf
+    info = np.iinfo(work)
+    return info.min if op == "max" else info.max
+
+
+def _check_movable(layout, what: str) -> None:
+    for dtype, _ in layout:
+        if np.dtype(dtype).kind not in MOVABLE_KINDS:
+            raise TypeError(f"NCCL cannot {what} arrays of dtype {dtype}; use the CPU path "
+                            "(a 'c_' op, or nccl=False for a function)")
+
+
+class NcclCommunicator(Communicator):
+    """Collectives over NCCL among processes that each own one GPU.
+
+    Args:
+        shm: the fork's shared-memory communicator: it carries the agreement
+            before each collective and the liveness checks while waiting.
+        unique_id: the NCCL unique id from :func:`new_unique_id`, the same in
+            every process.
+
+    Every process must create it at the same time (NCCL's initialisation is
+    collective). Results are CuPy arrays on this process's GPU.
+    """
+
+    #: arrays stay on the device: callers pass JAX/CuPy arrays as they are
+    device_arrays = True
+
+    def __init__(self, shm, unique_id):
+        import cupy
+        from cupy.cuda import nccl
+
+        if not getattr(nccl, "available", True):
+            raise ImportError("CuPy was built without NCCL: install nvidia-nccl-cu13 (pip install "
+                              "synkhronos[gpu])")
+        self._cp = cupy
+        self._nccl = nccl
+        self._shm = shm
+        self.rank, self.size, self.hub = shm.rank, shm.size, shm.hub
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._comm = nccl.NcclCommunicator(self.size, tuple(unique_id), self.rank)
+        self.broken: str | None = None
+
+    # -- agreement and waiting ---------------------------------------------
+
+    def _agree(self, arrays, weight=1.0, failed=False):
+        """Every rank's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
+
+        The pickled description travels through the shared-memory all-gather,
+        which publishes its size before its bytes.
+        """
+        layout = None if arrays is None else [(np.dtype(a.dtype), tuple(int(d) for d in a.shape))
+                                              for a in arrays]
+        blob = pickle.dumps((layout, float(weight), self.broken), protocol=pickle.HIGHEST_PROTOCOL)
+        got = self._shm.all_gather([np.frombuffer(blob, dtype=np.uint8)], failed=failed)
+        metas = [pickle.loads(part.tobytes()) for part in got[0]]
+        broken = [r for r, m in enumerate(metas) if m[2] is not None]
+        if broken:
+            raise SynkError(f"the NCCL communicator of rank {broken[0]} was aborted after an earlier "
+                            f"failure ({metas[broken[0]][2]}); call synk.close() and synk.fork() again")
+        return [(m[0], m[1]) for m in metas]
+
+    def _ready(self, prepare):
+        """Run ``prepare()`` (buffers, conversions), then agree that every process succeeded."""
+        error = None
+        try:
+            out = prepare()
+        except Exception as exc:
+            error, out = exc, None
+        try:
+            self._shm.all_gather([np.zeros(1, dtype=np.uint8)], failed=error is not None)
+        except PeerFailed:
+            if error is not None:
+                raise error from None
+            raise
+        return out
+
+    def _wait(self) -> None:
+        """Wait for this process's NCCL work, checking between slices that nobody died."""
+        stream = self._stream
+        if stream.done:
+            return
+        spin_end = time.perf_counter() + SPIN_SECONDS
+        next_check = time.perf_counter() + WAIT_SLICE
+        while not stream.done:
+            now = time.perf_counter()
+            if now < spin_end:
+                os.sched_yield()
+                continue
+            time.sleep(50e-6)
+            if now >= next_check:
+                next_check = now + WAIT_SLICE
+                try:
+                    self._shm.check()
+                except BaseException as exc:
+                    self.abort(f"{type(exc).__name__}: {exc}")
+                    raise
+
+    def abort(self, why: str) -> None:
+        """Abandon the NCCL communicator (its peers will not come); later collectives fail."""
+        if self.broken is None:
+            self.broken = why
+            try:
+                self._comm.abort()
+            except Exception:
+                pass
+
+    # -- arrays ------------------------------------------------------------
+
+    def _dev(self, a):
+        """A C-contiguous CuPy array of ``a`` on this GPU (JAX arrays without a copy)."""
+        from ..gpu import to_cupy
+
+        cp = self._cp
+        if a.size == 0:
+            return cp.empty(a.shape, dtype=a.dtype)
+        return cp.ascontiguousarray(to_cupy(a))
+
+    def _bytes(self, a):
+        return self._dev(a).reshape(-1).view(self._cp.uint8)
+
+    def _const(self, name: str) -> int:
+        return int(getattr(self._nccl, name))
+
+    # -- collectives -------------------------------------------------------
+
+    def barrier(self) -> None:
+        self._wait()
+        self._shm.barrier()
+
+    def _reduce(self, arrays, op, weight, failed, root):
+        metas = self._agree(arrays, weight, failed)
+        present = [r for r, (lay, _) in enumerate(metas) if lay is not None]
+        if not present:
+            return None
+        layout = metas[present[0]][0]
+        for r in present[1:]:
+            if metas[r][0] != layout:
+                raise ValueError(f"cannot {op}-reduce: rank {present[0]} holds "
+                                 f"{[(str(d), s) for d, s in layout]} but rank {r} holds "
+                                 f"{[(str(d), s) for d, s in metas[r][0]]}")
+        plans = [reduce_plan(d, op) for d, _ in layout]
+        pre = post = 1.0
+        if op == "avg":
+            pre, post = avg_factors([metas[r][1] for r in present], metas[self.rank][1])
+        cp = self._cp
+        gets_result = root is None or self.rank == root
+
+        def prepare():
+            bufs = []
+            with self._stream:
+                for i, ((_, shape), (work, _, _, _, _)) in enumerate(zip(layout, plans)):
+                    if arrays is None:
+                        send = cp.full(shape, _identity(op, work), dtype=work)
+                    else:
+                        send = self._dev(arrays[i]).astype(work, copy=False)
+                        if pre != 1.0:
+                            send = send * work.type(pre)
+                    recv = cp.empty(shape, dtype=work) if gets_result else send
+                    bufs.append((send, recv))
+            return bufs
+
+        bufs = self._ready(prepare)
+        ptr = self._stream.ptr
+        with self._stream:
+            for (send, recv), (_, dtype_name, op_name, _, per) in zip(bufs, plans):
+                count = send.size * per
+                if count == 0:
+                    continue
+                if root is None:
+                    self._comm.allReduce(send.data.ptr, recv.data.ptr, count, self._const(dtype_name),
+                                         self._const(op_name), ptr)
+                else:
+                    self._comm.reduce(send.data.ptr, recv.data.ptr, count, self._const(dtype_name),
+                                      self._const(op_name), root, ptr)
+            out = None
+            if gets_result:
+                out = []
+                for (_, recv), (_, _, _, result, _) in zip(bufs, plans):
+                    if post != 1.0:
+                        recv *= recv.dtype.type(post)
+                    out.append(recv.astype(result, copy=False))
+        self._wait()
+        return out
+
+    def reduce(self, arrays, op, root, weight=1.0, failed=False):
+        """``op`` over every process's arrays; CuPy arrays on root, None elsewhere."""
+        return self._reduce(arrays, op, weight, failed, root)
+
+    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
+        """``op`` over every process's arrays; CuPy arrays everywhere (new buffers:
+        ``in_place`` is accepted for the interface and changes nothing)."""
+        return self._reduce(arrays, op, weight, failed, None)
+
+    def all_gather(self, arrays, failed=False, join=None):
+        """For each array, the list over ranks of its copies (None where a rank had none),
+        or ``join(i, parts)`` of that list when ``join`` is given.
+
+        NCCL's all-gather moves equal counts: each rank's bytes are padded to
+        the largest, then trimmed with the agreed lengths.
+        """
+        metas = self._agree(arrays, 1.0, failed)
+        lays = [lay for lay, _ in metas]
+        counts = {len(lay) for lay in lays if lay is not None}
+        if len(counts) > 1:
+            raise ValueError(f"cannot gather: the processes hold different numbers of arrays "
+                             f"{[None if lay is None else len(lay) for lay in lays]}")
+        n = counts.pop() if counts else 0
+        for lay in lays:
+            if lay is not None:
+                _check_movable(lay, "gather")
+        cp = self._cp
+        sizes = [[0 if lay is None else math.prod(lay[i][1]) * np.dtype(lay[i][0]).itemsize
+                  for lay in lays] for i in range(n)]
+        slots = [-(-max(s) // _GATHER_ALIGN) * _GATHER_ALIGN for s in sizes]
+
+        def prepare():
+            bufs = []
+            with self._stream:
+                for i in range(n):
+                    slot = slots[i]
+                    if slot == 0:
+                        bufs.append((None, None))
+                        continue
+                    mine = sizes[i][self.rank]
+                    src = self._bytes(arrays[i]) if arrays is not None and mine else None
+                    if src is not None and mine == slot:
+                        send = src
+                    else:
+                        send = cp.zeros(slot, dtype=cp.uint8)
+                        if src is not None:
+                            send[:mine] = src
+                    bufs.append((send, cp.empty(slot * self.size, dtype=cp.uint8)))
+            return bufs
+
+        bufs = self._ready(prepare)
+        u8 = self._const("NCCL_UINT8")
+        with self._stream:
+            for (send, recv), slot in zip(bufs, slots):
+                if slot:
+                    self._comm.allGather(send.data.ptr, recv.data.ptr, slot, u8, self._stream.ptr)
+        self._wait()
+        out = []
+        for i, ((_, recv), slot) in enumerate(zip(bufs, slots)):
+            parts = []
+            for r, lay in enumerate(lays):
+                if lay is None:
+                    parts.append(None)
+                    continue
+                dtype, shape = lay[i]
+                if sizes[i][r] == 0:
+                    parts.append(cp.empty(shape, dtype=dtype))
+                else:
+                    parts.append(recv[r * slot:r * slot + sizes[i][r]].view(dtype).reshape(shape))
+            out.append(parts if join is None else join(i, parts))
+        return out
+
+    def gather(self, arrays, root, failed=False, join=None):
+        """As :meth:`all_gather` (NCCL has no gather), the result on root only."""
+        if self.rank != root:
+            join = None  # nobody here wants the parts
+        out = self.all_gather(arrays, failed=failed, join=join)
+        return out if self.rank == root else None
+
+    def broadcast(self, arrays, root, failed=False, receive=None):
+        """Root's arrays in every process (root gets its own, as CuPy arrays);
+        ``receive(i, array)``, if given, places array ``i`` elsewhere than root and
+        returns what to give back for it."""
+        metas = self._agree(arrays if self.rank == root else None, 1.0, failed)
+        layout = metas[root][0]
+        if layout is None:
+            raise ValueError(f"broadcast: root rank {root} gave no arrays")
+        _check_movable(layout, "broadcast")
+        cp = self._cp
+        sizes = [math.prod(s) * np.dtype(d).itemsize for d, s in layout]
+
+        def prepare():
+            with self._stream:
+                if self.rank == root:
+                    return [self._bytes(a) if n else None for a, n in zip(arrays, sizes)]
+                return [cp.empty(n, dtype=cp.uint8) if n else None for n in sizes]
+
+        bufs = self._ready(prepare)
+        u8 = self._const("NCCL_UINT8")
+        with self._stream:
+            for buf, n in zip(bufs, sizes):
+                if n:  # in place: root sends from the buffer it receives into
+                    self._comm.broadcast(buf.data.ptr, buf.data.ptr, n, u8, root, self._stream.ptr)
+        self._wait()
+        out = [cp.empty(s, dtype=d) if buf is None else buf.view(d).reshape(s)
+               for buf, (d, s) in zip(bufs, layout)]
+        if receive is not None and self.rank != root:
+            out = [receive(i, a) for i, a in enumerate(out)]
+        return out
+
+    def concat(self, parts):
+        """Concatenate gathered parts along axis 0 on the device (0-d parts are stacked)."""
+        cp = self._cp
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        if parts[0].ndim == 0:
+            return cp.stack(parts)
+        return cp.concatenate(parts, axis=0)
+
+    def close(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None and self.broken is None:
+            try:
+                comm.destroy()
+            except Exception:
+                pass

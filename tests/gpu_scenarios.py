@@ -1,0 +1,312 @@
+"""GPU scenarios, each run in a fresh Python process: ``python tests/gpu_scenarios.py NAME N [--fake]``.
+
+A fresh process per scenario, because a process in which CUDA is up cannot
+fork GPU workers. Each scenario forks N processes on the GPU device, checks
+its results against ``as_pytensor`` on the same device, and prints ``OK``
+and a JSON line of facts (device, whether NCCL was used, timings) at the end.
+
+``--fake`` runs the same scenario without a GPU: the CuPy stand-in of
+tests/fakegpu (whose NCCL has one rank per process, so NCCL is used with one
+process only) and JAX's CPU device stand in for the GPU. It needs JAX (a CPU
+build is enough). It proves the wiring, not CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+OPS = ("avg", "sum", "prod", "max", "min", "gather", None)
+
+
+def _install_fake() -> None:
+    """CuPy stand-in and JAX on the CPU, as the GPU device of every process of the fork."""
+    fake = str(HERE / "fakegpu")
+    sys.path.insert(0, fake)
+    os.environ["PYTHONPATH"] = os.pathsep.join([fake] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from synkhronos import gpu
+
+    def fake_state(self):
+        import cupy
+        import jax
+
+        assert getattr(cupy, "FAKE", False)
+        self.jax_device = jax.devices("cpu")[0]
+        self.cupy_device = cupy.cuda.Device(0)
+        self.cupy_device.use()
+        self.placed = {}
+
+    gpu.GpuState.__init__ = fake_state
+
+
+def _is_jax(x) -> bool:
+    import jax
+
+    return isinstance(x, jax.Array)
+
+
+def _close(a, b, what, rtol=1e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6, err_msg=what)
+
+
+class _CountingNccl:
+    """Stands in front of the master's NCCL communicator and counts the calls into it."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.calls = []
+
+    def __getattr__(self, name):
+        fn = getattr(self._comm, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args)
+
+        return call
+
+
+def _fork(n):
+    import synkhronos as synk
+    from synkhronos import gpu, runtime
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert synk.fork(n, device="gpu") == n
+    s = runtime.session()
+    n_gpus = gpu.count_gpus()
+    assert s.proc.device == "gpu" and s.proc.gpu is not None
+    assert (s.proc.nccl is not None) == (n <= n_gpus), (n, n_gpus, s.proc.nccl)
+    if n > n_gpus:
+        assert any("share GPUs" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    return s
+
+
+def outputs(n: int) -> dict:
+    """Every output op (and its c_ twin), nccl=False, device_outputs, uneven rows, updates."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos.batching import split
+
+    s = _fork(n)
+    rng = np.random.default_rng(0)
+    x = pt.dmatrix("x")
+    k = pt.lvector("k")
+    w = pytensor.shared(rng.standard_normal((5, 3)), name="w")
+    y = pt.dot(x, w)
+    graph = [pt.mean(y, axis=0), pt.sum(y ** 2), pt.prod(pt.tanh(y) + 2, axis=0), pt.max(y, axis=0),
+             pt.min(y), y, pt.sum(x)]
+    outs = list(zip(graph, OPS))
+    facts = {"n": n, "nccl": s.proc.nccl is not None, "device": s.proc.gpu.describe()}
+    f = synk.function([x], outs)
+    f_c = synk.function([x], [(g, "c_" + op if op else None) for g, op in zip(graph, OPS)])
+    f_off = synk.function([x], outs, nccl=False)
+    f_int = synk.function([k], [(pt.sum(k), "sum"), (pt.mean(k), "avg"), (k, "gather"), (k.max(), "max")])
+    assert f._spec.kwargs["mode"] == "JAX"
+    counting = None
+    if s.proc.nccl is not None:
+        counting = s.proc.nccl._comm = _CountingNccl(s.proc.nccl._comm)
+    for rows in (7, 1, 2 * n + 1):  # uneven splits; fewer rows than processes
+        data = rng.standard_normal((rows, 5))
+        want = f.as_pytensor(data)
+        for fn, label in ((f, "nccl"), (f_c, "c_"), (f_off, "nccl=False")):
+            before = None if counting is None else len(counting.calls)
+            got = fn(data)
+            if counting is not None:
+                went = counting.calls[before:]
+                if fn is f:  # avg/sum/prod/max/min reduce to the master, gather all-gathers
+                    assert went.count("reduce") == 5 and went.count("allGather") == 1, went
+                else:
+                    assert went == [], f"{label} went through NCCL: {went}"
+            assert all(isinstance(g, np.ndarray) for g in got), [type(g) for g in got]
+            for i, op in enumerate(OPS):
+                if op is None:  # the master's own rows only
+                    lo, hi = split(rows, n, s.proc.rank)
+                    _close(got[i], np.sum(data[lo:hi]), f"{label} output {i} (None)")
+                    continue
+                _close(got[i], want[i], f"{label} output {i} ({op}), {rows} rows over {n}")
+        dev = f(data, device_outputs=True)
+        assert all(_is_jax(g) for g in dev), [type(g) for g in dev]
+        _close(dev[0], want[0], "device_outputs avg")
+    ks = np.arange(11, dtype=np.int64)
+    want = f_int.as_pytensor(ks)
+    got = f_int(ks)
+    assert got[0] == np.asarray(want[0]) and got[0].dtype == np.int64, (got[0], want[0])
+    _close(got[1], want[1], "int avg")
+    assert got[2].dtype == np.int64 and got[3] == 10
+    np.testing.assert_array_equal(got[2], ks)
+    # updates: each process applies its own, the value stays on the device
+    v = pytensor.shared(np.zeros(3), name="v")
+    g = synk.function([x], (pt.sum(x), "sum"), updates=[(v, v + pt.sum(x, axis=0)[:3])])
+    g(np.ones((4, 5)))
+    assert _is_jax(v.get_value(borrow=True)), type(v.get_value(borrow=True))
+    g(np.ones((4, 5)), num_slices=2)
+    assert _is_jax(v.get_value(borrow=True)), "a sliced update left the device"
+    synk.close()
+    return facts
+
+
+def shareds(n: int) -> dict:
+    """Every collective on shared variables, their c_ twins, and residency on the device."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos import gpu
+
+    s = _fork(n)
+    a = pytensor.shared(np.zeros((4, 3)), name="a")
+    b = pytensor.shared(np.zeros(5, dtype=np.int32), name="b")
+    synk.function([], [pt.sum(a), pt.sum(b)])
+    synk.distribute()
+    both = [a, b]
+
+    def resident(what):
+        placed = gpu.on_device(both)
+        assert all(np.all(p) for p in placed), f"after {what}: {placed}"
+
+    resident("distribute")
+    per = [np.arange(12.0).reshape(4, 3) * (r + 1) - r for r in range(n)]
+    per_b = [np.arange(5, dtype=np.int32) * (r + 2) for r in range(n)]
+
+    def reset():
+        for r in range(n):
+            synk.set_value(r, a, per[r])
+            synk.set_value(r, b, per_b[r])
+        resident("set_value")
+
+    ref = {"avg": lambda p: np.mean(p, axis=0), "sum": lambda p: np.sum(p, axis=0),
+           "prod": lambda p: np.prod(p, axis=0), "max": lambda p: np.max(p, axis=0),
+           "min": lambda p: np.min(p, axis=0)}
+    for prefix in ("", "c_"):
+        for op, fn in ref.items():
+            reset()
+            got = synk.reduce(both, op=prefix + op, in_place=False)
+            _close(got[0], fn(per), f"reduce {prefix}{op}")
+            _close(got[1], fn(per_b).astype(np.int32), f"reduce {prefix}{op} int32")
+            synk.all_reduce(both, op=prefix + op)
+            resident(f"all_reduce {prefix}{op}")
+            for r in range(n):
+                _close(synk.get_value(r, a), fn(per), f"all_reduce {prefix}{op} rank {r}")
+                _close(synk.get_value(r, b), fn(per_b).astype(np.int32), f"all_reduce {prefix}{op} b")
+    reset()
+    _close(synk.gather(a), np.stack(per), "gather nd_up=1")
+    _close(synk.gather(a, nd_up=0), np.concatenate(per), "gather nd_up=0")
+    reset()
+    synk.reduce(a, op="sum")
+    _close(a.get_value(), np.sum(per, axis=0), "reduce in place")
+    resident("reduce in place")
+    reset()
+    synk.broadcast(a, np.full((2, 3), 7.0))
+    resident("broadcast")
+    for r in range(n):
+        _close(synk.get_value(r, a), np.full((2, 3), 7.0), f"broadcast rank {r}")
+    reset()
+    got = synk.all_gather(a)
+    _close(got, np.concatenate(per), "all_gather result")
+    resident("all_gather")
+    for r in range(n):
+        _close(synk.get_value(r, a), np.concatenate(per), f"all_gather rank {r}")
+    synk.scatter(a, np.arange(3.0 * 2 * n).reshape(2 * n, 3))
+    resident("scatter")
+    assert [tuple(s) for s in synk.get_shapes(a)] == [(2, 3)] * n
+    # a function reads the device-resident values
+    h = synk.function([], (pt.sum(a), "sum"))
+    _close(h(), np.sum(np.arange(3.0 * 2 * n)), "function on scattered shared variable")
+    resident("a call")
+    facts = {"n": n, "nccl": s.proc.nccl is not None}
+    synk.close()
+    return facts
+
+
+def refork(n: int) -> dict:
+    """close() and fork() again in one process: allowed with one process on the same GPU."""
+    import synkhronos as synk
+
+    _fork(1)
+    synk.close()
+    _fork(1)
+    synk.close()
+    if n > 1:
+        try:
+            _fork(n)
+        except RuntimeError as err:
+            assert "JAX was already used in this process" in str(err), err
+        else:
+            raise AssertionError("forking GPU workers after CUDA was up should fail")
+    return {"n": n}
+
+
+def jax_cpu(n: int) -> dict:
+    """The CPU device with functions in PyTensor's JAX mode: outputs are JAX arrays in
+    every process and go through the CPU collectives; results equal as_pytensor."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos import runtime
+    from synkhronos.batching import split
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        synk.fork(n, device="cpu")
+    assert runtime.session().proc.device == "cpu"
+    rng = np.random.default_rng(1)
+    x = pt.dmatrix("x")
+    w = pytensor.shared(rng.standard_normal((5, 3)), name="w")
+    y = pt.dot(x, w)
+    graph = [pt.mean(y, axis=0), pt.sum(y ** 2), pt.prod(pt.tanh(y) + 2, axis=0), pt.max(y, axis=0),
+             pt.min(y), y, pt.sum(x)]
+    f = synk.function([x], list(zip(graph, OPS)), mode="JAX",
+                      updates=[(w, w * 0.5)])
+    for rows in (7, 1, 2 * n + 1):
+        data = rng.standard_normal((rows, 5))
+        raw = f.as_pytensor(data)
+        kinds = sorted({type(v).__name__ for v in raw})
+        want = [np.asarray(v) for v in raw]
+        w.set_value(w.get_value() * 2)  # undo the master's update from as_pytensor
+        synk.broadcast(w)
+        got = f(data)
+        for i, op in enumerate(OPS):
+            if op is None:
+                lo, hi = split(rows, n, 0)
+                _close(got[i], np.sum(data[lo:hi]), "None output")
+            else:
+                _close(got[i], want[i], f"JAX mode on CPU, output {i} ({op}), {rows} rows over {n}")
+        for r in range(min(rows, n)):  # a process with no rows computes nothing, updates nothing
+            _close(synk.get_value(r, w), synk.get_value(0, w), f"update in rank {r}")
+    synk.all_reduce(w, "avg")
+    got = synk.gather(w)
+    assert got.shape == (n, 5, 3)
+    synk.close()
+    return {"n": n, "as_pytensor output types": kinds}
+
+
+SCENARIOS = {"outputs": outputs, "shareds": shareds, "refork": refork, "jax_cpu": jax_cpu}
+
+
+def main(argv) -> int:
+    name, n = argv[0], int(argv[1])
+    if "--fake" in argv:
+        _install_fake()
+    facts = SCENARIOS[name](n)
+    print("OK")
+    print(json.dumps(facts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

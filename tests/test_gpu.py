@@ -1,0 +1,261 @@
+"""The GPU device.
+
+Tests marked ``gpu`` need a GPU and the GPU stack (CuPy and JAX with CUDA);
+they skip with the reason where either is missing. Each GPU scenario runs in
+a fresh Python process (tests/gpu_scenarios.py): this pytest process never
+initialises CUDA, or it could not fork GPU workers afterwards.
+
+The other tests run anywhere: the package imports without the stack, asking
+for a GPU without one is a clear error, ``device="auto"`` falls back to the
+CPU, and, where JAX is installed (a CPU build is enough), the GPU scenarios
+run against the CuPy stand-in of tests/fakegpu and JAX's CPU device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos import gpu, runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "gpu_scenarios.py"
+FAKE = ROOT / "tests" / "fakegpu"
+
+
+def _no_gpu_reason() -> str | None:
+    """Why the GPU tests cannot run here (None when they can); CUDA starts only in a subprocess."""
+    missing = gpu.stack_missing()
+    if missing:
+        return f"the GPU stack is not installed ({' and '.join(missing)} missing): pip install synkhronos[gpu]"
+    found = gpu.probe()
+    if found.missing:
+        return f"the GPU stack does not import: {found.missing}"
+    if found.n_gpus < 1:
+        return f"no GPU is visible ({found.error or 'CuPy counts no device'})"
+    return None
+
+
+NO_GPU = _no_gpu_reason()
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+HAS_JAX = importlib.util.find_spec("jax") is not None
+needs_jax = pytest.mark.skipif(not HAS_JAX, reason="needs jax (a CPU build is enough): the CPU "
+                                                   "test requirements do not include it")
+
+
+def scenario(name: str, n: int, fake: bool = False, timeout: float = 280) -> dict:
+    """Run a scenario of tests/gpu_scenarios.py in a fresh process; its facts."""
+    cmd = [sys.executable, str(SCRIPT), name, str(n)] + (["--fake"] if fake else [])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    out = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and "OK" in out, (
+        f"scenario {name} with {n} processes failed (exit {done.returncode}):\n"
+        f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return json.loads(out[-1])
+
+
+# ---------------------------------------------------------------------------
+# On a GPU machine.
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("name", ["outputs", "shareds"])
+def test_gpu_scenario(name, n):
+    """1 process: a real one-rank NCCL communicator through every collective and output
+    op; more processes than GPUs share them over the CPU collectives. Results equal
+    as_pytensor on the same device; shared variables stay on the device."""
+    facts = scenario(name, n)
+    assert facts["nccl"] == (n <= gpu.count_gpus())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [1, 2])
+def test_gpu_fork_again_after_close(n):
+    scenario("refork", n)
+
+
+# ---------------------------------------------------------------------------
+# Anywhere JAX is installed: the same scenarios on the CuPy stand-in.
+
+
+@needs_jax
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("name", ["outputs", "shareds", "refork"])
+def test_gpu_scenario_on_fake_gpu(name, n):
+    facts = scenario(name, n, fake=True)
+    if "nccl" in facts:
+        assert facts["nccl"] == (n == 1)
+
+
+@needs_jax
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_jax_mode_on_cpu_workers(n):
+    """mode="JAX" on the CPU device: JAX arrays in every process, CPU collectives."""
+    facts = scenario("jax_cpu", n)
+    assert facts["as_pytensor output types"] == ["ArrayImpl"]
+
+
+# ---------------------------------------------------------------------------
+# Anywhere.
+
+
+def _run_python(code: str, pythonpath: list[Path] = (), **env) -> subprocess.CompletedProcess:
+    paths = [str(p) for p in pythonpath] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=full_env)
+
+
+def _shim(root: Path, name: str, body: str) -> Path:
+    (root / name).mkdir(parents=True, exist_ok=True)
+    (root / name / "__init__.py").write_text(textwrap.dedent(body))
+    return root
+
+
+def test_package_imports_without_cupy_or_jax(tmp_path):
+    """Even with cupy and jax that fail to import, synkhronos imports and never tries them."""
+    shims = _shim(tmp_path, "cupy", "raise ImportError('shim: no cupy here')")
+    _shim(shims, "jax", "raise ImportError('shim: no jax here')")
+    done = _run_python("""
+        import sys
+        import synkhronos, synkhronos.gpu, synkhronos.collectives.nccl
+        from synkhronos.collectives import BACKENDS
+        assert 'cupy' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)
+        assert sorted(BACKENDS) == ['nccl', 'shm']
+        print('imported')
+    """, [shims])
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr
+
+
+def test_gpu_without_the_stack_names_what_to_install(tmp_path):
+    """cupy and jax are found but fail to import (in the probe subprocess too)."""
+    shims = _shim(tmp_path, "cupy", "raise ImportError('shim: libcudart.so.13 not found')")
+    _shim(shims, "jax", "raise ImportError('shim: no jax here')")
+    done = _run_python("""
+        import synkhronos as synk
+        try:
+            synk.fork(device="gpu")
+        except RuntimeError as err:
+            print("ERROR:", err)
+        else:
+            print("forked")
+    """, [shims])
+    assert done.returncode == 0, done.stderr
+    assert "ERROR: device='gpu' needs cupy and jax, which could not be imported" in done.stdout
+    assert "libcudart.so.13 not found" in done.stdout
+    assert done.stdout.rstrip().endswith("pip install synkhronos[gpu]"), done.stdout
+
+
+def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
+    """CuPy (the stand-in) imports but counts no device: no GPU is visible; auto uses the CPU."""
+    paths = [FAKE]
+    if not HAS_JAX:
+        paths.append(_shim(tmp_path, "jax", "# an importable jax: the probe only imports it"))
+    done = _run_python("""
+        import synkhronos as synk
+        from synkhronos import runtime
+        try:
+            synk.fork(device="gpu")
+        except RuntimeError as err:
+            print("ERROR:", err)
+        n = synk.fork(2, device="auto")
+        print("AUTO:", runtime.session().proc.device, n)
+        synk.close()
+    """, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stderr
+    assert "ERROR: device='gpu' but no GPU is visible with CUDA_VISIBLE_DEVICES=''" in done.stdout
+    assert "AUTO: cpu 2" in done.stdout
+
+
+def test_missing_stack_in_this_process_is_named(monkeypatch):
+    monkeypatch.setattr(gpu, "stack_missing", lambda: ["cupy"])
+    with pytest.raises(RuntimeError, match=r"^device='gpu' needs cupy, which could not be imported: "
+                                           r"pip install synkhronos\[gpu\]$"):
+        synk.fork(2, device="gpu")
+
+
+def test_no_gpu_per_the_probe(monkeypatch):
+    monkeypatch.setattr(gpu, "stack_missing", lambda: [])
+    monkeypatch.setattr(gpu, "probe", lambda refresh=False: gpu.Probe(0, {}, "cudaErrorNoDevice"))
+    with pytest.raises(RuntimeError, match=r"device='gpu' but no GPU is visible.*cudaErrorNoDevice"):
+        synk.fork(2, device="gpu")
+    assert synk.fork(2, device="auto") == 2
+    assert runtime.session().proc.device == "cpu" and runtime.session().proc.nccl is None
+    synk.close()
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a GPU is present here")
+def test_auto_falls_back_to_cpu_here():
+    assert synk.fork(1, device="auto") == 1
+    s = runtime.session()
+    assert s.proc.device == "cpu" and s.proc.gpu is None and s.proc.gpu_plan is None
+    synk.close()
+
+
+def test_probing_does_not_import_the_stack_here():
+    before = {m for m in ("cupy", "jax") if m in sys.modules}
+    gpu.count_gpus()
+    gpu.gpu_available()
+    assert {m for m in ("cupy", "jax") if m in sys.modules} == before
+
+
+def test_plan_binds_rank_r_to_gpu_r_mod_n(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    p = gpu.plan(2, 3)
+    assert p.visible == ("0", "1") and not p.nccl
+    assert [p.gpu_of(r) for r in range(3)] == ["0", "1", "0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    p = gpu.plan(2, 2)
+    assert p.visible == ("3", "5") and p.nccl and p.gpu_of(1) == "5"
+
+
+def test_bind_sets_and_unbind_restores_the_environment(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(gpu, "_bound_gpu", None)
+    saved = gpu.bind(gpu.plan(2, 2), 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    gpu.unbind(saved)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+
+
+def test_gpu_keywords_on_the_cpu_device(fork):
+    fork(2)
+    x = pt.dvector("x")
+    with pytest.raises(TypeError, match="nccl must be True or False, got 'no'"):
+        synk.function([x], pt.sum(x), nccl="no")
+    v = pytensor.shared(np.ones(3), name="v")
+    f = synk.function([x], (pt.sum(x) + pt.sum(v), "sum"), nccl=False, mode="FAST_COMPILE")
+    got = f(np.arange(5.0), device_outputs=True)  # on a CPU device: numpy either way
+    assert isinstance(got, np.ndarray) and got == 16.0
+    assert f._spec.kwargs["mode"] == "FAST_COMPILE" and not f._spec.nccl
+    with pytest.raises(TypeError, match="device_outputs must be True or False, got 1"):
+        f(np.arange(5.0), device_outputs=1)
+    with pytest.raises(RuntimeError, match=r"on_device\(\) needs a GPU device"):
+        gpu.on_device(v)
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a GPU is present here: the benchmark would run")
+def test_gpu_bench_without_a_gpu_says_why():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.startswith("gpu_bench: ") and "nothing measured" in done.stdout

@@ -1,0 +1,326 @@
+"""The NCCL communicator's logic, on the CPU, with the CuPy stand-in of tests/fakegpu.
+
+Ranks are threads of this process, each with a shared-memory communicator of
+its own (they agree through it, as processes do) and a fake NCCL that reads
+and writes by pointer. What this proves: layouts are agreed before NCCL is
+called, every rank makes the same NCCL calls with the same counts, identity
+elements stand in for ranks with nothing to add, all-gathers are padded and
+trimmed, averages follow the CPU path's weights, unsupported dtypes and
+failures are errors in every rank. What it does not prove: anything about
+CUDA, NCCL or DLPack on a GPU (tests/test_gpu.py, on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose, assert_array_equal
+
+from synkhronos.collectives import PeerFailed, ShmCommunicator
+from synkhronos.collectives.nccl import avg_factors, reduce_plan
+from synkhronos.collectives.ops import combine
+from synkhronos.shmem import new_prefix, unlink_prefix
+
+FAKE = Path(__file__).resolve().parent / "fakegpu"
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """The CuPy stand-in as ``cupy`` for this test only."""
+    for name in [m for m in sys.modules if m == "cupy" or m.startswith("cupy.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(FAKE))
+    import cupy
+
+    assert getattr(cupy, "FAKE", False), "a real CuPy was imported instead of the stand-in"
+    cupy.cuda.nccl.calls.clear()
+    yield cupy
+    for name in [m for m in sys.modules if m == "cupy" or m.startswith("cupy.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def world(fake_cupy):
+    """Factory: ``world(n)`` -> n NcclCommunicators (rank order), closed afterwards."""
+    from synkhronos.collectives.nccl import NcclCommunicator, new_unique_id
+
+    made = []
+
+    def _world(n):
+        prefix = new_prefix()
+        shms = [ShmCommunicator(prefix, 0, n, 0, create=True)]
+        shms += [ShmCommunicator(prefix, r, n, 0, create=False) for r in range(1, n)]
+        uid = new_unique_id()
+        comms = run(n, lambda r: NcclCommunicator(shms[r], uid))
+        made.append((prefix, shms, comms))
+        return [comms[r] for r in range(n)]
+
+    yield _world
+    for prefix, shms, comms in made:
+        for c in comms.values():
+            c.close()
+        for s in reversed(shms):
+            s.close()
+        unlink_prefix(prefix)
+
+
+def run(n, fn):
+    """``fn(rank)`` in n threads at once; results by rank; the first error is raised."""
+    results, errors = {}, {}
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a rank hung"
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
+def run_all(n, fn):
+    """As run(), but returns (results, errors) by rank."""
+    results, errors = {}, {}
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001
+            errors[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a rank hung"
+    return results, errors
+
+
+def host(x):
+    return None if x is None else x.get()
+
+
+# ---------------------------------------------------------------------------
+# Pure functions.
+
+
+@pytest.mark.parametrize("weights,expect", [
+    ([5, 5, 5], [(1.0, 1 / 3)] * 3),            # equal: a sum times the reciprocal
+    ([1], [(1.0, 1.0)]),
+    ([4, 3, 3], [(1.0, 0.4), (0.75, 0.4), (0.75, 0.4)]),
+    ([0, 0], [(1.0, 0.5), (1.0, 0.5)]),           # no weight at all: each counts once
+])
+def test_avg_factors(weights, expect):
+    total = sum(weights) or len(weights)
+    for w, (pre, post) in zip(weights, expect):
+        got = avg_factors(weights, w)
+        assert got == pytest.approx((pre, post))
+        assert got[0] * got[1] == pytest.approx((w if sum(weights) else 1) / total)
+
+
+@pytest.mark.parametrize("dtype,op,work,result", [
+    ("float32", "avg", "float32", "float32"),
+    ("float16", "sum", "float16", "float16"),
+    ("int32", "avg", "float64", "float64"),
+    ("int16", "sum", "int32", "int16"),
+    ("uint16", "max", "uint32", "uint16"),
+    ("bool", "sum", "uint8", "bool"),
+    ("bool", "avg", "float64", "bool"),
+    ("complex64", "avg", "complex64", "complex64"),
+])
+def test_reduce_plan(dtype, op, work, result):
+    got = reduce_plan(dtype, op)
+    assert (str(got[0]), str(got[3])) == (work, result)
+
+
+@pytest.mark.parametrize("dtype,op", [("complex128", "max"), ("datetime64[s]", "sum"),
+                                      ("object", "sum"), ("U3", "min")])
+def test_reduce_plan_refuses_with_the_dtype_named(dtype, op):
+    with pytest.raises(TypeError, match=re.escape(f"NCCL cannot {op}-reduce arrays of dtype "
+                                                  f"{np.dtype(dtype)}; use op 'c_{op}'")):
+        reduce_plan(dtype, op)
+
+
+# ---------------------------------------------------------------------------
+# Collectives over 1, 2 and 3 ranks.
+
+N = [1, 2, 3]
+OPS = ["avg", "sum", "prod", "max", "min"]
+
+
+def values(n, shape=(4, 3), dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) * 3).astype(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "uint8", "int16", "bool"])
+def test_all_reduce_matches_the_cpu_path(world, n, op, dtype):
+    comms = world(n)
+    vals = [v.astype(dtype) for v in values(n, dtype=np.float64)]
+    weights = [float(r + 2) for r in range(n)]  # uneven row counts
+    got = run(n, lambda r: comms[r].all_reduce([vals[r]], op, weight=weights[r]))
+    want = combine([v.copy() for v in vals], op, weights)
+    for r in range(n):
+        out = host(got[r][0])
+        assert out.dtype == want.dtype, (out.dtype, want.dtype)
+        assert_allclose(out, want, rtol=2e-6 if dtype == "float32" else 1e-12)
+
+
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("root", ["first", "last"])
+def test_reduce_only_root_gets_it(world, n, root):
+    comms = world(n)
+    root = 0 if root == "first" else n - 1
+    vals = values(n)
+    got = run(n, lambda r: comms[r].reduce([vals[r], 2 * vals[r]], "sum", root=root))
+    for r in range(n):
+        if r == root:
+            assert_allclose(host(got[r][0]), np.sum(vals, axis=0))
+            assert_allclose(host(got[r][1]), 2 * np.sum(vals, axis=0))
+        else:
+            assert got[r] is None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("op", OPS)
+def test_ranks_without_rows_send_identity_elements(world, n, op):
+    comms = world(n)
+    vals = values(n, dtype=np.float32)
+    absent = {1}  # rank 1 computed on no rows
+    weights = [3.0, 0.0, 2.0][:n]
+    got = run(n, lambda r: comms[r].all_reduce(None if r in absent else [vals[r]], op, weight=weights[r]))
+    present = [r for r in range(n) if r not in absent]
+    want = combine([vals[r] for r in present], op, [weights[r] for r in present])
+    for r in range(n):
+        assert_allclose(host(got[r][0]), want, rtol=1e-6)
+
+
+def test_nobody_contributes(world):
+    comms = world(3)
+    got = run(3, lambda r: comms[r].all_reduce(None, "sum"))
+    assert got == {0: None, 1: None, 2: None}
+
+
+@pytest.mark.parametrize("n", N)
+def test_complex_sum_and_avg(world, n):
+    comms = world(n)
+    vals = [v + 1j * (v + 1) for v in values(n)]
+    for op in ("sum", "avg"):
+        got = run(n, lambda r: comms[r].all_reduce([vals[r].astype(np.complex64)], op))
+        want = combine([v.astype(np.complex64) for v in vals], op)
+        assert_allclose(host(got[0][0]), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", N)
+def test_all_gather_pads_and_trims_uneven_parts(world, fake_cupy, n):
+    comms = world(n)
+    # uneven lengths, one rank with no rows at all, odd byte counts (int16, bool)
+    parts = [np.arange(3 * (r + 1) * 5, dtype=np.int16).reshape(-1, 5) + r for r in range(n)]
+    flags = [np.arange(r + 2) % 2 == 0 for r in range(n)]
+    scal = [np.float64(r) for r in range(n)]
+    none_rank = 1 if n > 1 else None
+    mine = lambda r: None if r == none_rank else [parts[r], flags[r], np.asarray(scal[r])]  # noqa: E731
+    got = run(n, lambda r: comms[r].all_gather(mine(r)))
+    for r in range(n):
+        for i, expected in enumerate((parts, flags, scal)):
+            for q in range(n):
+                piece = got[r][i][q]
+                if q == none_rank:
+                    assert piece is None
+                else:
+                    assert_array_equal(host(piece), expected[q])
+                    assert host(piece).dtype == np.asarray(expected[q]).dtype
+    counts = {c[2] for c in fake_cupy.cuda.nccl.calls if c[1] == "allGather"}
+    assert all(c % 16 == 0 for c in counts), "each rank's part is padded to 16 bytes"
+
+
+@pytest.mark.parametrize("n", N)
+def test_gather_with_join_on_root_only(world, n):
+    comms = world(n)
+    parts = [np.full((r + 1, 2), r, dtype=np.float32) for r in range(n)]
+    joined = run(n, lambda r: comms[r].gather([parts[r]], root=n - 1,
+                                               join=lambda i, ps: comms[r].concat(ps)))
+    for r in range(n):
+        if r == n - 1:
+            assert_array_equal(host(joined[r][0]), np.concatenate(parts))
+        else:
+            assert joined[r] is None
+
+
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("dtype", ["float64", "bool", "int16", "complex64"])
+def test_broadcast_any_dtype_and_0d(world, n, dtype):
+    comms = world(n)
+    src = [np.arange(7).astype(dtype), np.asarray(np.arange(1).astype(dtype)[0]), np.empty((0, 3), dtype)]
+    got = run(n, lambda r: comms[r].broadcast(src if r == 0 else None, root=0))
+    for r in range(n):
+        for a, b in zip(got[r], src):
+            assert_array_equal(host(a), b)
+            assert host(a).shape == b.shape and host(a).dtype == b.dtype
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_failed_rank_fails_the_collective_everywhere(world, fake_cupy, n):
+    comms = world(n)
+    vals = values(n)
+    res, errs = run_all(n, lambda r: comms[r].all_reduce([vals[r]], "sum", failed=(r == 1)))
+    assert set(errs) == set(range(n)) and all(isinstance(e, PeerFailed) for e in errs.values())
+    assert not [c for c in fake_cupy.cuda.nccl.calls if c[1] == "allReduce"], "NCCL was entered"
+    # the communicator is usable afterwards
+    got = run(n, lambda r: comms[r].all_reduce([vals[r]], "max"))
+    assert_allclose(host(got[0][0]), np.max(vals, axis=0))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_error_preparing_buffers_in_one_rank_stops_every_rank(world, fake_cupy, n):
+    class Unreadable:
+        dtype, shape, size = np.dtype(np.float64), (3,), 3
+
+        def __array__(self, *a, **k):
+            raise RuntimeError("boom: cannot read this array")
+
+    comms = world(n)
+    res, errs = run_all(n, lambda r: comms[r].all_reduce(
+        [Unreadable() if r == 1 else np.ones(3)], "sum"))
+    assert isinstance(errs[1], RuntimeError) and "boom" in str(errs[1])
+    assert all(isinstance(errs[r], PeerFailed) for r in range(n) if r != 1)
+    assert not [c for c in fake_cupy.cuda.nccl.calls if c[1] == "allReduce"], "NCCL was entered"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_unsupported_dtype_is_a_type_error_in_every_rank(world, n):
+    comms = world(n)
+    res, errs = run_all(n, lambda r: comms[r].all_reduce([np.arange(3).astype("datetime64[s]")], "sum"))
+    assert set(errs) == set(range(n))
+    for e in errs.values():
+        assert isinstance(e, TypeError) and "dtype datetime64[s]" in str(e) and "c_sum" in str(e)
+    res, errs = run_all(n, lambda r: comms[r].all_gather([np.array(["ab", "c"])]))
+    assert set(errs) == set(range(n)) and all("NCCL cannot gather" in str(e) for e in errs.values())
+
+
+def test_mismatched_layouts_are_a_value_error_in_every_rank(world):
+    comms = world(2)
+    res, errs = run_all(2, lambda r: comms[r].all_reduce([np.ones(3 + r)], "sum"))
+    assert set(errs) == {0, 1}
+    for e in errs.values():
+        assert isinstance(e, ValueError) and "rank 0 holds" in str(e) and "rank 1 holds" in str(e)
+
+
+def test_barrier(world):
+    comms = world(3)
+    assert run(3, lambda r: comms[r].barrier()) == {0: None, 1: None, 2: None}
