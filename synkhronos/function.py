@@ -56,6 +56,11 @@ class CallSpec:
     subset: tuple | None
     batch_s: Any = None       # None, or per rank: None, a slice, or an int64 index array
 
+    def to_wire(self) -> tuple:
+        """A plain tuple: pickles in a fraction of a dataclass's time (every call pays it)."""
+        return (self.fid, self.inputs, self.batch, self.n_rows, self.num_slices, self.subset,
+                self.batch_s)
+
 
 class LocalFunction:
     """One process's compiled copies of a function, and how it runs its share."""
@@ -63,6 +68,7 @@ class LocalFunction:
     def __init__(self, spec: FunctionSpec):
         self.spec = spec
         self._compiled = {}
+        self._plans = {}
 
     def compiled(self, subset=None, values=False, sliced=False):
         """The PyTensor function for an output subset.
@@ -93,6 +99,22 @@ class LocalFunction:
                                        givens=givens, **kwargs)
             self._compiled[key] = fn
         return fn
+
+    def plan(self, proc, subset):
+        """``(ops, groups)`` for an output subset: each output's op, and the outputs
+        grouped by (op, communicator), one collective per group. Cached: the
+        same for every call."""
+        plan = self._plans.get(subset)
+        if plan is None:
+            spec = self.spec
+            chosen = subset if subset is not None else tuple(range(len(spec.outputs)))
+            ops = [spec.output_ops[i] for i in chosen]
+            comms = gpu.output_comms(proc, spec, chosen)
+            grouped: dict = {}
+            for i, op in enumerate(ops):
+                grouped.setdefault((op, proc.comm if comms is None else comms[i]), []).append(i)
+            plan = self._plans[subset] = (ops, [(op, comm, idx) for (op, comm), idx in grouped.items()])
+        return plan
 
     def run(self, args, subset, num_slices: int, n_rows: int | None, ops, rows=None):
         """Run on this process's inputs; with ``num_slices`` > 1 accumulate over slices.
@@ -157,8 +179,7 @@ def execute_call(proc, call: CallSpec, own=None):
     """
     lf = proc.functions[call.fid]
     spec = lf.spec
-    subset = call.subset if call.subset is not None else tuple(range(len(spec.outputs)))
-    ops = [spec.output_ops[i] for i in subset]
+    ops, groups = lf.plan(proc, call.subset)
     outs, error, rows = None, None, None
     try:
         rows = _local_rows(proc, spec, call)
@@ -193,8 +214,7 @@ def execute_call(proc, call: CallSpec, own=None):
     elif error is not None:
         weight = 0.0
     try:
-        results = _reduce_outputs(proc, outs, ops, weight, error is not None,
-                                  gpu.output_comms(proc, spec, subset))
+        results = _reduce_outputs(proc, outs, len(ops), groups, weight, error is not None)
     except PeerFailed:
         # the collective fails in every process, the failing one too: report its own error
         if error is not None:
@@ -259,18 +279,13 @@ def _local_inputs(proc, call, lo, hi, own):
     return args
 
 
-def _reduce_outputs(proc, outs, ops, weight, failed, comms=None):
-    """Combine outputs across processes, one collective per distinct op (and communicator).
-
-    ``comms`` gives each output's communicator; default: the shared-memory one.
-    """
+def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
+    """Combine outputs across processes, one collective per group of outputs that
+    share an op and a communicator (see :meth:`LocalFunction.plan`)."""
     root = proc.master_rank
-    results = [None] * len(ops)
-    groups: dict = {}
-    for i, op in enumerate(ops):
-        groups.setdefault((op, proc.comm if comms is None else comms[i]), []).append(i)
+    results = [None] * n_outputs
     failure = None
-    for (op, comm), idx in groups.items():
+    for op, comm, idx in groups:
         if op is None:
             if proc.is_master and outs is not None:
                 for i in idx:
@@ -303,8 +318,8 @@ def _reduce_outputs(proc, outs, ops, weight, failed, comms=None):
 
 
 @handler(Command.CALL)
-def _worker_call(proc, call: CallSpec) -> None:
-    execute_call(proc, call)
+def _worker_call(proc, wire: tuple) -> None:
+    execute_call(proc, CallSpec(*wire))
 
 
 # ---------------------------------------------------------------------------
@@ -524,7 +539,7 @@ class Function:
             d.data[...] = norm_batch
             batch_ref = d._ref()
         call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s)
-        results = s.run(Command.CALL, call, local=lambda proc, c: execute_call(proc, c, own))
+        results = s.run(Command.CALL, call.to_wire(), local=lambda proc, _: execute_call(proc, call, own))
         if s.proc.gpu is not None:
             results = gpu.convert_outputs(results, device_outputs, s.proc.gpu.jax_device)
         if subset is not None:

@@ -17,7 +17,7 @@ from .control import Aborted, ChildWatch, Command, ControlBlock, MasterGone
 from .errors import SynkError, WorkerDiedError, pack_exception, unpack_exception
 from .shmem import new_prefix, unlink_prefix, unlink_stale
 from .memory import keep_freed_memory
-from .threads import available_cores, limit_threads
+from .threads import available_cores, core_groups, limit_threads, pin
 
 __all__ = ["fork", "close"]
 
@@ -93,6 +93,7 @@ class Session:
         self.shared_ids = {}         # id(shared variable) -> sid
         self.shared_vars = {}        # sid -> shared variable (keeps them alive)
         self.dropped = []            # Data uids whose old mappings workers should close
+        self.saved_affinity = None   # the master's cores before fork() pinned it
         self.collective_scratch = {}  # staging Data for values the master sends
 
     @property
@@ -186,7 +187,8 @@ def running() -> bool:
     return _session is not None
 
 
-def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int = 0) -> int:
+def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int = 0,
+         pin_cores: bool | None = None) -> int:
     """Start the worker processes; the master carries on in the calling script.
 
     Must be the first synkhronos call. Works at the top of a plain script (no
@@ -200,6 +202,10 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         device: ``"auto"`` (GPU when one and the GPU stack are present, else
             CPU), ``"cpu"`` or ``"gpu"``.
         master_rank: the rank of the calling process.
+        pin_cores: bind each process (master included, until close()) to its
+            own share of the cores. Default: when there are at least as many
+            cores as processes. Pinned processes do not migrate between cores
+            and find each other awake, which halves the cost of a small call.
 
     Returns:
         The number of processes, master included.
@@ -260,6 +266,12 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             gpu.unbind(gpu_plan.saved_env)
         raise
     threads = max(1, cores // n_parallel)
+    if pin_cores is not None and not isinstance(pin_cores, bool):
+        raise TypeError(f"pin_cores must be True, False or None, got {pin_cores!r}")
+    groups = core_groups(n_parallel) if pin_cores is not False else None
+    if pin_cores and groups is None:
+        warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
+                      "one each: not pinning", stacklevel=2)
     keep_freed_memory()  # before forking: the workers inherit it
     sys.stdout.flush()
     sys.stderr.flush()
@@ -269,10 +281,14 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             continue
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the child, which never returns
+            if groups is not None:
+                pin(groups[rank])
             _become_worker(proc, rank, threads)
         pids[rank] = pid
     thread_limit = limit_threads(threads)
     _session = Session(proc, pids, thread_limit)
+    if groups is not None:
+        _session.saved_affinity = pin(groups[master_rank])
     proc.comm.check = _session.check
     atexit.register(_close_at_exit)
     log.debug("forked %d workers: %s", len(pids), pids)
@@ -371,6 +387,8 @@ def close() -> None:
     proc.close()
     unlink_prefix(proc.prefix)
     s.thread_limit.restore()
+    if s.saved_affinity is not None:
+        pin(s.saved_affinity)
     if proc.gpu_plan is not None:
         gpu.unbind(proc.gpu_plan.saved_env)
     try:

@@ -19,6 +19,29 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def core_groups(n_parallel: int):
+    """Split this process's cores into ``n_parallel`` disjoint groups, one per rank;
+    None when there are fewer cores than processes (then nobody is pinned)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    if n_parallel > len(cores):
+        return None
+    size = len(cores) // n_parallel
+    return [set(cores[r * size:(r + 1) * size]) for r in range(n_parallel)]
+
+
+def pin(cores) -> set | None:
+    """Run this process on ``cores`` only; returns the affinity it had (None if unsupported)."""
+    try:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cores)
+        return before
+    except (AttributeError, OSError):
+        return None
+
+
 def limit_threads(n: int):
     """Cap native thread pools at ``n``; returns a handle whose ``restore()`` undoes it."""
     from threadpoolctl import threadpool_limits

@@ -96,3 +96,28 @@ def test_in_place_all_reduce_survives_pytensor_reusing_update_storage(fork, n):
     expected = [step.as_pytensor(X, Y) for _ in range(5)]
     np.testing.assert_allclose(losses, expected, rtol=1e-9)
     np.testing.assert_allclose(W1, W.get_value(), rtol=1e-9)
+
+
+def test_pinning_gives_each_process_its_cores_and_close_restores(fork):
+    before = os.sched_getaffinity(0)
+    n = min(2, len(before))
+    fork(n, pin_cores=True)
+    mine = os.sched_getaffinity(0)
+    theirs = [os.sched_getaffinity(pid) for pid in worker_pids().values()]
+    groups = [mine] + theirs
+    assert all(len(g) == len(before) // n for g in groups)
+    assert len(set().union(*groups)) == sum(len(g) for g in groups), "cores shared between processes"
+    synk.close()
+    assert os.sched_getaffinity(0) == before
+
+
+def test_no_pinning_when_asked_or_oversubscribed(fork):
+    before = os.sched_getaffinity(0)
+    fork(2, pin_cores=False)
+    assert os.sched_getaffinity(0) == before
+    assert all(os.sched_getaffinity(pid) == before for pid in worker_pids().values())
+    synk.close()
+    fork(len(before) + 1)  # more processes than cores: nobody is pinned
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(TypeError, match="pin_cores must be True, False or None, got 'yes'"):
+        synk.close() or synk.fork(2, pin_cores="yes")

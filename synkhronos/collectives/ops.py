@@ -49,12 +49,13 @@ def combine(parts, op: str, weights=None, out=None):
     """
     if op != "avg":
         return _fold(REDUCE_OPS[op], parts, out)
-    w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
-    total = w.sum()
-    w = w / total if total > 0 else np.full(len(parts), 1.0 / len(parts))
+    n = len(parts)
+    w = [1.0] * n if weights is None else [float(x) for x in weights]  # lists: tiny, fast
+    total = sum(w)
+    w = [x / total for x in w] if total > 0 else [1.0 / n] * n
     dtype = parts[0].dtype
-    if np.issubdtype(dtype, np.inexact):
-        if np.all(w == w[0]):
+    if dtype.kind in "fc":
+        if all(x == w[0] for x in w):
             acc = _fold(np.add, parts, out)
             acc *= dtype.type(w[0])
             return acc
