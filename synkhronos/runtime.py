@@ -224,6 +224,8 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     global _session
     if _session is not None:
         raise RuntimeError("synk.fork() was already called; call synk.close() before forking again")
+    if pin_cores is not None and not isinstance(pin_cores, bool):
+        raise TypeError(f"pin_cores must be True, False or None, got {pin_cores!r}")
     if device not in _DEVICES:
         raise ValueError(f"device must be one of {_DEVICES}, got {device!r}")
     n_gpus = gpu.require_gpu() if device == "gpu" else gpu.auto_gpus() if device == "auto" else 0
@@ -266,8 +268,6 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             gpu.unbind(gpu_plan.saved_env)
         raise
     threads = max(1, cores // n_parallel)
-    if pin_cores is not None and not isinstance(pin_cores, bool):
-        raise TypeError(f"pin_cores must be True, False or None, got {pin_cores!r}")
     groups = core_groups(n_parallel) if pin_cores is not False else None
     if pin_cores and groups is None:
         warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
