@@ -11,10 +11,10 @@ import sys
 import time
 import warnings
 
-from . import control, gpu
+from . import gpu
 from .collectives import PeerFailed, ShmCommunicator
 from .control import Aborted, ChildWatch, Command, ControlBlock, MasterGone
-from .errors import SynkError, WorkerDiedError, pack_exception, unpack_exception
+from .errors import SynkError, WorkerDiedError, unpack_exception
 from .shmem import new_prefix, unlink_prefix, unlink_stale
 from .memory import keep_freed_memory
 from .threads import available_cores, core_groups, limit_threads, pin

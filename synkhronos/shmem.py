@@ -104,14 +104,18 @@ def create_semaphore(name: str, initial: int = 0) -> posix_ipc.Semaphore:
     return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
 
 
+def _entries() -> list[str]:
+    """The names in /dev/shm (segments as they are, semaphores as ``sem.NAME``)."""
+    try:
+        return os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+
+
 def unlink_prefix(prefix: str) -> list[str]:
     """Unlink every segment and semaphore whose name starts with ``prefix``."""
     removed = []
-    try:
-        entries = os.listdir(_SHM_DIR)
-    except OSError:
-        return removed
-    for entry in entries:
+    for entry in _entries():
         if entry.startswith(prefix):
             unlink_segment(entry)
             removed.append(entry)
@@ -137,11 +141,7 @@ def _pid_alive(pid: int) -> bool:
 def unlink_stale() -> list[str]:
     """Remove segments and semaphores left by synkhronos masters now dead."""
     removed = []
-    try:
-        entries = os.listdir(_SHM_DIR)
-    except OSError:
-        return removed
-    for entry in entries:
+    for entry in _entries():
         m = _NAME_RE.match(entry)
         if m is None:
             continue

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from ..data import forget
-from ..control import Aborted, Command, MasterGone, handlers
+from ..control import Command, MasterGone, handlers
 from ..errors import pack_exception
 from ..shmem import unlink_prefix
 
