@@ -278,25 +278,37 @@ def _store(var, value) -> None:
     var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
 
 
+#: Shared-memory homes kept per shared variable. PyTensor may give the old
+#: storage of an updated shared variable to another one (in-place ops on an
+#: update target): that home is then skipped, never written, until the other
+#: variable lets it go. Two homes alternate in a training loop; a third is spare.
+_HOMES = ("", "b", "c")
+
+
+def _home(proc, sid, dtype, shape, taken, current=None) -> np.ndarray:
+    """A shared-memory array for variable ``sid`` that no other shared variable uses:
+    ``current`` if it is one of its homes and free, else the first free home."""
+    comm = proc.comm
+    homes = [comm.resident(f"sv{sid}{h}", dtype, shape) for h in _HOMES]
+    if any(current is h for h in homes) and (not current.nbytes or not _overlaps(current, taken)):
+        return current
+    for view in homes:
+        if not view.nbytes or not _overlaps(view, taken):
+            return view
+    return comm.resident(f"sv{sid}{_HOMES[-1]}", dtype, shape, fresh=True)
+
+
 def _resident(proc, sids, vars_) -> list:
     """These processes's values of ``vars_``, moved into shared memory the communicator
-    can read (and all_reduce write) in place.
-
-    A value is copied only when an update or set_value has replaced it since
-    the last collective. PyTensor may give the old storage of an updated
-    shared variable to another one (in-place ops on an update target): memory
-    that any other shared variable now uses is abandoned, never written.
-    """
-    comm = proc.comm
+    can read (and all_reduce write) in place; copied only when an update or
+    set_value has replaced a value since the last collective."""
     values = [v.get_value(borrow=True) for v in vars_]
-    if not hasattr(comm, "resident"):
+    if not hasattr(proc.comm, "resident"):
         return values
-    views = [comm.resident(f"sv{sid}", a.dtype, a.shape) for sid, a in zip(sids, values)]
     taken = _memory_in_use(proc, exclude=set(sids))
     out = []
-    for sid, var, value, view in zip(sids, vars_, values, views):
-        if view.nbytes and _overlaps(view, taken):
-            view = comm.resident(f"sv{sid}", value.dtype, value.shape, fresh=True)
+    for sid, var, value in zip(sids, vars_, values):
+        view = _home(proc, sid, value.dtype, value.shape, taken, current=value)
         if view is not value:
             np.copyto(view, value)
             var.set_value(view, borrow=True)
@@ -307,13 +319,10 @@ def _resident(proc, sids, vars_) -> list:
 def _receive_into(proc, sid, var, src) -> np.ndarray:
     """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
     value (memory allocated once, not at every broadcast)."""
-    comm = proc.comm
-    if not hasattr(comm, "resident") or np.dtype(src.dtype) != np.dtype(var.type.dtype):
+    if not hasattr(proc.comm, "resident") or np.dtype(src.dtype) != np.dtype(var.type.dtype):
         _store(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
-    view = comm.resident(f"sv{sid}", src.dtype, src.shape)
-    if view.nbytes and _overlaps(view, _memory_in_use(proc, exclude={sid})):
-        view = comm.resident(f"sv{sid}", src.dtype, src.shape, fresh=True)
+    view = _home(proc, sid, src.dtype, src.shape, _memory_in_use(proc, exclude={sid}))
     np.copyto(view, src)
     var.set_value(view, borrow=True)
     return view
