@@ -18,7 +18,7 @@ import numpy as np
 import posix_ipc
 
 from .errors import WorkerDiedError
-from .shmem import Segment, create_semaphore
+from .shmem import Segment, create_semaphore, unlink_segment
 
 __all__ = []
 
@@ -169,7 +169,6 @@ class ControlBlock:
                     errors[rank] = bytes(seg.buffer()[8:8 + n])
                     seg.close()
                 finally:
-                    from .shmem import unlink_segment
                     unlink_segment(name)
         return errors
 

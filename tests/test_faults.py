@@ -18,6 +18,7 @@ from pytensor.graph.op import Op
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 import synkhronos as synk
+from synkhronos import runtime
 
 MASTER_PID = os.getpid()
 FAST = dict(mode="FAST_COMPILE")
@@ -336,3 +337,23 @@ def test_sigint_during_long_call(tmp_path):
     assert "AFTER 2.0" in out
     assert "CLOSED" in out
     assert _wait_shm_clean(before) == []
+
+
+def test_shared_memory_is_private_and_unpredictable(fork):
+    import stat
+
+    fork(2)
+    x = pt.dvector("x")
+    synk.function([x], x.sum(), **FAST)(np.ones(4))
+    d = synk.data(np.ones(3))
+    from conftest import shm_names
+
+    names = shm_names()
+    assert names, "a fork makes segments and semaphores"
+    for name in names:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
+        assert mode == 0o600, f"{name} has mode {oct(mode)}"
+    token = runtime.session().proc.prefix.split(".")[2]
+    assert len(token) == 16 and int(token, 16) >= 0  # 64 random bits in every name
+    assert all(token in name for name in names)
+    del d
