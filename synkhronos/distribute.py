@@ -60,6 +60,12 @@ def distribute() -> None:
     Workers compile the functions at once, in parallel. Calling a function
     that was never distributed distributes it first.
 
+    Args:
+        None.
+
+    Returns:
+        None.
+
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError: a function cannot be pickled (the message says which).

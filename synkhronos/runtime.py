@@ -367,7 +367,17 @@ def close() -> None:
     """End every worker and unlink every segment and semaphore of this fork.
 
     Safe to call twice, after a failure, and before fork() (then it does
-    nothing). ``fork()`` works again afterwards.
+    nothing). ``fork()`` works again afterwards. Also runs at interpreter exit.
+    Workers get a grace period to leave, then SIGTERM, then SIGKILL.
+
+    Args:
+        None.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing: what cannot be closed cleanly is killed and logged.
     """
     global _session
     s = _session

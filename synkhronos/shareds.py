@@ -124,9 +124,13 @@ def broadcast(shared_vars, values=None):
         shared_vars: one shared variable or a list/tuple of them.
         values: new values (set in the master too) instead of the master's own.
 
+    Returns:
+        None.
+
     Raises:
-        ValueError: a variable no distributed function uses; value count mismatch.
-        TypeError: a value of the wrong dtype or ndim.
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables; a value of the wrong dtype or ndim.
+        ValueError: a variable that no distributed function uses; values that do not match the variables in number.
     """
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None:
@@ -138,8 +142,21 @@ def broadcast(shared_vars, values=None):
 def scatter(shared_vars, values, batch=None):
     """Split each value along axis 0 and give each process its part.
 
-    Rows split as evenly as possible, in rank order; ``batch`` (int, slice
-    or index list) selects the rows of the values first.
+    Rows split as evenly as possible, in rank order.
+
+    Args:
+        shared_vars: one shared variable or a list/tuple of them.
+        values: one array (numpy or synk.data) per variable.
+        batch: rows of the values to use first (int, slice or index list).
+
+    Returns:
+        None.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables; a value of the wrong dtype or ndim.
+        IndexError: ``batch`` beyond the values' rows.
+        ValueError: a variable that no distributed function uses; a 0-d value; values that do not match the variables in number.
     """
     s, vars_, sids, single = _resolve(shared_vars)
     arrays = _values_for(vars_, values, "scatter", single)
@@ -156,11 +173,17 @@ def gather(shared_vars, nd_up=1):
     """Collect every process's value in the master, in rank order.
 
     Args:
+        shared_vars: one shared variable or a list/tuple of them.
         nd_up: 1 stacks the values along a new first axis (equal shapes
             needed); 0 concatenates them along axis 0 (lengths may differ).
 
     Returns:
         An array per variable (a tuple for a list of variables).
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables.
+        ValueError: a variable that no distributed function uses; ``nd_up`` not 0 or 1; unequal shapes with ``nd_up=1``.
     """
     if nd_up not in (0, 1) or isinstance(nd_up, bool):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
@@ -172,10 +195,16 @@ def gather(shared_vars, nd_up=1):
 def all_gather(shared_vars):
     """Concatenate every process's value along axis 0 and store it in every process.
 
-    Returns the new value(s).
+    Args:
+        shared_vars: one shared variable or a list/tuple of them (not 0-d).
+
+    Returns:
+        The new value of each variable (a tuple for a list of variables).
 
     Raises:
-        ValueError: a 0-d variable (its gathered values would not fit it; use gather).
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables.
+        ValueError: a variable that no distributed function uses; a 0-d variable (use :func:`gather`).
     """
     s, vars_, sids, single = _resolve(shared_vars)
     for v in vars_:
@@ -189,12 +218,18 @@ def reduce(shared_vars, op="avg", in_place=True):
     """Combine every process's value with ``op`` into the master.
 
     Args:
+        shared_vars: one shared variable or a list/tuple of them.
         op: ``avg``, ``sum``, ``prod``, ``max`` or ``min`` (``c_`` prefix allowed).
         in_place: store the result in the master's variable; otherwise return
-            it and leave the master's variable as it is.
+            it and leave the master's variable as it is. Workers' values never change.
 
     Returns:
         The result(s) when ``in_place`` is False, else None.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables; ``op`` not a string.
+        ValueError: a variable that no distributed function uses; an unknown ``op``; shapes that differ between processes.
     """
     cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
@@ -205,7 +240,24 @@ def reduce(shared_vars, op="avg", in_place=True):
 
 
 def all_reduce(shared_vars, op="avg"):
-    """Combine every process's value with ``op`` and store the result everywhere."""
+    """Combine every process's value with ``op`` and store the result everywhere.
+
+    Large values are reduced in place, each process working on its own chunk
+    of every process's copy.
+
+    Args:
+        shared_vars: one shared variable or a list/tuple of them.
+        op: ``avg`` (sum times the reciprocal of the count), ``sum``, ``prod``,
+            ``max`` or ``min`` (``c_`` prefix allowed).
+
+    Returns:
+        None.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables; ``op`` not a string.
+        ValueError: a variable that no distributed function uses; an unknown ``op``; shapes that differ between processes.
+    """
     cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
     s, vars_, sids, _ = _resolve(shared_vars)
@@ -223,7 +275,20 @@ def _check_rank(s, rank):
 def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
 
-    ``batch`` selects rows of the values first.
+    Args:
+        rank: the process (0 .. n_parallel - 1).
+        shared_vars: one shared variable or a list/tuple of them.
+        values: one array (numpy or synk.data) per variable.
+        batch: rows of the values to use (int, slice or index list).
+
+    Returns:
+        None.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables; a non-int rank; a value of the wrong dtype or ndim.
+        IndexError: ``batch`` beyond the values' rows.
+        ValueError: a variable that no distributed function uses; a rank out of range; values that do not match the variables in number.
     """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
@@ -236,14 +301,39 @@ def set_value(rank, shared_vars, values, batch=None):
 
 
 def get_value(rank, shared_vars):
-    """The value(s) of shared variables in process ``rank`` (copies)."""
+    """The value(s) of shared variables in process ``rank``.
+
+    Args:
+        rank: the process (0 .. n_parallel - 1).
+        shared_vars: one shared variable or a list/tuple of them.
+
+    Returns:
+        A copy of each value (a tuple for a list of variables).
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables; a non-int rank.
+        ValueError: a variable that no distributed function uses; a rank out of range.
+    """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
     return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_value", sids, rank=rank), _run), single)
 
 
 def get_lengths(shared_vars):
-    """Length along axis 0 of each variable in every process: an int array per variable."""
+    """Length along axis 0 of each variable in every process.
+
+    Args:
+        shared_vars: one shared variable or a list/tuple of them (not 0-d).
+
+    Returns:
+        An int array (one entry per rank) per variable; a tuple for a list.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables.
+        ValueError: a variable that no distributed function uses; a 0-d variable.
+    """
     s, vars_, sids, single = _resolve(shared_vars)
     for v in vars_:
         if v.type.ndim == 0:
@@ -253,7 +343,19 @@ def get_lengths(shared_vars):
 
 
 def get_shapes(shared_vars):
-    """Shape of each variable in every process: a list of tuples per variable."""
+    """Shape of each variable in every process.
+
+    Args:
+        shared_vars: one shared variable or a list/tuple of them.
+
+    Returns:
+        A list of shape tuples (one per rank) per variable; a tuple for a list.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError: something other than shared variables.
+        ValueError: a variable that no distributed function uses.
+    """
     s, vars_, sids, single = _resolve(shared_vars)
     return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_shapes", sids), _run), single)
 
