@@ -384,6 +384,9 @@ def _store(var, value) -> None:
 #: storage of an updated shared variable to another one (in-place ops on an
 #: update target): that home is then skipped, never written, until the other
 #: variable lets it go. Two homes alternate in a training loop; a third is spare.
+#: Only shared variables of distributed functions are checked: a plain
+#: master-only PyTensor function that updates a distributed variable together
+#: with one no synkhronos function uses could hand that one a home unnoticed.
 _HOMES = ("", "b", "c")
 
 
