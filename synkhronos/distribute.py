@@ -51,6 +51,7 @@ def shared_variables(fn) -> list:
     return out
 
 
+@runtime.serialized
 def distribute() -> None:
     """Send every function built since the last distribute() to the workers.
 

@@ -458,6 +458,7 @@ class Function:
 
     # -- the call ----------------------------------------------------------
 
+    @runtime.serialized
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
                  device_outputs=False, **kwargs):
         """Run data-parallel: scatter inputs, compute everywhere, reduce outputs.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -174,6 +176,20 @@ def _most_telling(errors: dict):
 
 
 _session: Session | None = None
+#: One command at a time: a call or collective from a second thread waits for
+#: the first (re-entrant: a call may distribute first).
+_command_lock = threading.RLock()
+
+
+def serialized(fn):
+    """Let one thread at a time into ``fn`` (public calls that talk to the workers)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _command_lock:
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def session() -> Session:

@@ -117,6 +117,7 @@ def _ret(results, single):
     return results[0] if single else tuple(results)
 
 
+@runtime.serialized
 def broadcast(shared_vars, values=None):
     """Give every process the master's value of each shared variable.
 
@@ -139,6 +140,7 @@ def broadcast(shared_vars, values=None):
     s.run(Command.COLLECTIVE, CollectiveSpec("broadcast", sids), _run)
 
 
+@runtime.serialized
 def scatter(shared_vars, values, batch=None):
     """Split each value along axis 0 and give each process its part.
 
@@ -169,6 +171,7 @@ def scatter(shared_vars, values, batch=None):
     s.run(Command.COLLECTIVE, spec, _run)
 
 
+@runtime.serialized
 def gather(shared_vars, nd_up=1):
     """Collect every process's value in the master, in rank order.
 
@@ -192,6 +195,7 @@ def gather(shared_vars, nd_up=1):
     return _ret(joined, single)
 
 
+@runtime.serialized
 def all_gather(shared_vars):
     """Concatenate every process's value along axis 0 and store it in every process.
 
@@ -214,6 +218,7 @@ def all_gather(shared_vars):
     return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("all_gather", sids), _run), single)
 
 
+@runtime.serialized
 def reduce(shared_vars, op="avg", in_place=True):
     """Combine every process's value with ``op`` into the master.
 
@@ -239,6 +244,7 @@ def reduce(shared_vars, op="avg", in_place=True):
     return None if in_place else _ret(res, single)
 
 
+@runtime.serialized
 def all_reduce(shared_vars, op="avg"):
     """Combine every process's value with ``op`` and store the result everywhere.
 
@@ -272,6 +278,7 @@ def _check_rank(s, rank):
     return int(rank)
 
 
+@runtime.serialized
 def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
 
@@ -300,6 +307,7 @@ def set_value(rank, shared_vars, values, batch=None):
     s.run(Command.COLLECTIVE, spec, _run)
 
 
+@runtime.serialized
 def get_value(rank, shared_vars):
     """The value(s) of shared variables in process ``rank``.
 
@@ -320,6 +328,7 @@ def get_value(rank, shared_vars):
     return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_value", sids, rank=rank), _run), single)
 
 
+@runtime.serialized
 def get_lengths(shared_vars):
     """Length along axis 0 of each variable in every process.
 
@@ -342,6 +351,7 @@ def get_lengths(shared_vars):
     return _ret([np.array([sh[0] for sh in per]) for per in shapes], single)
 
 
+@runtime.serialized
 def get_shapes(shared_vars):
     """Shape of each variable in every process.
 

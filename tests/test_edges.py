@@ -121,3 +121,31 @@ def test_no_pinning_when_asked_or_oversubscribed(fork):
     assert os.sched_getaffinity(0) == before
     with pytest.raises(TypeError, match="pin_cores must be True, False or None, got 'yes'"):
         synk.close() or synk.fork(2, pin_cores="yes")
+
+
+def test_calls_from_several_threads_are_serialized(fork):
+    import threading
+
+    fork(2)
+    x = pt.dvector("x")
+    s = pytensor.shared(np.zeros(3), name="s_threads")
+    f = synk.function([x], (x.sum(), "sum"), mode=MODE)
+    g = synk.function([], s.sum(), mode=MODE)
+    errors, results = [], []
+
+    def work(k):
+        try:
+            for i in range(100):
+                results.append((k, i, float(f(np.full(4, float(k))))))
+                synk.all_reduce(s, op="sum")
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert len(results) == 300 and all(r == 4.0 * k for k, _, r in results)
+    assert float(g()) == 0.0
