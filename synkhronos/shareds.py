@@ -137,7 +137,7 @@ def broadcast(shared_vars, values=None):
     if values is not None:
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
-    s.run(Command.COLLECTIVE, CollectiveSpec("broadcast", sids), _run)
+    _send(s, CollectiveSpec("broadcast", sids))
 
 
 @runtime.serialized
@@ -168,7 +168,7 @@ def scatter(shared_vars, values, batch=None):
             raise ValueError(f"scatter: shared variable {var.name or var!r} is 0-d; nothing to split")
         batches.append(check_batch(batch, len(arr)))
     spec = CollectiveSpec("scatter", sids, refs=_stage("scatter", arrays), batch=batches)
-    s.run(Command.COLLECTIVE, spec, _run)
+    _send(s, spec)
 
 
 @runtime.serialized
@@ -191,7 +191,7 @@ def gather(shared_vars, nd_up=1):
     if nd_up not in (0, 1) or isinstance(nd_up, bool):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
     s, vars_, sids, single = _resolve(shared_vars)
-    joined = s.run(Command.COLLECTIVE, CollectiveSpec("gather", sids, nd_up=nd_up), _run)
+    joined = _send(s, CollectiveSpec("gather", sids, nd_up=nd_up))
     return _ret(joined, single)
 
 
@@ -215,7 +215,7 @@ def all_gather(shared_vars):
         if v.type.ndim == 0:
             raise ValueError(f"all_gather cannot store the gathered values of 0-d shared variable "
                              f"{v.name or v!r} in it; use gather")
-    return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("all_gather", sids), _run), single)
+    return _ret(_send(s, CollectiveSpec("all_gather", sids)), single)
 
 
 @runtime.serialized
@@ -239,8 +239,8 @@ def reduce(shared_vars, op="avg", in_place=True):
     cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
     s, vars_, sids, single = _resolve(shared_vars)
-    res = s.run(Command.COLLECTIVE, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place),
-                                                   cpu=cpu), _run)
+    res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place),
+                                                   cpu=cpu))
     return None if in_place else _ret(res, single)
 
 
@@ -267,7 +267,7 @@ def all_reduce(shared_vars, op="avg"):
     cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
     s, vars_, sids, _ = _resolve(shared_vars)
-    s.run(Command.COLLECTIVE, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu), _run)
+    _send(s, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu))
 
 
 def _check_rank(s, rank):
@@ -304,7 +304,7 @@ def set_value(rank, shared_vars, values, batch=None):
     if batch is not None and any(a.ndim == 0 for a in arrays):
         raise ValueError("set_value: batch needs values with at least one dimension")
     spec = CollectiveSpec("set_value", sids, rank=rank, refs=_stage("set_value", arrays), batch=batches)
-    s.run(Command.COLLECTIVE, spec, _run)
+    _send(s, spec)
 
 
 @runtime.serialized
@@ -325,7 +325,7 @@ def get_value(rank, shared_vars):
     """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
-    return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_value", sids, rank=rank), _run), single)
+    return _ret(_send(s, CollectiveSpec("get_value", sids, rank=rank)), single)
 
 
 @runtime.serialized
@@ -347,7 +347,7 @@ def get_lengths(shared_vars):
     for v in vars_:
         if v.type.ndim == 0:
             raise ValueError(f"get_lengths: shared variable {v.name or v!r} is 0-d")
-    shapes = s.run(Command.COLLECTIVE, CollectiveSpec("get_shapes", sids), _run)
+    shapes = _send(s, CollectiveSpec("get_shapes", sids))
     return _ret([np.array([sh[0] for sh in per]) for per in shapes], single)
 
 
@@ -367,7 +367,7 @@ def get_shapes(shared_vars):
         ValueError: a variable that no distributed function uses.
     """
     s, vars_, sids, single = _resolve(shared_vars)
-    return _ret(s.run(Command.COLLECTIVE, CollectiveSpec("get_shapes", sids), _run), single)
+    return _ret(_send(s, CollectiveSpec("get_shapes", sids)), single)
 
 
 def _join(parts, nd_up, var):
@@ -401,14 +401,21 @@ _HOMES = ("", "b", "c")
 
 
 def _home(proc, sid, dtype, shape, taken, current=None) -> np.ndarray:
-    """A shared-memory array for variable ``sid`` that no other shared variable uses:
-    ``current`` if it is one of its homes and free, else the first free home."""
+    """A shared-memory array for variable ``sid`` that no other shared variable uses.
+
+    ``current``, if it is one of its homes, is still the variable's value: no
+    other variable can have been given it (PyTensor gives away only the old
+    storage of a variable it updates, which then holds something else).
+    Otherwise the first home that no other shared variable uses; ``taken()``
+    lists the memory they use, computed only then.
+    """
     comm = proc.comm
     homes = [comm.resident(f"sv{sid}{h}", dtype, shape) for h in _HOMES]
-    if any(current is h for h in homes) and (not current.nbytes or not _overlaps(current, taken)):
+    if any(current is h for h in homes):
         return current
+    ranges = taken()
     for view in homes:
-        if not view.nbytes or not _overlaps(view, taken):
+        if not view.nbytes or not _overlaps(view, ranges):
             return view
     return comm.resident(f"sv{sid}{_HOMES[-1]}", dtype, shape, fresh=True)
 
@@ -420,7 +427,13 @@ def _resident(proc, sids, vars_) -> list:
     values = [v.get_value(borrow=True) for v in vars_]
     if not hasattr(proc.comm, "resident"):
         return values
-    taken = _memory_in_use(proc, exclude=set(sids))
+    cache = []
+
+    def taken():
+        if not cache:
+            cache.append(_memory_in_use(proc, exclude=set(sids)))
+        return cache[0]
+
     out = []
     for sid, var, value in zip(sids, vars_, values):
         view = _home(proc, sid, value.dtype, value.shape, taken, current=value)
@@ -437,7 +450,8 @@ def _receive_into(proc, sid, var, src) -> np.ndarray:
     if not hasattr(proc.comm, "resident") or np.dtype(src.dtype) != np.dtype(var.type.dtype):
         _store(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
-    view = _home(proc, sid, src.dtype, src.shape, _memory_in_use(proc, exclude={sid}))
+    view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}),
+                 current=var.get_value(borrow=True))
     np.copyto(view, src)
     var.set_value(view, borrow=True)
     return view
@@ -466,7 +480,18 @@ def _overlaps(a, ranges) -> bool:
     return any(r_lo < hi and lo < r_hi for r_lo, r_hi in ranges)
 
 
+def _send(s, spec: CollectiveSpec):
+    """Run ``spec`` in every process; the workers get it as a plain tuple (a
+    dataclass takes several times longer to pickle, on every collective)."""
+    wire = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
+    return s.run(Command.COLLECTIVE, wire, lambda proc, _: _run(proc, spec))
+
+
 @handler(Command.COLLECTIVE)
+def _receive(proc, wire: tuple):
+    return _run(proc, CollectiveSpec(*wire))
+
+
 def _run(proc, spec: CollectiveSpec):
     if getattr(proc, "gpu", None) is not None:  # a GPU device: NCCL, or the host path and back
         from .gpu import run_shared_collective
