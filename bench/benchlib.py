@@ -62,13 +62,17 @@ def summarize(times: list[float]) -> dict:
 
 
 def measure(fn: Callable[[], object], *, warmup: int = 3, min_reps: int = 5,
-            max_reps: int = 2000, budget_s: float = 1.0) -> dict:
-    """Time ``fn()`` call by call after ``warmup`` calls; median and spread.
+            max_reps: int = 2000, budget_s: float = 1.0, warmup_s: float = 0.0) -> dict:
+    """Time ``fn()`` call by call after ``warmup`` calls (and at least ``warmup_s``
+    seconds of calls); median and spread.
 
     Stops after ``max_reps`` calls, or once ``budget_s`` has passed and at
     least ``min_reps`` calls were timed.
     """
     for _ in range(warmup):
+        fn()
+    warm_until = time.perf_counter() + warmup_s
+    while time.perf_counter() < warm_until:
         fn()
     times = []
     end = time.perf_counter() + budget_s
