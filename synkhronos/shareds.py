@@ -234,13 +234,13 @@ def reduce(shared_vars, op="avg", in_place=True):
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError: something other than shared variables; ``op`` not a string.
-        ValueError: a variable that no distributed function uses; an unknown ``op``; shapes that differ between processes.
+        ValueError: a variable that no distributed function uses; an unknown
+            ``op``; shapes that differ between processes.
     """
     cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
     s, vars_, sids, single = _resolve(shared_vars)
-    res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place),
-                                                   cpu=cpu))
+    res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place), cpu=cpu))
     return None if in_place else _ret(res, single)
 
 
@@ -262,7 +262,8 @@ def all_reduce(shared_vars, op="avg"):
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError: something other than shared variables; ``op`` not a string.
-        ValueError: a variable that no distributed function uses; an unknown ``op``; shapes that differ between processes.
+        ValueError: a variable that no distributed function uses; an unknown
+            ``op``; shapes that differ between processes.
     """
     cpu = isinstance(op, str) and op.startswith("c_")
     op = check_op(op, _OPS)
