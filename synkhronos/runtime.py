@@ -346,7 +346,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         proc.control = ControlBlock(proc.prefix, proc.size, proc.master_rank, create=False)
         proc.comm = ShmCommunicator(proc.prefix, rank, proc.size, proc.master_rank, create=False,
                                     check=proc.check_master)
-        limit_threads(threads)
+        limit_threads(threads, worker=True)
         from .worker.loop import serve
 
         code = serve(proc)

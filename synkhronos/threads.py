@@ -7,8 +7,11 @@ import sys
 
 __all__ = []
 
+#: Read by the BLAS and OpenMP libraries when they load (a process forked
+#: later inherits them). Numba's NUMBA_NUM_THREADS is handled apart: Numba
+#: refuses any change to it once its threads run, at its next compile.
 _ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-             "NUMBA_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+             "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
 def available_cores() -> int:
@@ -42,8 +45,20 @@ def pin(cores) -> set | None:
         return None
 
 
-def limit_threads(n: int):
-    """Cap native thread pools at ``n``; returns a handle whose ``restore()`` undoes it."""
+def _numba_threads_running() -> bool:
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return bool(getattr(parallel, "_is_initialized", False))
+
+
+def limit_threads(n: int, worker: bool = False):
+    """Cap native thread pools at ``n``; returns a handle whose ``restore()`` undoes it.
+
+    In a worker (which never restores) Numba's thread count is capped too:
+    through NUMBA_NUM_THREADS before its threads start, else with
+    ``numba.set_num_threads``. In the master Numba is capped only if its
+    threads already run (so the cap can be undone): starting them here would
+    fix their number for the rest of the process.
+    """
     from threadpoolctl import threadpool_limits
 
     saved_env = {k: os.environ.get(k) for k in _ENV_VARS}
@@ -52,7 +67,11 @@ def limit_threads(n: int):
     limits = threadpool_limits(limits=n)
     numba = sys.modules.get("numba")
     saved_numba = None
-    if numba is not None:
+    if worker and not _numba_threads_running():
+        os.environ["NUMBA_NUM_THREADS"] = str(n)
+        if numba is not None:
+            numba.config.reload_config()
+    elif numba is not None and _numba_threads_running():
         try:
             saved_numba = numba.get_num_threads()
             numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))

@@ -149,3 +149,17 @@ def test_calls_from_several_threads_are_serialized(fork):
     assert not errors
     assert len(results) == 300 and all(r == 4.0 * k for k, _, r in results)
     assert float(g()) == 0.0
+
+
+def test_numba_still_compiles_after_a_fork_closed(fork):
+    """Numba refuses a new thread count once its threads run: fork() must
+    neither start them in the master nor leave NUMBA_NUM_THREADS changed."""
+    fork(2)
+    synk.close()
+    x = pt.dvector("x")
+    c = float(np.random.default_rng().integers(1, 10**9))  # a new graph: compiled now
+    f = pytensor.function([x], (pt.exp(x) * c).sum())  # default (Numba) mode
+    assert f(np.zeros(3)) == pytest.approx(3 * c)
+    fork(2)
+    g = synk.function([x], (pt.exp(x) * c).max())  # workers compile too
+    assert g(np.zeros(4)) == pytest.approx(c)
