@@ -632,15 +632,6 @@ def _is_minibatch(value) -> bool:
     return isinstance(value, Data) and value.minibatch
 
 
-def _as_var_list(what, items, label):
-    out = []
-    for item in items:
-        if not isinstance(item, Variable):
-            raise TypeError(f"{label} must be PyTensor variables, got {item!r} in {what}")
-        out.append(item)
-    return out
-
-
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
              sliceable_shareds=None, reduce_ops=None, broadcast_inputs=None,
              **pytensor_kwargs) -> Function:
@@ -679,7 +670,10 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     s.usable()
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of PyTensor variables, got {inputs!r}")
-    inputs = _as_var_list("inputs", inputs, "inputs")
+    bad = [item for item in inputs if not isinstance(item, Variable)]
+    if bad:
+        raise TypeError(f"inputs must be PyTensor variables, got {bad[0]!r} in inputs")
+    inputs = list(inputs)
     for key in ("outputs_subset", "output_subset"):
         if key in pytensor_kwargs:
             raise TypeError(f"{key} is a call keyword, not a function keyword")

@@ -46,7 +46,6 @@ class Process:
         self.functions = {}   # function id -> local executor
         self.shareds = {}     # shared-variable id -> this process's variable
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
-        self.scratch = {}     # this process's own scratch segments by key
         self.gpu_plan = None  # gpu.GpuPlan on a GPU device
         self.gpu = None       # gpu.GpuState once this process opened its GPU
         self.nccl = None      # NcclCommunicator when every process has a GPU of its own
@@ -70,9 +69,6 @@ class Process:
         for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()
-        for seg in self.scratch.values():
-            seg.close()
-        self.scratch.clear()
         if self.nccl is not None:
             self.nccl.close()
             self.nccl = None

@@ -237,8 +237,7 @@ def reduce(shared_vars, op="avg", in_place=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    cpu = isinstance(op, str) and op.startswith("c_")
-    op = check_op(op, _OPS)
+    op, cpu = _check_reduce_op(op)
     s, vars_, sids, single = _resolve(shared_vars)
     res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place), cpu=cpu))
     return None if in_place else _ret(res, single)
@@ -265,10 +264,14 @@ def all_reduce(shared_vars, op="avg"):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    cpu = isinstance(op, str) and op.startswith("c_")
-    op = check_op(op, _OPS)
+    op, cpu = _check_reduce_op(op)
     s, vars_, sids, _ = _resolve(shared_vars)
     _send(s, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu))
+
+
+def _check_reduce_op(op):
+    """``(op without its c_ prefix, whether the prefix asked for the CPU path)``."""
+    return check_op(op, _OPS), isinstance(op, str) and op.startswith("c_")
 
 
 def _check_rank(s, rank):
