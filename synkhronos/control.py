@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from .errors import WorkerDiedError
+from .errors import WorkerDiedError, pack_exception
 from .shmem import Segment, create_semaphore, unlink_segment
 
 __all__ = []
@@ -32,9 +32,12 @@ RECEIVE_SPIN_SECONDS = 2e-3
 
 _HEADER_WORDS = 16
 _W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT, _W_EPOCH = range(6)
-_PAYLOAD_OFFSET = 4096
+#: The payload starts on the first page boundary after the header, which grows with the ranks.
+_PAGE = 4096
 _PAYLOAD_CAP = 1 << 20
 _STATUS_OK, _STATUS_ERROR = 0, 1
+#: The error generation of a worker that failed but found no room for its report.
+_ERR_NO_ROOM = -1
 
 
 class Command(enum.IntEnum):
@@ -54,6 +57,39 @@ class Aborted(Exception):
 
 class MasterGone(BaseException):
     """Raised in a worker whose master has died; ends the worker."""
+
+
+class Interrupted(BaseException):
+    """Raised in a worker's computation when the master abandons the command
+    (Ctrl-C, a timeout, close() from another thread): a BaseException, so no
+    ``except Exception`` in user code or PyTensor keeps it."""
+
+
+class _Interruptible:
+    """``with interruptible:`` marks where a worker may be stopped by the master's
+    interrupt signal: its computation, not the bookkeeping of the protocol
+    (that notices the abort flag at its next wait). A no-op in the master,
+    whose Ctrl-C is Python's own."""
+
+    __slots__ = ("control", "armed")
+
+    def __init__(self):
+        self.control = None   # the worker's ControlBlock; None in the master
+        self.armed = False
+
+    def __enter__(self):
+        if self.control is not None:
+            if self.control.aborted():  # the interrupt came before the computation began
+                raise Interrupted("the master abandoned this command")
+            self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        self.armed = False
+        return False
+
+
+interruptible = _Interruptible()
 
 
 #: Worker-side handlers, filled in by the feature modules:
@@ -116,13 +152,17 @@ class ControlBlock:
         self.size = size
         self.master_rank = master_rank
         self.create = create
-        words = _HEADER_WORDS + 2 * size
-        assert words * 8 <= _PAYLOAD_OFFSET, "control header outgrew its page"
-        self._seg = Segment(prefix + "ctl", _PAYLOAD_OFFSET + _PAYLOAD_CAP, create=create)
+        words = _HEADER_WORDS + 3 * size
+        offset = -(-words * 8 // _PAGE) * _PAGE
+        self._seg = Segment(prefix + "ctl", offset + _PAYLOAD_CAP, create=create)
         self._words = self._seg.array(np.int64, (words,))
         self._status = self._words[_HEADER_WORDS:_HEADER_WORDS + size]
         self._err_gen = self._words[_HEADER_WORDS + size:_HEADER_WORDS + 2 * size]
-        self._payload = self._seg.buffer()[_PAYLOAD_OFFSET:]
+        # the sequence number of the last command each worker answered: the
+        # master's truth for who is done (the done semaphore only wakes it)
+        self._acked = self._words[_HEADER_WORDS + 2 * size:_HEADER_WORDS + 3 * size]
+        self._taken_seq = 0
+        self._payload = self._seg.buffer()[offset:]
         self._overflow: Segment | None = None
         self._overflow_gen = 0
         self._err_seq = 0
@@ -143,7 +183,8 @@ class ControlBlock:
         else:
             self._overflow_gen += 1
             old, self._overflow = self._overflow, Segment(
-                f"{self.prefix}pay{self._overflow_gen}", n, create=True)
+                f"{self.prefix}pay{self._overflow_gen}", n, create=True,
+                what=f"a {cmd.name} command's payload of {n} bytes")
             self._overflow.buffer()[:n] = body
             if old is not None:
                 old.close()
@@ -155,13 +196,30 @@ class ControlBlock:
         for sem in self.go.values():
             sem.release()
 
+    def pending(self) -> list[int]:
+        """The ranks that have not answered the last command yet."""
+        seq = self._words[_W_SEQ]
+        return [r for r in self.go if self._acked[r] != seq]
+
     def collect(self, check: Callable[[], None]) -> dict[int, bytes]:
-        """Wait until every worker finished the command; return their errors by rank."""
-        for _ in self.go:
+        """Wait until every worker finished the command; return their errors by rank.
+
+        May be called again after ``check()`` raised (Ctrl-C, a timeout): it
+        goes on waiting for the workers that have not answered yet.
+        """
+        while self.pending():
             acquire(self.done, check)
+        if self._overflow is not None:  # every worker has read it: a large payload's memory goes now
+            self._overflow.close()
+            self._overflow = None
         errors = {}
         for rank in self.go:
             if self._status[rank] == _STATUS_ERROR:
+                if self._err_gen[rank] == _ERR_NO_ROOM:
+                    errors[rank] = pack_exception(MemoryError(
+                        f"worker rank {rank} failed, and /dev/shm had no room left for its "
+                        "error report; see the memory errors above or free shared memory"), rank)
+                    continue
                 name = f"{self.prefix}err{rank}.{self._err_gen[rank]}"
                 try:
                     seg = Segment(name)
@@ -190,6 +248,7 @@ class ControlBlock:
     def receive(self, rank: int, check: Callable[[], None]):
         """Block until the next command for this worker; return ``(cmd, payload)``."""
         acquire(self.go[rank], check, spin=RECEIVE_SPIN_SECONDS)
+        self._taken_seq = int(self._words[_W_SEQ])
         n = int(self._words[_W_LEN])
         gen = int(self._words[_W_GEN])
         if gen == 0:
@@ -204,13 +263,19 @@ class ControlBlock:
         """Report this worker's completion, with a packed exception if it failed."""
         if error is not None:
             self._err_seq += 1
-            seg = Segment(f"{self.prefix}err{rank}.{self._err_seq}", 8 + len(error), create=True)
-            seg.array(np.int64, (1,))[0] = len(error)
-            seg.buffer()[8:8 + len(error)] = error
-            seg.owner = False  # the master reads and unlinks it
-            seg.close()
-            self._err_gen[rank] = self._err_seq
+            try:
+                seg = Segment(f"{self.prefix}err{rank}.{self._err_seq}", 8 + len(error), create=True,
+                              what=f"the error report of worker rank {rank}")
+            except (MemoryError, OSError):  # a full /dev/shm: the master still learns of a failure
+                self._err_gen[rank] = _ERR_NO_ROOM
+            else:
+                seg.array(np.int64, (1,))[0] = len(error)
+                seg.buffer()[8:8 + len(error)] = error
+                seg.owner = False  # the master reads and unlinks it
+                seg.close()
+                self._err_gen[rank] = self._err_seq
             self._status[rank] = _STATUS_ERROR
+        self._acked[rank] = self._taken_seq
         self.done.release()
 
     def close(self) -> None:
@@ -218,7 +283,8 @@ class ControlBlock:
             return
         self._closed = True
         self._payload.release()
-        self._words = self._status = self._err_gen = None
+        # views keep the mapping alive: drop every one, so the block is unmapped now
+        self._words = self._status = self._err_gen = self._acked = None
         for sem in list(self.go.values()) + [self.done]:
             try:
                 sem.close()

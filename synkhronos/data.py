@@ -4,15 +4,48 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import numpy as np
 
 from . import runtime
-from .shmem import Segment
+from .shmem import Segment, Shrink
 
 __all__ = ["Data", "data"]
 
 _uids = itertools.count(1)
+
+
+class _Memory:
+    """The segment of one Data object, released when the Data is closed or garbage.
+
+    Kept apart from the Data so that a finalizer can release it without
+    holding the Data alive; the workers are told to drop their mappings too.
+    """
+
+    __slots__ = ("seg", "uid", "proc")
+
+    def __init__(self, proc, uid: int):
+        self.seg: Segment | None = None
+        self.uid = uid
+        self.proc = proc
+
+    def release(self) -> None:
+        seg, self.seg = self.seg, None
+        if seg is None:
+            return
+        seg.close()
+        forget(self.proc, (self.uid,))  # the master's own mapping, if a call attached it
+        s = runtime._session
+        if s is not None and s.proc is self.proc:
+            s.dropped.append(self.uid)
+
+    def forget(self) -> None:
+        """Release, and leave the session's list of live memory (the Data is gone)."""
+        self.release()
+        s = runtime._session
+        if s is not None and s.proc is self.proc:
+            s.data_memory.pop(self.uid, None)
 
 
 class Data:
@@ -34,8 +67,13 @@ class Data:
         self._dtype = np.dtype(dtype)
         self._ndim = int(ndim)
         self._shape = (0,) * self._ndim
-        self._seg: Segment | None = None
+        self._mem = _Memory(self._proc, self._uid)
+        # a dropped Data gives its shared memory back at once (and the workers
+        # their mappings), not at close(); close() releases the ones still alive
+        runtime.session().data_memory[self._uid] = self._mem
+        weakref.finalize(self, self._mem.forget).atexit = False
         self._alloc = 0
+        self._shrink = None  # scratch only: see _fit
         self._oversize = _check_oversize(oversize)
         self.minibatch = bool(minibatch)
         self.name = name
@@ -158,6 +196,10 @@ class Data:
 
     # -- internals ---------------------------------------------------------
 
+    @property
+    def _seg(self) -> Segment | None:
+        return self._mem.seg
+
     def _label(self) -> str:
         return repr(self.name) if self.name is not None else f"#{self._uid}"
 
@@ -174,22 +216,28 @@ class Data:
             alloc = max(int(need * factor), need)
             self._gen += 1
             seg = Segment(f"{self._proc.prefix}d{self._uid}.{self._gen}",
-                          alloc * self._dtype.itemsize, create=True)
+                          alloc * self._dtype.itemsize, create=True,
+                          what=f"synk.data {self._label()} of shape {tuple(shape)} and dtype {self._dtype}")
             if keep and self._seg is not None:
                 old = self._seg.array(self._dtype, (self._alloc,))
                 n = min(self.size, need)
                 seg.array(self._dtype, (alloc,))[:n] = old[:n]
             self._drop_segment()
-            self._seg, self._alloc = seg, alloc
+            self._mem.seg, self._alloc = seg, alloc
         self._shape = tuple(int(s) for s in shape)
 
     def _drop_segment(self) -> None:
-        if self._seg is not None:
-            self._seg.close()
-            self._seg = None
-            s = runtime._session
-            if s is not None and s.proc is self._proc:
-                s.dropped.append(self._uid)
+        self._mem.release()
+
+    def _fit(self, shape) -> None:
+        """Reshape scratch: grow as needed, and shrink when it is much too large."""
+        if self._shrink is None:
+            self._shrink = Shrink()
+        itemsize = self._dtype.itemsize
+        if self._shrink(self._alloc * itemsize, math.prod(shape) * itemsize):
+            self._drop_segment()
+            self._alloc = 0
+        self._reshape(shape, None, keep=False)
 
     def _ref(self):
         """What a worker needs to map this array: (uid, segment name, dtype, shape)."""
@@ -231,10 +279,10 @@ def forget(proc, uids) -> None:
 
 
 def _check_oversize(oversize) -> float:
-    if isinstance(oversize, bool) or not isinstance(oversize, (int, float)):
+    if isinstance(oversize, (bool, np.bool_)) or not isinstance(oversize, (int, float, np.integer, np.floating)):
         raise TypeError(f"oversize must be a number >= 1, got {oversize!r}")
-    if not 1.0 <= oversize:
-        raise ValueError(f"oversize must be >= 1, got {oversize}")
+    if not 1.0 <= oversize < math.inf:
+        raise ValueError(f"oversize must be a finite number >= 1, got {oversize!r}")
     return float(oversize)
 
 
@@ -244,14 +292,22 @@ def _check_index_int(value, what: str) -> int:
     return int(value)
 
 
-def data(value=None, var=None, dtype=None, ndim=None, minibatch=False, force_cast=False,
-         oversize=1.0, name=None) -> Data:
+#: The most dimensions a numpy array may have.
+_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+
+
+def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
+         force_cast=False, oversize=1.0, name=None) -> Data:
     """Make a :class:`Data`: an array in shared memory for function inputs.
+
+    The keywords and their order are the original Synkhronos's.
 
     Args:
         value: initial contents (array-like), optional.
         var: a PyTensor variable whose dtype and ndim the data must match.
         dtype, ndim: given explicitly instead of (or checked against) ``var``.
+        shape: allocate the data with this shape (zero-filled) when no
+            ``value`` is given; gives ``ndim`` when that is missing.
         minibatch: the array holds one batch exactly (see :class:`Data`).
         force_cast: cast ``value`` to the dtype even if that loses information.
         oversize: allocate this factor more than needed, so growth is cheap.
@@ -274,23 +330,54 @@ def data(value=None, var=None, dtype=None, ndim=None, minibatch=False, force_cas
         if ndim is not None and ndim != vtype.ndim:
             raise ValueError(f"ndim={ndim!r} conflicts with var {var} of ndim {vtype.ndim}")
         dtype, ndim = vtype.dtype, vtype.ndim
+    if shape is not None:
+        shape = _check_shape(shape)
+        if ndim is not None and ndim != len(shape):
+            raise ValueError(f"shape={shape} has {len(shape)} dimensions, but ndim={ndim!r}"
+                             + (f" (from var {var})" if var is not None else ""))
+        ndim = len(shape)
     if value is not None:
         arr = np.asarray(value)
+        if shape is not None and arr.shape != shape:
+            raise ValueError(f"shape={shape} conflicts with the value's shape {arr.shape}")
         if dtype is None:
             dtype = arr.dtype
         if ndim is None:
             ndim = arr.ndim
     if dtype is None or ndim is None:
-        raise ValueError("synk.data needs a value, a var, or both dtype and ndim")
+        raise ValueError("synk.data needs a value, a var, a shape, or both dtype and ndim")
     try:
         dtype = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype {dtype!r} is not a numpy dtype") from None
     if dtype.hasobject:
-        raise TypeError(f"synk.data cannot hold dtype {dtype} (object arrays do not live in shared memory)")
-    if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or ndim < 0:
-        raise ValueError(f"ndim must be a non-negative int, got {ndim!r}")
+        what = "" if value is None else f": {_short_repr(value)}"
+        raise TypeError(f"synk.data cannot hold dtype {dtype} (object arrays do not live in shared "
+                        f"memory){what}")
+    if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or not 0 <= ndim <= _MAX_NDIM:
+        raise ValueError(f"ndim must be an int from 0 to {_MAX_NDIM} (numpy's limit), got {ndim!r}")
     d = Data(dtype, ndim, minibatch=minibatch, name=name, oversize=oversize)
     if value is not None:
         d.set_value(value, force_cast=force_cast)
+    elif shape is not None:
+        d.set_shape(shape)
     return d
+
+
+def _check_shape(shape) -> tuple:
+    items = (shape,) if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool) else shape
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
+    for s in items:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+        if s < 0:
+            raise ValueError(f"shape entries must be non-negative, got {shape!r}")
+    return tuple(int(s) for s in items)
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + "(...)"

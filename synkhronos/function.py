@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
 import pytensor
 from pytensor.graph.basic import Variable
+from pytensor.scalar import upcast
 
 from . import gpu, runtime
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives import PeerFailed, check_op
-from .collectives.ops import combine
-from .control import Command, handler
-from .data import Data, attach
+from .collectives.ops import cast_to, combine, result_dtype
+from .control import Command, handler, interruptible
+from .data import Data, _short_repr, attach
+from .errors import SynkError
 
 __all__ = ["Function", "function"]
 
@@ -143,19 +148,33 @@ class LocalFunction:
             for j in range(len(spec.updates)):
                 upd_parts[j].append(res[n_out + j])
             weights.append(hi - lo)
-        outs = [_accumulate(parts, op, weights) for parts, op in zip(outs_parts, ops)]
+        chosen = range(n_out) if subset is None else subset
+        outs = [_accumulate(parts, op, weights, spec.outputs[k])
+                for parts, op, k in zip(outs_parts, ops, chosen)]
         for (var, _), op, parts in zip(spec.updates, spec.update_ops, upd_parts):
-            value = _accumulate(parts, op, weights)
-            var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
+            value = _accumulate(parts, op, weights, var)
+            var.set_value(cast_to(np.asarray(value), var.type.dtype), borrow=True)
         return outs
 
 
-def _accumulate(parts, op, weights):
-    if op is None:
-        return parts[-1]
-    if op == "gather":
-        return _concat(parts)
-    return combine(parts, op, weights)
+def _accumulate(parts, op, weights, var):
+    """One process's value of an output (or update) from its slices' values.
+
+    Reductions combine the slices as they combine processes. ``gather`` and
+    ``None`` keep every row: the slices' rows joined in order, which is the
+    unsliced result only for an output with one row per input row; anything
+    else is refused, never returned different from the unsliced call.
+    """
+    if op is not None and op != "gather":
+        return combine(parts, op, weights)
+    for part, rows in zip(parts, weights):
+        shape = np.shape(part)
+        if not shape or shape[0] != rows:
+            raise ValueError(
+                f"output {var.name or var} (op {op!r}) has shape {shape} for a slice of {rows} rows: "
+                "it is not one row per input row, so its slices cannot be joined into the result "
+                "of the whole call; use num_slices=1 for it, or a reducing op")
+    return _concat(parts)
 
 
 def _concat(parts):
@@ -206,8 +225,9 @@ def execute_call(proc, call: CallSpec, own=None):
         try:
             args = _local_inputs(proc, call, lo, hi, own)
             gpu.keep_on_device(proc)
-            outs = lf.run(args, call.subset, call.num_slices,
-                          None if call.n_rows is None else hi - lo, ops, rows)
+            with interruptible:  # a worker: the master may stop this when it abandons the call
+                outs = lf.run(args, call.subset, call.num_slices,
+                              None if call.n_rows is None else hi - lo, ops, rows)
             gpu.keep_on_device(proc)  # updates accumulated over slices come back to the host
         except Exception as exc:
             error = exc
@@ -292,7 +312,12 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
                     results[i] = outs[i]
             continue
         on_device = getattr(comm, "device_arrays", False)
-        mine = None if outs is None else [outs[i] if on_device else np.asarray(outs[i]) for i in idx]
+        if outs is None:
+            mine = None
+        elif on_device:
+            mine = [outs[i] for i in idx]
+        else:  # the avg of integers is float64 from the start, sliced or not, small or large
+            mine = [np.asarray(outs[i], dtype=result_dtype(np.asarray(outs[i]).dtype, op)) for i in idx]
         concat = (lambda _, parts: comm.concat(parts)) if on_device else (lambda _, parts: _concat(parts))
         # Every process must take part in every collective, also after one failed:
         # a rooted collective tells only some processes that it failed, and the
@@ -341,6 +366,8 @@ class Function:
         self._spec = spec
         self._local = local
         self._scratch: dict = {}
+        self._owner = None  # the Session (fork) it was built for
+        self._cast_warned: set = set()  # (input position, dtype) of synk.data cast already
         self._input_names = [getattr(v, "name", None) for v in spec.inputs]
         # inputs whose type PyTensor checks by dtype and ndim alone: an ndarray
         # that already has both needs no conversion (the common case, made fast)
@@ -386,23 +413,41 @@ class Function:
 
     # -- inputs ------------------------------------------------------------
 
-    def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False):
+    def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False, **kwargs):
         """Copy input values into new :class:`synkhronos.Data` objects, one per input.
 
         Passing these to the function later sends no input data at call time.
 
+        Args:
+            *args: one value per input, in order, as for a call.
+            force_cast: passed to :func:`synkhronos.data`.
+            oversize: passed to :func:`synkhronos.data`.
+            minibatch: passed to :func:`synkhronos.data`: one flag for every
+                input, or a list with one flag per input.
+            **kwargs: input values by input name.
+
         Returns:
             A list of Data (a single Data for a one-input function).
+
+        Raises:
+            TypeError: missing, extra or unknown inputs; a value
+                :func:`synkhronos.data` refuses.
+            ValueError: a ``minibatch`` list of the wrong length.
         """
-        if len(args) != len(self._spec.inputs):
-            raise TypeError(f"function {self.name!r} takes {len(self._spec.inputs)} inputs, "
-                            f"build_inputs got {len(args)}")
+        n = len(self._spec.inputs)
+        if not kwargs and len(args) != n:
+            raise TypeError(f"function {self.name!r} takes {n} inputs, build_inputs got {len(args)}")
+        values = self._bind(args, kwargs)
+        flags = list(minibatch) if isinstance(minibatch, (list, tuple)) else [minibatch] * n
+        if len(flags) != n:
+            raise ValueError(f"minibatch has {len(flags)} entries for the {n} inputs of function "
+                             f"{self.name!r}")
         from .data import data as make_data
 
         out = []
-        for var, value in zip(self._spec.inputs, args):
+        for var, value, flag in zip(self._spec.inputs, values, flags):
             out.append(make_data(value, var=var, force_cast=force_cast, oversize=oversize,
-                                 minibatch=minibatch, name=var.name))
+                                 minibatch=flag, name=var.name))
         return out[0] if len(out) == 1 else out
 
     def _bind(self, args, kwargs):
@@ -432,28 +477,54 @@ class Function:
             return value
         var = self._spec.inputs[i]
         label = f"input {var.name or i!r} of function {self.name!r}"
+        # wrong ndim or dtype is a TypeError, as in PyTensor's own functions
         if isinstance(value, Data):
-            if value.ndim != var.type.ndim:
-                raise ValueError(f"{label} expects ndim={var.type.ndim}, got synk.data with ndim={value.ndim}")
-            if value.dtype != np.dtype(var.type.dtype):
-                raise TypeError(f"{label} expects dtype {var.type.dtype}, got synk.data of dtype {value.dtype}")
             value._check_alive()
+            if value.ndim != var.type.ndim:
+                raise TypeError(f"{label} expects ndim={var.type.ndim}, got synk.data with ndim={value.ndim}")
+            if value.dtype != np.dtype(var.type.dtype):
+                return self._cast_data(i, value, np.dtype(var.type.dtype), label)
             return value
         arr = np.asarray(value) if not isinstance(value, np.ndarray) else value
+        if arr.dtype.kind in "OUSV":  # objects, strings, raw bytes
+            raise TypeError(f"{label} expects a numeric array of dtype {var.type.dtype}, got an array of "
+                            f"dtype {arr.dtype}: {_short_repr(value)}")
         if arr.ndim != var.type.ndim:
-            raise ValueError(f"{label} expects ndim={var.type.ndim}, got ndim={arr.ndim} (shape {arr.shape})")
+            raise TypeError(f"{label} expects ndim={var.type.ndim}, got ndim={arr.ndim} (shape {arr.shape})")
         try:
             return var.type.filter(value, strict=False,
                                    allow_downcast=self._spec.kwargs.get("allow_input_downcast"))
         except TypeError as err:
             raise TypeError(f"{label}: {err}") from None
 
+    def _cast_data(self, i, value: Data, want: np.dtype, label: str) -> Data:
+        """A synk.data of another dtype, cast where PyTensor would cast a numpy array of
+        its dtype: one copy per call, into shared memory, and a warning the first time."""
+        downcast = self._spec.kwargs.get("allow_input_downcast")
+        if not (downcast or upcast(want.name, value.dtype.name) == want.name):
+            raise TypeError(f"{label} expects dtype {want}, got synk.data {value._label()} of dtype "
+                            f"{value.dtype}, which would lose precision: create it with "
+                            f"synk.data(value, dtype={want.name!r}) (or var=the input), or pass "
+                            "allow_input_downcast=True to synk.function")
+        if (i, value.dtype) not in self._cast_warned:
+            self._cast_warned.add((i, value.dtype))
+            warnings.warn(f"{label} expects dtype {want}, got synk.data {value._label()} of dtype "
+                          f"{value.dtype}: every call casts a copy of it ({value.size * want.itemsize} "
+                          f"bytes now) into shared memory; create it with synk.data(value, "
+                          f"dtype={want.name!r}) to pass it without a copy",
+                          stacklevel=_user_stacklevel())
+        d = self._scratch_data(("cast", i), want, value.shape)
+        d.minibatch = value.minibatch
+        if value.size:
+            np.copyto(d.data, value.data, casting="unsafe")
+        return d
+
     def _scratch_data(self, key, dtype, shape):
         d = self._scratch.get(key)
         if d is None:
             d = Data(dtype, len(shape), name=f"{self.name}:{key}", oversize=1.25)
             self._scratch[key] = d
-        d._reshape(shape, None, keep=False)
+        d._fit(shape)  # shrinks after a much larger call
         return d
 
     # -- the call ----------------------------------------------------------
@@ -488,6 +559,10 @@ class Function:
             WorkerError or the worker's own exception type: a process failed.
         """
         s = runtime.session()
+        if self._owner is not s:
+            raise SynkError(
+                f"function {self.name!r} was built for a fork that was closed (synk.close()); "
+                "build it again with synk.function() after this synk.fork()")
         s.usable()
         spec = self._spec
         batch_s = self._check_batch_s(batch_s, s.n_parallel)
@@ -496,6 +571,8 @@ class Function:
         if not isinstance(device_outputs, bool):
             raise TypeError(f"device_outputs must be True or False, got {device_outputs!r}")
         subset = self._check_subset(output_subset)
+        if num_slices > 1:
+            self._check_sliceable_outputs(subset)
         values = [self._check_value(i, v) for i, v in enumerate(self._bind(args, kwargs))]
         scattered = [i for i, b in enumerate(spec.bcast) if not b]
         n_rows, norm_batch = None, None
@@ -600,14 +677,32 @@ class Function:
                                 f"(one per process), got {item!r}")
         return out
 
+    def _check_sliceable_outputs(self, subset) -> None:
+        """With ``num_slices`` > 1, refuse 0-d outputs that keep every process's value
+        (``gather``, ``None``): a process would have one value per slice instead of one."""
+        spec = self._spec
+        if all(spec.bcast) and not spec.sliceable:
+            return  # nothing is split into slices
+        chosen = range(len(spec.outputs)) if subset is None else subset
+        flat = [spec.outputs[k].name or f"#{k}" for k in chosen
+                if spec.output_ops[k] in (None, "gather") and spec.outputs[k].type.ndim == 0]
+        if flat:
+            raise ValueError(f"outputs {flat} of function {self.name!r} are 0-d with op 'gather' or None: "
+                             "with num_slices > 1 each process would have one value per slice instead "
+                             "of one value; use num_slices=1 or a reducing op for them")
+
     def _check_subset(self, output_subset):
         if output_subset is None:
             return None
         n = len(self._spec.outputs)
-        try:
-            subset = tuple(int(k) for k in output_subset)
-        except (TypeError, ValueError):
-            raise TypeError(f"output_subset must be a list of output indices, got {output_subset!r}") from None
+        if not isinstance(output_subset, (list, tuple, range, np.ndarray)):
+            raise TypeError(f"output_subset must be a list of output indices, got {output_subset!r}")
+        wrong = [k for k in output_subset if isinstance(k, (bool, np.bool_))
+                 or not isinstance(k, (int, np.integer))]
+        if wrong:
+            raise TypeError(f"output_subset must hold int output indices, got {wrong[0]!r} "
+                            f"in {output_subset!r}")
+        subset = tuple(int(k) for k in output_subset)
         bad = [k for k in subset if not 0 <= k < n]
         if bad:
             raise IndexError(f"output_subset {list(output_subset)} names outputs {bad}; "
@@ -626,6 +721,15 @@ class Function:
 
 
 _MISSING = object()
+
+
+def _user_stacklevel() -> int:
+    """For warnings.warn: the level of the first caller outside synkhronos."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _is_minibatch(value) -> bool:
@@ -767,6 +871,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     local = LocalFunction(spec)
     local.compiled()  # compile now, as pytensor.function does: errors show here
     fn = Function(spec, local)
+    fn._owner = s
     s.functions.append(fn)
     s.proc.functions[fid] = local
     return fn

@@ -8,6 +8,7 @@ their arguments in the master, then one COLLECTIVE command runs
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -16,8 +17,10 @@ from pytensor.compile.sharedvalue import SharedVariable
 from . import runtime
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives import check_op
+from .collectives.ops import cast_to
 from .control import Command, handler
-from .data import Data, attach
+from .shmem import SHRINK_BYTES
+from .data import Data, attach, forget
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
@@ -70,6 +73,10 @@ def _resolve(shared_vars):
             raise ValueError(f"shared variable {v.name or v!r} is used by no distributed synkhronos "
                              "function, so the workers do not hold it")
         sids.append(sid)
+    if len(set(sids)) != len(sids):
+        twice = [v.name or repr(v) for k, v in enumerate(items) if sids.index(sids[k]) != k]
+        raise ValueError(f"shared variables {twice} are listed more than once; list each once "
+                         "(a collective would act on it once per listing)")
     return s, items, sids, single
 
 
@@ -82,11 +89,24 @@ def _values_for(vars_, values, what: str, single: bool = False):
     out = []
     for var, value in zip(vars_, values):
         arr = value.data if isinstance(value, Data) else value
+        # PyTensor's own rule, as var.set_value applies it: safe casts only, so
+        # 1.7 never lands in an int as 1, nor 1e300 in a float32 as inf
+        strict = getattr(var.container, "strict", False)
+        allow_downcast = getattr(var.container, "allow_downcast", None)
         try:
-            out.append(var.type.filter(arr, strict=False, allow_downcast=True))
-        except TypeError as err:
-            raise TypeError(f"{what}: value for shared variable {var.name or var!r}: {err}") from None
+            out.append(var.type.filter(arr, strict=strict, allow_downcast=allow_downcast))
+        except (TypeError, ValueError, OverflowError) as err:
+            shown = _show(arr)
+            detail = err.args[0] if err.args else err
+            raise type(err)(f"{what}: value {shown} for shared variable {var.name or var!r} "
+                            f"({var.type}): {detail}") from None
     return out
+
+
+def _show(value) -> str:
+    """A short text of a value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_value_list(values) -> bool:
@@ -106,11 +126,21 @@ def _stage(fn_key, arrays):
                 d._release()
             d = Data(arr.dtype, arr.ndim, name=f"collective:{fn_key}:{i}", oversize=1.25)
             s.collective_scratch[key] = d
-        d._reshape(arr.shape, None, keep=False)
+        d._fit(arr.shape)
         if arr.size:
             np.copyto(d.data, arr)
         refs.append(d._ref())
     return refs
+
+
+def _unstage(s, fn_key, n) -> None:
+    """Release staged values of ``SHRINK_BYTES`` or more once the collective is over
+    (the workers drop their mappings as soon as they copied them, see :func:`_run_host`)."""
+    for i in range(n):
+        d = s.collective_scratch.get((fn_key, i))
+        if d is not None and d.size * d.dtype.itemsize >= SHRINK_BYTES:
+            d._release()
+            del s.collective_scratch[(fn_key, i)]
 
 
 def _ret(results, single):
@@ -118,26 +148,31 @@ def _ret(results, single):
 
 
 @runtime.serialized
-def broadcast(shared_vars, values=None):
+def broadcast(shared_vars, values=None, nccl=True):
     """Give every process the master's value of each shared variable.
 
     Args:
         shared_vars: one shared variable or a list/tuple of them.
         values: new values (set in the master too) instead of the master's own.
+        nccl: on a GPU device, go through NCCL (the default); ``False`` takes
+            the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
     Returns:
         None.
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables; a value of the wrong dtype or ndim.
+        TypeError: something other than shared variables; a value of the wrong ndim, or of a
+            dtype the variable cannot hold without loss (PyTensor's ``set_value`` rule);
+            ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; values that do not match the variables in number.
     """
+    cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None:
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
-    _send(s, CollectiveSpec("broadcast", sids))
+    _send(s, CollectiveSpec("broadcast", sids, cpu=cpu))
 
 
 @runtime.serialized
@@ -156,7 +191,8 @@ def scatter(shared_vars, values, batch=None):
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables; a value of the wrong dtype or ndim.
+        TypeError: something other than shared variables; a value of the wrong ndim, or of a
+            dtype the variable cannot hold without loss (PyTensor's ``set_value`` rule).
         IndexError: ``batch`` beyond the values' rows.
         ValueError: a variable that no distributed function uses; a 0-d value; values that do not match the variables in number.
     """
@@ -168,58 +204,67 @@ def scatter(shared_vars, values, batch=None):
             raise ValueError(f"scatter: shared variable {var.name or var!r} is 0-d; nothing to split")
         batches.append(check_batch(batch, len(arr)))
     spec = CollectiveSpec("scatter", sids, refs=_stage("scatter", arrays), batch=batches)
-    _send(s, spec)
+    try:
+        _send(s, spec)
+    finally:
+        _unstage(s, "scatter", len(arrays))
 
 
 @runtime.serialized
-def gather(shared_vars, nd_up=1):
+def gather(shared_vars, nd_up=1, nccl=True):
     """Collect every process's value in the master, in rank order.
 
     Args:
         shared_vars: one shared variable or a list/tuple of them.
         nd_up: 1 stacks the values along a new first axis (equal shapes
             needed); 0 concatenates them along axis 0 (lengths may differ).
+        nccl: on a GPU device, go through NCCL (the default); ``False`` takes
+            the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
     Returns:
         An array per variable (a tuple for a list of variables).
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables.
+        TypeError: something other than shared variables; ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; ``nd_up`` not 0 or 1; unequal shapes with ``nd_up=1``.
     """
     if nd_up not in (0, 1) or isinstance(nd_up, bool):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
+    cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
-    joined = _send(s, CollectiveSpec("gather", sids, nd_up=nd_up))
+    joined = _send(s, CollectiveSpec("gather", sids, nd_up=nd_up, cpu=cpu))
     return _ret(joined, single)
 
 
 @runtime.serialized
-def all_gather(shared_vars):
+def all_gather(shared_vars, nccl=True):
     """Concatenate every process's value along axis 0 and store it in every process.
 
     Args:
         shared_vars: one shared variable or a list/tuple of them (not 0-d).
+        nccl: on a GPU device, go through NCCL (the default); ``False`` takes
+            the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
     Returns:
         The new value of each variable (a tuple for a list of variables).
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables.
+        TypeError: something other than shared variables; ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; a 0-d variable (use :func:`gather`).
     """
+    cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     for v in vars_:
         if v.type.ndim == 0:
             raise ValueError(f"all_gather cannot store the gathered values of 0-d shared variable "
                              f"{v.name or v!r} in it; use gather")
-    return _ret(_send(s, CollectiveSpec("all_gather", sids)), single)
+    return _ret(_send(s, CollectiveSpec("all_gather", sids, cpu=cpu)), single)
 
 
 @runtime.serialized
-def reduce(shared_vars, op="avg", in_place=True):
+def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """Combine every process's value with ``op`` into the master.
 
     Args:
@@ -227,24 +272,27 @@ def reduce(shared_vars, op="avg", in_place=True):
         op: ``avg``, ``sum``, ``prod``, ``max`` or ``min`` (``c_`` prefix allowed).
         in_place: store the result in the master's variable; otherwise return
             it and leave the master's variable as it is. Workers' values never change.
+        nccl: on a GPU device, go through NCCL (the default); ``False`` takes
+            the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
     Returns:
         The result(s) when ``in_place`` is False, else None.
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables; ``op`` not a string.
+        TypeError: something other than shared variables; ``op`` not a string; ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
     op, cpu = _check_reduce_op(op)
+    cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, single = _resolve(shared_vars)
     res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place), cpu=cpu))
     return None if in_place else _ret(res, single)
 
 
 @runtime.serialized
-def all_reduce(shared_vars, op="avg"):
+def all_reduce(shared_vars, op="avg", nccl=True):
     """Combine every process's value with ``op`` and store the result everywhere.
 
     Large values are reduced in place, each process working on its own chunk
@@ -254,19 +302,28 @@ def all_reduce(shared_vars, op="avg"):
         shared_vars: one shared variable or a list/tuple of them.
         op: ``avg`` (sum times the reciprocal of the count), ``sum``, ``prod``,
             ``max`` or ``min`` (``c_`` prefix allowed).
+        nccl: on a GPU device, go through NCCL (the default); ``False`` takes
+            the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
     Returns:
         None.
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables; ``op`` not a string.
+        TypeError: something other than shared variables; ``op`` not a string; ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
     op, cpu = _check_reduce_op(op)
+    cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
     _send(s, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu))
+
+
+def _check_nccl(nccl) -> bool:
+    if not isinstance(nccl, (bool, np.bool_)):
+        raise TypeError(f"nccl must be True or False, got {nccl!r}")
+    return bool(nccl)
 
 
 def _check_reduce_op(op):
@@ -297,7 +354,8 @@ def set_value(rank, shared_vars, values, batch=None):
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
-        TypeError: something other than shared variables; a non-int rank; a value of the wrong dtype or ndim.
+        TypeError: something other than shared variables; a non-int rank; a value of the
+            wrong ndim, or of a dtype the variable cannot hold without loss.
         IndexError: ``batch`` beyond the values' rows.
         ValueError: a variable that no distributed function uses; a rank out of range; values that do not match the variables in number.
     """
@@ -308,7 +366,10 @@ def set_value(rank, shared_vars, values, batch=None):
     if batch is not None and any(a.ndim == 0 for a in arrays):
         raise ValueError("set_value: batch needs values with at least one dimension")
     spec = CollectiveSpec("set_value", sids, rank=rank, refs=_stage("set_value", arrays), batch=batches)
-    _send(s, spec)
+    try:
+        _send(s, spec)
+    finally:
+        _unstage(s, "set_value", len(arrays))
 
 
 @runtime.serialized
@@ -391,7 +452,8 @@ def _join(parts, nd_up, var):
 
 
 def _store(var, value) -> None:
-    var.set_value(np.asarray(value, dtype=var.type.dtype), borrow=True)
+    # a reduction's float result lands in an integer variable rounded, never truncated
+    var.set_value(cast_to(np.asarray(value), var.type.dtype), borrow=True)
 
 
 #: Shared-memory homes kept per shared variable. PyTensor may give the old
@@ -411,17 +473,45 @@ def _home(proc, sid, dtype, shape, taken, current=None) -> np.ndarray:
     other variable can have been given it (PyTensor gives away only the old
     storage of a variable it updates, which then holds something else).
     Otherwise the first home that no other shared variable uses; ``taken()``
-    lists the memory they use, computed only then.
+    lists the memory they use, computed only then. A home is made only when
+    every one before it is taken (most variables never need a second), and
+    homes of another shape or dtype are given up.
     """
     comm = proc.comm
-    homes = [comm.resident(f"sv{sid}{h}", dtype, shape) for h in _HOMES]
-    if any(current is h for h in homes):
+    keys = [f"sv{sid}{h}" for h in _HOMES]
+    homes = [comm.existing(key, dtype, shape) for key in keys]
+    if current is not None and any(current is h for h in homes):
         return current
-    ranges = taken()
-    for view in homes:
-        if not view.nbytes or not _overlaps(view, ranges):
+    ranges, free_key = None, None
+    for key, view in zip(keys, homes):
+        if view is None:
+            free_key = free_key or key
+            continue
+        if not view.nbytes:
             return view
-    return comm.resident(f"sv{sid}{_HOMES[-1]}", dtype, shape, fresh=True)
+        if ranges is None:
+            ranges = taken()
+        if not _overlaps(view, ranges):
+            return view
+    if free_key is None:
+        return comm.resident(keys[-1], dtype, shape, fresh=True)
+    for key, view in zip(keys, homes):
+        if view is None and key != free_key:
+            comm.drop_resident(key)
+    return comm.resident(free_key, dtype, shape)
+
+
+def leave_homes(proc) -> None:
+    """At close(): copy the master's shared variables out of their homes, so that the
+    homes' shared memory goes with the fork and the variables keep their values."""
+    comm = proc.comm
+    if not hasattr(comm, "resident_ranges"):
+        return
+    ranges = comm.resident_ranges()
+    for var in proc.shareds.values():
+        value = var.container.storage[0]
+        if isinstance(value, np.ndarray) and value.nbytes and _overlaps(value, ranges):
+            var.set_value(np.array(value, copy=True), borrow=True)
 
 
 def _resident(proc, sids, vars_) -> list:
@@ -527,11 +617,14 @@ def _run_host(proc, spec: CollectiveSpec):
             elif batch is not None:
                 arr = arr[batch]
             _store(v, np.array(arr, copy=True))
+        # large staged values are used once: drop the mapping now (the master frees them)
+        forget(proc, [ref[0] for ref in spec.refs
+                      if math.prod(ref[3]) * np.dtype(ref[2]).itemsize >= SHRINK_BYTES])
     elif kind == "gather":
         return comm.gather(_resident(proc, spec.sids, vars_), root=root,
                            join=lambda i, parts: _join(parts, spec.nd_up, vars_[i]))
     elif kind == "all_gather":
-        got = comm.all_gather(mine())
+        got = comm.all_gather(_resident(proc, spec.sids, vars_))  # read in place, not via the slot
         out = []
         for v, parts in zip(vars_, got):
             joined = np.concatenate(parts, axis=0)
@@ -539,9 +632,9 @@ def _run_host(proc, spec: CollectiveSpec):
             out.append(joined)
         return out if proc.is_master else None
     elif kind == "reduce":
-        got = comm.reduce(mine(), spec.op, root=root)
+        got = comm.reduce(_resident(proc, spec.sids, vars_), spec.op, root=root)
         if got is not None and proc.is_master:
-            got = [np.asarray(g, dtype=v.type.dtype) for g, v in zip(got, vars_)]
+            got = [cast_to(np.asarray(g), v.type.dtype) for g, v in zip(got, vars_)]
             if spec.in_place:
                 for v, g in zip(vars_, got):
                     _store(v, g)

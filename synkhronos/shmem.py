@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import math
 import mmap
 import os
@@ -16,11 +19,38 @@ __all__ = []
 
 _SHM_DIR = "/dev/shm"
 _ROOT = "synk"
-# Names look like "synk.<owner pid>.<random token>.<what>"; the owner pid lets
-# a later fork() find what a killed master left behind.
+# Names look like "synk.<owner pid>.<random token>.<what>"; whether they are
+# stale is told by the fork's lock file (see Lease), not by the pid.
 _NAME_RE = re.compile(r"^(?:sem\.)?synk\.(\d+)\.([0-9a-f]+)\.")
 _ALIGN = 64
+#: Scratch memory (a call's numpy inputs, slots, reduction results) of at least
+#: this many bytes is reallocated to fit once SHRINK_AFTER uses in a row needed
+#: less than a quarter of it: one large call does not keep its memory for the
+#: rest of the run, and a call that alternates large and small collectives
+#: does not reallocate at every one.
+SHRINK_BYTES = 1 << 20
+SHRINK_AFTER = 8
 _I64 = struct.Struct("q")
+
+
+class Shrink:
+    """Tells when a scratch segment that one large use left behind should be reallocated."""
+
+    __slots__ = ("streak",)
+
+    def __init__(self):
+        self.streak = 0
+
+    def __call__(self, size: int, need: int) -> bool:
+        """Count one use of ``need`` bytes of ``size``; True when it is time to shrink."""
+        if size < SHRINK_BYTES or 4 * need >= size:
+            self.streak = 0
+            return False
+        self.streak += 1
+        if self.streak < SHRINK_AFTER:
+            return False
+        self.streak = 0
+        return True
 
 
 def new_prefix() -> str:
@@ -32,68 +62,175 @@ def _round_up(n: int, to: int = _ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long)
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc.mmap, libc.munmap
+
+
+_libc_mmap, _libc_munmap = _libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """Shared memory mapped with ``mmap(2)`` through libc, holding no descriptor.
+
+    Python's ``mmap.mmap`` keeps a duplicate of the descriptor open as long as
+    the mapping lives (until Python 3.13's ``trackfd=False``): one descriptor
+    per segment, so ``ulimit -n`` capped the number of segments. This maps
+    without one. Every numpy array made from it (``__array_interface__``)
+    holds it as its base, so the memory is unmapped when the last array, view
+    or memoryview of it is gone, never while something can still reach it.
+    """
+
+    __slots__ = ("addr", "size")
+
+    def __init__(self, fd: int, size: int):
+        self.addr = None
+        addr = _libc_mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mapping {size} bytes of shared memory failed: {os.strerror(err)}")
+        self.addr, self.size = addr, size
+
+    @property
+    def __array_interface__(self):
+        return {"data": (self.addr, False), "shape": (self.size,), "typestr": "|u1", "version": 3}
+
+    def __del__(self, _munmap=_libc_munmap):
+        if self.addr is not None:
+            _munmap(self.addr, self.size)
+
+
 class Segment:
     """One named POSIX shared-memory segment mapped into this process.
 
     The creator owns the name and unlinks it; every other process only
-    attaches and closes its mapping.
+    attaches and closes its mapping. A new segment's memory is reserved at
+    once (see :func:`reserve`), so a full ``/dev/shm`` is a ``MemoryError``
+    here rather than a ``SIGBUS`` when a page is first touched. No file
+    descriptor stays open. Arrays from :meth:`array` stay valid after
+    :meth:`close`; the memory is unmapped when the last of them is gone.
     """
 
-    __slots__ = ("name", "size", "_map", "owner")
+    __slots__ = ("name", "size", "_map", "_mv", "owner")
 
-    def __init__(self, name: str, size: int | None = None, create: bool = False):
+    def __init__(self, name: str, size: int | None = None, create: bool = False, what: str = ""):
         self.name = name
         self.owner = create
         if create:
             size = max(int(size), 1)
-            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
+            try:
+                reserve(shm.fd, size, what or name)
+            except BaseException:
+                shm.close_fd()
+                unlink_segment(name)
+                raise
         else:
             shm = posix_ipc.SharedMemory("/" + name)
             size = shm.size
         try:
-            self._map = mmap.mmap(shm.fd, size)
+            self._map = np.asarray(_Mapping(shm.fd, size))
+        except BaseException:
+            if create:
+                unlink_segment(name)
+            raise
         finally:
             shm.close_fd()
+        self._mv = memoryview(self._map)
         self.size = size
 
     def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
         """A numpy view of part of the segment (no copy)."""
         dtype = np.dtype(dtype)
         count = math.prod(shape)
-        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return np.frombuffer(self._mv, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def buffer(self) -> memoryview:
-        return memoryview(self._map)
+        return self._mv
 
     def get_int(self, offset: int = 0) -> int:
         """The int64 at ``offset`` (cheaper than a numpy view for one number)."""
-        return _I64.unpack_from(self._map, offset)[0]
+        return _I64.unpack_from(self._mv, offset)[0]
 
     def set_int(self, value: int, offset: int = 0) -> None:
-        _I64.pack_into(self._map, offset, value)
+        _I64.pack_into(self._mv, offset, value)
 
     def get_bytes(self, start: int, stop: int) -> bytes:
-        return self._map[start:stop]
+        return self._mv[start:stop].tobytes()
 
     def set_bytes(self, start: int, data: bytes) -> None:
-        self._map[start:start + len(data)] = data
+        self._mv[start:start + len(data)] = data
 
     def close(self) -> None:
-        """Unmap; unlink too when this process created the segment."""
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                # numpy views still point into the mapping; the OS unmaps it
-                # when they are gone, the name can go now all the same.
-                pass
-            self._map = None
+        """Drop this mapping (unmapped now, or when the last array of it is gone);
+        unlink too when this process created the segment."""
+        self._map = self._mv = None
         if self.owner:
             unlink_segment(self.name)
             self.owner = False
 
 
+def free_space() -> tuple[int, int]:
+    """``(free bytes, total bytes)`` of the shared-memory filesystem."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return -1, -1
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def reserve(fd: int, size: int, what: str) -> None:
+    """Size a new segment and allocate its memory now (``posix_fallocate``).
+
+    Memory of a shared-memory file is otherwise allocated when a page is first
+    touched, and a full ``/dev/shm`` then kills the process with ``SIGBUS``.
+
+    Raises:
+        MemoryError: ``/dev/shm`` has less free space than ``size``; the
+            message names the size, the free space and the remedy.
+    """
+    free, total = free_space()
+    if 0 <= free < size:
+        raise _full(size, free, total, what)
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            free, total = free_space()
+            raise _full(size, free, total, what) from None
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        # a filesystem that cannot reserve: pages are allocated when touched, as before
+
+
+def _full(size: int, free: int, total: int, what: str) -> MemoryError:
+    race = " (other processes took the rest at the same time)" if free >= size else ""
+    return MemoryError(
+        f"not enough shared memory for {what}: it needs {_mib(size)}, but {_SHM_DIR} has "
+        f"{_mib(max(free, 0))} free of {_mib(total)}{race}. Free some (drop synk.data objects, call "
+        f"synk.close()) or make {_SHM_DIR} larger: in Docker, run with --shm-size "
+        f"(for example --shm-size={max(1, -(-(total + size - free) // 2**30))}g); elsewhere, "
+        f"remount it (mount -o remount,size=... {_SHM_DIR}).")
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(_SHM_DIR, name))
+
+
 def unlink_segment(name: str) -> None:
+    if _foreign and _is_foreign(name):
+        return
     try:
         posix_ipc.unlink_shared_memory("/" + name)
     except posix_ipc.ExistentialError:
@@ -113,10 +250,19 @@ def _entries() -> list[str]:
 
 
 def unlink_prefix(prefix: str) -> list[str]:
-    """Unlink every segment and semaphore whose name starts with ``prefix``."""
+    """Unlink every segment and semaphore whose name starts with ``prefix``.
+
+    The fork's lock file goes last: while anything of a fork is left, so is
+    its lock file, and :func:`unlink_stale` can judge it.
+    """
+    if _foreign and _is_foreign(prefix):
+        return []
     removed = []
+    lock = None
     for entry in _entries():
-        if entry.startswith(prefix):
+        if entry == prefix + _LOCK:
+            lock = entry
+        elif entry.startswith(prefix):
             unlink_segment(entry)
             removed.append(entry)
         elif entry.startswith("sem." + prefix):
@@ -125,30 +271,120 @@ def unlink_prefix(prefix: str) -> list[str]:
             except posix_ipc.ExistentialError:
                 pass
             removed.append(entry)
+    if lock is not None:
+        unlink_segment(lock)
+        removed.append(lock)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+# -- which process owns what -------------------------------------------------
+
+#: The lock file of a fork is ``<prefix>lock`` in /dev/shm. Every live process
+#: of the fork (master and workers, each through a descriptor of its own)
+#: holds a shared ``flock`` on it; the kernel drops a process's lock when it
+#: dies, however it dies. A fork's names are stale only when an exclusive lock
+#: can be taken: a pid is no proof of death (another PID namespace that shares
+#: /dev/shm has its own pids), a lock is.
+_LOCK = "lock"
+#: Prefixes of forks that this process only inherited (the user forked it from
+#: a master after synk.fork()): nothing of theirs is unlinked from here.
+_foreign: set[str] = set()
+
+
+def _is_foreign(name: str) -> bool:
+    return any(name.startswith(p) for p in _foreign)
+
+
+def disown(prefix: str) -> None:
+    """Never unlink anything named ``prefix...`` from this process."""
+    _foreign.add(prefix)
+
+
+class Lease:
+    """This process's shared lock on its fork's lock file (see ``_LOCK``)."""
+
+    __slots__ = ("prefix", "fd")
+
+    def __init__(self, prefix: str, create: bool = False):
+        self.prefix = prefix
+        path = os.path.join(_SHM_DIR, prefix + _LOCK)
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                raise FileNotFoundError(path)
+        except OSError as err:  # a stale-name cleanup elsewhere took it between open and lock
+            os.close(fd)
+            raise OSError(f"the synkhronos lock file {path} was removed by another process") from err
+        self.fd = fd
+
+    @classmethod
+    def new(cls) -> "Lease":
+        """The lease of a new fork, under a fresh prefix (created first, unlinked last)."""
+        error = None
+        for _ in range(8):  # a stale-name cleanup elsewhere may catch it before it is locked
+            try:
+                return cls(new_prefix(), create=True)
+            except OSError as err:
+                error = err
+        raise error
+
+    def last_out(self) -> bool:
+        """True when no other process holds the fork's lock (this one may unlink).
+
+        Of several processes that ask at once, at least one gets True (a
+        failed try drops this process's own shared lock; it is leaving).
+        """
+        if self.fd is None:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
         return True
-    return True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
 
 
 def unlink_stale() -> list[str]:
-    """Remove segments and semaphores left by synkhronos masters now dead."""
+    """Remove the names of forks none of whose processes is alive.
+
+    A fork counts as dead only when its lock file exists and nobody holds a
+    lock on it. Names without a lock file (a fork by an older synkhronos, or
+    another user's) are left alone: nothing proves their owner is gone.
+    """
     removed = []
+    seen = set()
     for entry in _entries():
         m = _NAME_RE.match(entry)
         if m is None:
             continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
+        prefix = f"{_ROOT}.{m.group(1)}.{m.group(2)}."
+        if prefix in seen:
             continue
-        removed.extend(unlink_prefix(f"{_ROOT}.{pid}.{m.group(2)}."))
+        seen.add(prefix)
+        path = os.path.join(_SHM_DIR, prefix + _LOCK)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                    continue
+            except OSError:  # held: a process of that fork is alive
+                continue
+            removed.extend(unlink_prefix(prefix))
+        finally:
+            os.close(fd)
     return removed
 
 

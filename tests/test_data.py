@@ -54,7 +54,7 @@ def test_create_from_var_and_dtype_ndim(fork):
 def test_create_argument_errors(fork):
     fork(1)
     x = pt.dmatrix("x")
-    with pytest.raises(ValueError, match="needs a value, a var, or both dtype and ndim"):
+    with pytest.raises(ValueError, match="needs a value, a var, a shape, or both dtype and ndim"):
         synk.data()
     with pytest.raises(ValueError, match="needs a value"):
         synk.data(dtype="float64")
@@ -68,10 +68,20 @@ def test_create_argument_errors(fork):
         synk.data(var="x")
     with pytest.raises(TypeError, match="cannot hold dtype object"):
         synk.data(np.array([None, 1], dtype=object))
-    with pytest.raises(ValueError, match="ndim must be a non-negative int, got -1"):
+    with pytest.raises(ValueError, match=r"ndim must be an int from 0 to \d+ \(numpy's limit\), got -1"):
         synk.data(dtype="float64", ndim=-1)
-    with pytest.raises(ValueError, match="oversize must be >= 1, got 0.5"):
+    with pytest.raises(ValueError, match=r"ndim must be an int from 0 to \d+ \(numpy's limit\), got 65"):
+        synk.data(dtype="float64", ndim=65)
+    with pytest.raises(ValueError, match="oversize must be a finite number >= 1, got 0.5"):
         synk.data(np.ones(3), oversize=0.5)
+    with pytest.raises(ValueError, match="oversize must be a finite number >= 1, got inf"):
+        synk.data(np.ones(3), oversize=float("inf"))
+    with pytest.raises(ValueError, match="oversize must be a finite number >= 1, got nan"):
+        synk.data(np.ones(3), oversize=float("nan"))
+    d = synk.data(np.ones(3))
+    for bad in (float("inf"), float("nan")):  # the methods' oversize too
+        with pytest.raises(ValueError, match=f"oversize must be a finite number >= 1, got {bad}"):
+            d.set_length(10, oversize=bad)
     with pytest.raises(TypeError, match="oversize must be a number >= 1, got '2'"):
         synk.data(np.ones(3), oversize="2")
 
@@ -273,10 +283,10 @@ def test_zero_copy_call(forked, monkeypatch):
     created = []
     orig_init = shmem.Segment.__init__
 
-    def counting_init(self, name, size=None, create=False):
+    def counting_init(self, name, size=None, create=False, **kw):
         if create:
             created.append(name)
-        orig_init(self, name, size, create)
+        orig_init(self, name, size, create, **kw)
 
     monkeypatch.setattr(shmem.Segment, "__init__", counting_init)
     dx.data[:] = a * 2

@@ -18,11 +18,16 @@ import numpy as np
 import posix_ipc
 
 from ..control import acquire, drain
-from ..shmem import Segment, create_semaphore, round_up
+from ..shmem import Segment, Shrink, create_semaphore, round_up, segment_exists
 from .base import Communicator
-from .ops import combine
+from .ops import cast_to, combine, result_dtype
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
+
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy < 2
+    _byte_bounds = np.byte_bounds
 
 #: Reductions smaller than this (bytes) are done whole by each process that
 #: needs the result; larger ones are split in one chunk per process.
@@ -68,6 +73,7 @@ class ShmCommunicator(Communicator):
         self._read_cache: dict = {}  # rank -> (segment, header bytes, parsed views)
         self._result: Segment | None = None
         self._result_gen = 0
+        self._slot_shrink, self._result_shrink = Shrink(), Shrink()
 
     # -- synchronisation ---------------------------------------------------
 
@@ -110,15 +116,33 @@ class ShmCommunicator(Communicator):
         if have is not None and have[1].dtype == dtype and have[1].shape == shape and not fresh:
             return have[1]
         if have is not None:
-            self._resident_ids.pop(id(have[1]), None)
-            have[0].close()  # the name goes; the memory stays while views of it live
+            self.drop_resident(key)
         self._resident_gen += 1
         seg = Segment(f"{self.prefix}r{self.rank}.{key}.{self._resident_gen}",
-                      max(math.prod(shape) * dtype.itemsize, 1), create=True)
+                      max(math.prod(shape) * dtype.itemsize, 1), create=True,
+                      what=f"rank {self.rank}'s shared-memory copy of a {dtype} array of shape {shape}")
         view = seg.array(dtype, shape)
         self._owned[key] = (seg, view)
         self._resident_ids[id(view)] = seg.name
         return view
+
+    def existing(self, key: str, dtype, shape) -> np.ndarray | None:
+        """The resident array ``key`` if there is one of this dtype and shape, else None."""
+        have = self._owned.get(key)
+        if have is not None and have[1].dtype == dtype and have[1].shape == tuple(shape):
+            return have[1]
+        return None
+
+    def drop_resident(self, key: str) -> None:
+        """Give up resident array ``key``: the name goes now, the memory when no view of it is left."""
+        have = self._owned.pop(key, None)
+        if have is not None:
+            self._resident_ids.pop(id(have[1]), None)
+            have[0].close()
+
+    def resident_ranges(self) -> list:
+        """Byte ranges of this process's resident arrays."""
+        return [_byte_bounds(view) for _, view in self._owned.values() if view.nbytes]
 
     def _resident_name(self, a) -> str | None:
         name = self._resident_ids.get(id(a))
@@ -135,8 +159,11 @@ class ShmCommunicator(Communicator):
         family = name.rsplit(".", 1)[0]  # the same rank and key, any generation
         seg = self._named.get(family)
         if seg is None or seg.name != name:
-            if seg is not None:
-                seg.close()
+            # a peer made a new copy; the ones it gave up (unlinked) must not stay mapped here
+            for fam, old in list(self._named.items()):
+                if fam == family or not segment_exists(old.name):
+                    old.close()
+                    del self._named[fam]
             seg = Segment(name)
             self._named[family] = seg
         return seg.array(dtype, shape)
@@ -165,9 +192,10 @@ class ShmCommunicator(Communicator):
                     offset = round_up(offset + math.prod(shape) * np.dtype(_).itemsize)
             end = offset
             self._last_meta = (key, meta, offsets, end)
-        if self._slot is None or self._slot.size < end:
+        if self._slot is None or self._slot.size < end or self._slot_shrink(self._slot.size, end):
             gen = int(self._slot_gen[self.rank]) + 1
-            new = Segment(f"{self.prefix}slot{self.rank}.{gen}", max(end * 3 // 2, 4096), create=True)
+            new = Segment(f"{self.prefix}slot{self.rank}.{gen}", max(end * 3 // 2, 4096), create=True,
+                          what=f"rank {self.rank}'s collective slot of {end} bytes")
             if self._slot is not None:
                 self._slot.close()
             self._slot, self._slot_views = new, {}
@@ -239,11 +267,13 @@ class ShmCommunicator(Communicator):
 
     def _result_buffer(self, nbytes: int) -> Segment:
         """A result segment of at least ``nbytes``, the same one in every process."""
-        need = self._result is None or self._result.size < nbytes
+        need = self._result is None or self._result.size < nbytes or self._result_shrink(self._result.size, nbytes)
         if need:  # every process reaches the same decision from the same headers
             if self.rank == self.hub:
                 self._result_gen += 1
-                new = Segment(f"{self.prefix}res.{self._result_gen}", max(nbytes * 3 // 2, 4096), create=True)
+                # sized exactly: only large reductions use it, and their sizes rarely change
+                new = Segment(f"{self.prefix}res.{self._result_gen}", max(nbytes, 4096), create=True,
+                              what=f"a reduction's result of {nbytes} bytes")
                 self._board[_W_RESULT_GEN] = self._result_gen
             self.barrier()
             if self.rank != self.hub:
@@ -279,7 +309,8 @@ class ShmCommunicator(Communicator):
 
     def _chunk_phase(self, per_rank, weights, op):
         """Reduce this process's chunk of every array into the result segment."""
-        layout, offsets, off = [(a.dtype, a.shape) for a in per_rank[0]], [], 0
+        # the result's dtype, not the parts': the avg of integers is float64 on every path
+        layout, offsets, off = [(result_dtype(a.dtype, op), a.shape) for a in per_rank[0]], [], 0
         for d, s in layout:
             offsets.append(off)
             off = round_up(off + math.prod(s) * np.dtype(d).itemsize)
@@ -410,7 +441,7 @@ class ShmCommunicator(Communicator):
             out = self._combine_whole(per_rank, weights, op)
             self.barrier()  # everyone has read every array: now each may overwrite its own
             for dst, src in zip(mine, out):
-                np.copyto(dst, src, casting="unsafe")
+                np.copyto(dst, cast_to(src, dst.dtype))
             return mine
         for i in range(len(mine)):
             flats = [arrs[i].reshape(-1) for arrs in per_rank]
@@ -469,6 +500,10 @@ class ShmCommunicator(Communicator):
             if seg is not None:
                 seg.close()
         self._slot = self._result = None
+        # cached views keep their mappings alive: drop them, so the memory goes now
+        self._slot_views.clear()
+        self._read_cache.clear()
+        self._last_meta = None
         self._board = self._slot_gen = None
         for sem in [self._arrive, *self._depart.values(), *self._release.values()]:
             try:
@@ -489,12 +524,13 @@ _BLOCK = 1 << 15
 
 def _reduce_into_all(flats, lo, hi, op, weights) -> None:
     """Combine ``flats[*][lo:hi]`` block by block and write the result into every one."""
-    tmp = np.empty(min(_BLOCK, max(hi - lo, 0)), dtype=flats[0].dtype)
+    tmp = np.empty(min(_BLOCK, max(hi - lo, 0)), dtype=result_dtype(flats[0].dtype, op))
     for start in range(lo, hi, _BLOCK):
         stop = min(start + _BLOCK, hi)
-        out = combine([f[start:stop] for f in flats], op, weights, out=tmp[:stop - start])
+        out = cast_to(combine([f[start:stop] for f in flats], op, weights, out=tmp[:stop - start]),
+                      flats[0].dtype)  # the avg of integers is rounded, never truncated
         for f in flats:
-            np.copyto(f[start:stop], out, casting="unsafe")
+            np.copyto(f[start:stop], out)
 
 
 def _transpose(views, join=None):
