@@ -2,8 +2,9 @@
 
 from .data import Data, data
 from .distribute import distribute
-from .errors import RemoteTraceback, SynkError, WorkerDiedError, WorkerError
+from .errors import RemoteTraceback, SynkError, SynkTimeoutError, WorkerDiedError, WorkerError
 from .function import Function, function
+from .gpu import get_n_gpu
 from .runtime import close, fork
 from .shareds import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                       get_value, reduce, scatter, set_value)
@@ -13,6 +14,12 @@ __version__ = "0.1.0"
 __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-    "set_value", "get_value", "get_lengths", "get_shapes",
-    "SynkError", "WorkerError", "WorkerDiedError", "RemoteTraceback",
+    "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu",
+    "SynkError", "WorkerError", "WorkerDiedError", "RemoteTraceback", "SynkTimeoutError",
 ]
+
+
+def __dir__():
+    # the public API only: the internal submodules (runtime, shmem, ...) stay
+    # importable, but dir() and tab completion do not offer them
+    return sorted(__all__ + ["__version__"])

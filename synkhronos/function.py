@@ -18,7 +18,7 @@ from . import gpu, runtime
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives import PeerFailed, check_op
 from .collectives.ops import cast_to, combine, result_dtype
-from .control import Command, handler, interruptible
+from .control import Command, as_interrupt, handler, interruptible
 from .data import Data, _short_repr, attach
 from .errors import SynkError
 
@@ -230,6 +230,8 @@ def execute_call(proc, call: CallSpec, own=None):
                               None if call.n_rows is None else hi - lo, ops, rows)
             gpu.keep_on_device(proc)  # updates accumulated over slices come back to the host
         except Exception as exc:
+            if as_interrupt(exc) is not exc:  # an interrupt, turned into SystemError by native code
+                raise as_interrupt(exc) from None
             error = exc
     elif error is not None:
         weight = 0.0
@@ -536,9 +538,14 @@ class Function:
 
         Args:
             *args: one value per input (numpy arrays, array-likes or
-                synk.data), in order.
+                synk.data), in order. Dtypes follow PyTensor's rule: a value
+                whose dtype casts to the input's without loss is cast (also a
+                synk.data, copied into shared memory on every call, with a
+                warning the first time: make it with the input's dtype to
+                avoid the copy); any other is a TypeError.
             **kwargs: input values by input name.
-            output_subset: indices of the outputs to compute and return.
+            output_subset: indices of the outputs to compute and return (a
+                list of ints).
             batch: rows of the scattered inputs to use: an int (the first
                 rows), a slice, or a list/array of indices.
             batch_s: rows of the sliceable shared variables: a slice or an
@@ -555,7 +562,9 @@ class Function:
             ``output_subset``), one array for a single output.
 
         Raises:
-            TypeError, ValueError, IndexError: bad inputs, named in the message.
+            TypeError: an input of the wrong ndim or dtype (as in PyTensor),
+                or a bad keyword value, named in the message.
+            ValueError, IndexError: bad inputs or rows, named in the message.
             WorkerError or the worker's own exception type: a process failed.
         """
         s = runtime.session()

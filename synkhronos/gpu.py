@@ -19,9 +19,10 @@ import sys
 import numpy as np
 
 from .control import Command, handler
+from .collectives.ops import cast_to
 
-__all__ = ["stack_missing", "probe", "count_gpus", "gpu_available", "on_device", "to_numpy", "to_cupy",
-           "to_jax"]
+__all__ = ["stack_missing", "probe", "count_gpus", "gpu_available", "get_n_gpu", "on_device", "to_numpy",
+           "to_cupy", "to_jax"]
 
 log = logging.getLogger("synkhronos")
 
@@ -102,6 +103,37 @@ def count_gpus() -> int:
 def gpu_available() -> bool:
     """The GPU stack imports and at least one GPU is visible."""
     return count_gpus() > 0
+
+
+def no_gpu_reason() -> str | None:
+    """Why this process cannot use a GPU, or None when it can (the stack is probed in a subprocess)."""
+    missing = stack_missing()
+    if missing:
+        return f"{' and '.join(missing)} could not be found ({INSTALL_HINT})"
+    found = probe()
+    if found.missing:
+        return f"{' and '.join(found.missing)} could not be imported ({INSTALL_HINT})"
+    if found.n_gpus < 1:
+        return f"no GPU is visible ({found.error or 'CuPy counts none'})"
+    return None
+
+
+def get_n_gpu() -> int:
+    """The number of GPUs this process can use, as the original Synkhronos's ``get_n_gpu``.
+
+    Counted in a subprocess, so CUDA never starts here (a later
+    :func:`synkhronos.fork` can still fork); nothing is imported when the GPU
+    stack is absent.
+
+    Returns:
+        The GPUs visible to this process; 0 without the GPU stack (CuPy and
+        JAX) or without a GPU. After ``fork(device="gpu")`` each process sees
+        the GPU it was bound to.
+
+    Raises:
+        Nothing: a failed probe counts as 0 GPUs.
+    """
+    return 0 if no_gpu_reason() is not None else probe().n_gpus
 
 
 def require_gpu() -> int:
@@ -341,9 +373,7 @@ def keep_on_device(proc) -> None:
 def _store(proc, sid, var, value) -> None:
     """Make ``value`` (a CuPy array) the value of ``var``: on the device for a placed
     variable, in host memory for the others."""
-    dtype = np.dtype(var.type.dtype)
-    if value.dtype != dtype:
-        value = value.astype(dtype)
+    value = cast_to(value, var.type.dtype)  # rounded into integers, never truncated
     if sid in proc.gpu.placed:
         var.container.storage[0] = to_jax(value)
     else:
@@ -427,7 +457,7 @@ def _nccl_shared_collective(proc, nccl, spec):
             if spec.in_place:
                 for sid, v, g in zip(spec.sids, vars_, got):
                     _store(proc, sid, v, g)
-            return [to_numpy(g).astype(v.type.dtype, copy=False) for g, v in zip(got, vars_)]
+            return [cast_to(to_numpy(g), v.type.dtype) for g, v in zip(got, vars_)]
     elif kind == "all_reduce":
         got = nccl.all_reduce(values, spec.op)
         for sid, v, g in zip(spec.sids, vars_, got):

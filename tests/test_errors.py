@@ -132,20 +132,33 @@ def test_wrong_dtype(fn2):
     f, a, b = fn2
     with pytest.raises(TypeError, match=r"input 'xi' of function 'fn'.*int64.*float64"):
         f(b, b)
-    with pytest.raises(TypeError, match="input 'xi' of function 'fn' expects dtype int64, "
-                                        "got synk.data of dtype float64"):
+    with pytest.raises(TypeError, match=r"input 'xi' of function 'fn' expects dtype int64, "
+                                        r"got synk.data #\d+ of dtype float64, which would lose "
+                                        r"precision: create it with synk.data\(value, dtype='int64'\)"):
         f(synk.data(b), b)
     # a safe upcast is accepted
     assert f(a.astype(np.int32), b) == [8, 8.0]
+    # object arrays, as PyTensor's own functions get them, are refused by name
+    with pytest.raises(TypeError, match=r"input 'x' of function 'fn' expects a numeric array of dtype "
+                                        r"float64, got an array of dtype object: array\(\[\[1, None\]"):
+        f(a, np.array([[1, None]] * 4, dtype=object))
+    with pytest.raises(TypeError, match="got an array of dtype object"):
+        f(a, [[1.0, None]] * 4)  # a list that becomes an object array
+    with pytest.raises(TypeError, match=r"expects a numeric array of dtype float64, got an array of "
+                                        r"dtype <U32: \[\[1.0, 'x'\]"):
+        f(a, [[1.0, "x"]] * 4)
 
 
 def test_wrong_ndim(fn2):
     f, a, b = fn2
-    with pytest.raises(ValueError, match=r"input 'x' of function 'fn' expects ndim=2, got ndim=1 "
-                                         r"\(shape \(4,\)\)"):
+    # a TypeError, as from PyTensor's own functions
+    with pytest.raises(TypeError, match=r"input 'x' of function 'fn' expects ndim=2, got ndim=1 "
+                                        r"\(shape \(4,\)\)"):
         f(a, np.ones(4))
-    with pytest.raises(ValueError, match="expects ndim=2, got synk.data with ndim=1"):
+    with pytest.raises(TypeError, match="expects ndim=2, got synk.data with ndim=1"):
         f(synk.data(np.ones(4, dtype=np.int64)), b)
+    with pytest.raises(TypeError, match="expects ndim=2, got ndim=3"):
+        f(a, np.ones((4, 2, 1)))
 
 
 def test_inputs_of_different_lengths(fn2):
@@ -211,6 +224,12 @@ def test_bad_output_subset(fn2):
         f(a, b, output_subset=[-1])
     with pytest.raises(TypeError, match="output_subset must be a list of output indices, got 1"):
         f(a, b, output_subset=1)
+    with pytest.raises(TypeError, match="output_subset must be a list of output indices, got '0'"):
+        f(a, b, output_subset="0")
+    for bad, shown in ((1.7, "1.7"), (True, "True"), (np.True_, "np.True_"), ("0", "'0'"), (None, "None")):
+        with pytest.raises(TypeError, match=rf"output_subset must hold int output indices, got {shown} in"):
+            f(a, b, output_subset=[0, bad])
+    assert f(a, b, output_subset=np.array([1, 0])) == [8.0, 8]
     assert f(a, b, output_subset=[1]) == [8.0]
 
 
@@ -380,3 +399,40 @@ def test_dead_worker_is_noticed(fork):
     with pytest.raises(synk.SynkError, match="unusable after an earlier failure"):
         f(np.eye(3))
     synk.close()  # ends the other worker and unlinks everything (checked after the test)
+
+
+# ---------------------------------------------------------------------------
+# many processes; no assert on a user's path
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_fork_300_processes():
+    """The control block grows with the ranks (it held 248 at most, behind a bare assert)."""
+    import pickle
+    import warnings
+
+    from synkhronos import runtime
+    from synkhronos.control import Command
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # more processes than cores
+        assert synk.fork(300, device="cpu") == 300
+    s = runtime.session()
+    assert len(worker_pids()) == 299
+    for _ in range(2):  # round trips through all 300 ranks (compiling nothing: kept short)
+        s.run(Command.DISTRIBUTE, pickle.dumps(([], [])))
+    synk.close()
+
+
+def test_no_assert_statements_in_the_package():
+    """``python -O`` strips asserts: no check a user relies on may be one."""
+    import ast
+    from pathlib import Path
+
+    root = Path(synk.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Assert):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert found == [], f"assert statements in synkhronos: {found}"

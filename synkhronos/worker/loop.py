@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from ..data import forget
-from ..control import Command, MasterGone, handlers
+from ..control import Aborted, Command, Interrupted, MasterGone, as_interrupt, handlers
 from ..errors import pack_exception
 from ..shmem import unlink_prefix
 
-__all__ = ["serve"]
+__all__ = ["serve", "serve_profiled"]
 
 log = logging.getLogger("synkhronos")
+
+
+def serve_profiled(proc, directory: str) -> int:
+    """:func:`serve` under cProfile; the stats go to ``directory/synk_worker_<rank>.prof``
+    when the worker leaves (fork(profile_workers=...))."""
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(serve, proc)
+    finally:
+        path = os.path.join(directory, f"synk_worker_{proc.rank}.prof")
+        try:
+            profiler.dump_stats(path)
+        except OSError as exc:
+            log.warning("rank %d could not write its profile to %s: %s", proc.rank, path, exc)
 
 
 def serve(proc) -> int:
@@ -37,11 +54,14 @@ def serve(proc) -> int:
             except MasterGone:
                 raise
             except BaseException as exc:
+                if isinstance(as_interrupt(exc), Interrupted):  # the master abandoned the command
+                    exc = Aborted(f"rank {proc.rank} stopped: the master abandoned the command")
                 error = pack_exception(exc, proc.rank)
             ctl.reply(proc.rank, error)
     except MasterGone:
-        if proc.master_died():
-            # Nobody else will clean up after a master that died.
+        # Whoever of the fork leaves last unlinks: the lock tells whether any
+        # other process of it (the master included) is still alive.
+        if proc.lease is not None and proc.lease.last_out():
             unlink_prefix(proc.prefix)
         return 1
     finally:
