@@ -138,7 +138,7 @@ def test_avg_factors(weights, expect):
     ("int16", "sum", "int32", "int16"),
     ("uint16", "max", "uint32", "uint16"),
     ("bool", "sum", "uint8", "bool"),
-    ("bool", "avg", "float64", "bool"),
+    ("bool", "avg", "float64", "float64"),
     ("complex64", "avg", "complex64", "complex64"),
 ])
 def test_reduce_plan(dtype, op, work, result):

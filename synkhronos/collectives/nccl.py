@@ -76,8 +76,8 @@ def reduce_plan(dtype, op: str):
     """How ``op`` reduces ``dtype`` through NCCL: ``(work dtype, NCCL datatype name,
     NCCL op name, result dtype, elements per array element)``.
 
-    The results match the CPU path: ``avg`` of integers is float64 (of
-    booleans, computed in float64, it is a boolean again);
+    The results match the CPU path (:func:`.ops.result_dtype`): ``avg`` of
+    integers and of booleans is float64;
     ``sum``/``max`` of booleans is a logical or, ``prod``/``min`` a logical and;
     int16 and uint16 reduce exactly in 32 bits; complex numbers sum and
     average as pairs of floats.
@@ -91,8 +91,8 @@ def reduce_plan(dtype, op: str):
     bad = TypeError(f"NCCL cannot {op}-reduce arrays of dtype {dtype}; use op 'c_{op}' "
                     "(or nccl=False for a function) for the CPU path")
     if dtype.kind == "b":
-        if op == "avg":  # as on the CPU: any weight of True gives True
-            return np.dtype(np.float64), "NCCL_FLOAT64", nccl_op, dtype, 1
+        if op == "avg":  # as on the CPU: the (weighted) fraction of True, in float64
+            return np.dtype(np.float64), "NCCL_FLOAT64", nccl_op, np.dtype(np.float64), 1
         logical = {"sum": "NCCL_MAX", "max": "NCCL_MAX", "prod": "NCCL_MIN", "min": "NCCL_MIN"}[op]
         return np.dtype(np.uint8), "NCCL_UINT8", logical, dtype, 1
     if dtype.kind in "iu":

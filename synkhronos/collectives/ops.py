@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REDUCE_OPS", "check_op"]
+__all__ = ["REDUCE_OPS", "check_op", "result_dtype", "cast_to"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -27,6 +27,34 @@ def check_op(op, allowed=tuple(REDUCE_OPS), what="op") -> str:
     return name
 
 
+def result_dtype(dtype, op) -> np.dtype:
+    """The dtype of ``op`` over arrays of ``dtype``, the same on every path.
+
+    ``avg`` of integers or booleans is float64, as PyTensor's own ``mean`` of
+    them is; every other op keeps the dtype.
+    """
+    dtype = np.dtype(dtype)
+    if op == "avg" and dtype.kind in "biu":
+        return np.dtype(np.float64)
+    return dtype
+
+
+def cast_to(value, dtype):
+    """``value`` as ``dtype``; floats going into integers or booleans are rounded
+    to the nearest value (ties to even), never truncated.
+
+    This is how a reduction lands in a variable of its own dtype: the ``avg``
+    of int64 ``[7, 7, 8]`` stored in an int64 variable is 7, and that of
+    ``[6, 7, 7, 7]`` is 7 (6.75 rounds up). Works on numpy and CuPy arrays.
+    """
+    dtype = np.dtype(dtype)
+    if value.dtype == dtype:
+        return value
+    if dtype.kind in "biu" and value.dtype.kind in "fc":
+        value = value.real.round() if value.dtype.kind == "c" else value.round()
+    return value.astype(dtype)
+
+
 def _fold(ufunc, parts, out=None):
     """``ufunc`` over all of ``parts`` in one pass per extra part (no copy of the first)."""
     if len(parts) == 1:
@@ -45,30 +73,32 @@ def combine(parts, op: str, weights=None, out=None):
 
     ``avg`` is ``sum(w_r * x_r) / sum(w_r)``: equal weights give the sum times
     the reciprocal of the count, row counts give the mean over all rows when
-    parts split unevenly.
+    parts split unevenly. The result has :func:`result_dtype` (float64 for the
+    ``avg`` of integers); an ``out`` of another dtype receives it through
+    :func:`cast_to` (rounded, never truncated).
     """
+    dtype = np.dtype(parts[0].dtype)
+    rdtype = result_dtype(dtype, op)
+    if out is not None and out.dtype != rdtype:
+        out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
+        return out
     if op != "avg":
         return _fold(REDUCE_OPS[op], parts, out)
     n = len(parts)
     w = [1.0] * n if weights is None else [float(x) for x in weights]  # lists: tiny, fast
     total = sum(w)
     w = [x / total for x in w] if total > 0 else [1.0 / n] * n
-    dtype = parts[0].dtype
-    if dtype.kind in "fc":
-        if all(x == w[0] for x in w):
-            acc = _fold(np.add, parts, out)
-            acc *= dtype.type(w[0])
-            return acc
-        acc = np.asarray(np.multiply(parts[0], dtype.type(w[0]), out=out))
-        tmp = np.empty_like(acc)
-        for x, wi in zip(parts[1:], w[1:]):
-            np.multiply(x, dtype.type(wi), out=tmp)
-            acc += tmp
+    if dtype.kind not in "fc":
+        # integers and booleans: accumulate in float64 (PyTensor's mean of ints)
+        parts = [np.asarray(p, dtype=rdtype) for p in parts]
+        dtype = rdtype
+    if all(x == w[0] for x in w):
+        acc = _fold(np.add, parts, out)
+        acc *= dtype.type(w[0])
         return acc
-    acc = np.asarray(parts[0] * w[0])
+    acc = np.asarray(np.multiply(parts[0], dtype.type(w[0]), out=out))
+    tmp = np.empty_like(acc)
     for x, wi in zip(parts[1:], w[1:]):
-        acc += x * wi
-    if out is not None:
-        out[...] = acc
-        return out
-    return acc.astype(dtype) if np.issubdtype(dtype, np.bool_) else acc
+        np.multiply(x, dtype.type(wi), out=tmp)
+        acc += tmp
+    return acc
