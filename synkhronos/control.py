@@ -65,6 +65,21 @@ class Interrupted(BaseException):
     ``except Exception`` in user code or PyTensor keeps it."""
 
 
+def as_interrupt(err: BaseException) -> BaseException:
+    """What an exception stands for when an interrupt caused it: native code (a
+    Numba-compiled function, a C thunk) turns a Ctrl-C, or the master's
+    interrupt in a worker, into SystemError ("returned a result with an
+    exception set"). Returns that KeyboardInterrupt or Interrupted, else ``err``."""
+    cause, seen = err, 0
+    while isinstance(cause, BaseException) and seen < 8:
+        if isinstance(cause, (KeyboardInterrupt, Interrupted)):
+            return cause if cause is err else cause.with_traceback(err.__traceback__)
+        if not isinstance(cause, SystemError):
+            return err
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return err
+
+
 class _Interruptible:
     """``with interruptible:`` marks where a worker may be stopped by the master's
     interrupt signal: its computation, not the bookkeeping of the protocol
@@ -207,8 +222,10 @@ class ControlBlock:
         May be called again after ``check()`` raised (Ctrl-C, a timeout): it
         goes on waiting for the workers that have not answered yet.
         """
-        while self.pending():
-            acquire(self.done, check)
+        seq, acked = self._words[_W_SEQ], self._acked
+        for rank in self.go:
+            while acked[rank] != seq:  # a token may be another rank's: then that one is done too
+                acquire(self.done, check)
         if self._overflow is not None:  # every worker has read it: a large payload's memory goes now
             self._overflow.close()
             self._overflow = None

@@ -9,7 +9,7 @@ import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
 from . import gpu, runtime
-from .control import Command, handler
+from .control import Command, handler, interruptible
 
 __all__ = ["distribute"]
 
@@ -107,6 +107,7 @@ def _receive(proc, blob: bytes) -> None:
         proc.shareds[sid] = var
     for spec in specs:
         local = LocalFunction(spec)
-        local.compiled()
+        with interruptible:  # compiling may take long: the master may give it up
+            local.compiled()
         proc.functions[spec.fid] = local
     gpu.place_shareds(proc)

@@ -6,7 +6,7 @@ import pickle
 import signal
 import traceback
 
-__all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError"]
+__all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError", "SynkTimeoutError"]
 
 
 class SynkError(RuntimeError):
@@ -70,6 +70,30 @@ class WorkerDiedError(SynkError):
         return (WorkerDiedError, (self.rank, self.exitcode))
 
 
+class SynkTimeoutError(SynkError, TimeoutError):
+    """Some workers did not finish a command within the fork's ``timeout``.
+
+    The command was abandoned in every process. The message says whether the
+    runtime is still usable (every worker came back) or whether the ranks
+    named are still busy (then the next command first waits for them, and
+    :func:`synkhronos.close` ends them).
+
+    Attributes:
+        ranks: the ranks that had not answered when the time ran out.
+        timeout: the timeout, in seconds.
+        usable: True when every worker came back after the command was abandoned.
+    """
+
+    def __init__(self, message: str, ranks=(), timeout: float | None = None, usable: bool = False):
+        super().__init__(message)
+        self.ranks = list(ranks)
+        self.timeout = timeout
+        self.usable = usable
+
+    def __reduce__(self):
+        return (SynkTimeoutError, (self.args[0], self.ranks, self.timeout, self.usable))
+
+
 def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "exit status unknown"
@@ -85,15 +109,20 @@ def pack_exception(exc: BaseException, rank: int) -> bytes:
     """Pickle an exception raised in process ``rank``, with its traceback text.
 
     The original exception is kept when it pickles and unpickles; otherwise a
-    :class:`WorkerError` with its type and message stands in.
+    :class:`WorkerError` with its type and message stands in. So does one that
+    is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt`` raised by
+    user code in a worker): re-raised as such in the master it would end the
+    script or pass for the user's own Ctrl-C.
     """
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     tb = f'\n"""\nTraceback from worker rank {rank}:\n{tb}"""'
-    try:
-        body = pickle.dumps(exc)
-        pickle.loads(body)
-    except Exception:
-        body = None
+    body = None
+    if isinstance(exc, Exception):
+        try:
+            body = pickle.dumps(exc)
+            pickle.loads(body)
+        except Exception:
+            body = None
     if body is None:
         body = pickle.dumps(WorkerError(rank, f"{type(exc).__name__}: {exc}", tb))
     return pickle.dumps((rank, body, tb))

@@ -18,7 +18,8 @@ import numpy as np
 
 from . import gpu
 from .collectives import PeerFailed, ShmCommunicator
-from .control import Aborted, ChildWatch, Command, ControlBlock, Interrupted, MasterGone, interruptible
+from .control import (Aborted, ChildWatch, Command, ControlBlock, Interrupted, MasterGone, as_interrupt,
+                      interruptible)
 from .errors import SynkError, SynkTimeoutError, WorkerDiedError, unpack_exception
 from .shmem import Lease, disown, unlink_prefix, unlink_stale
 from .memory import keep_freed_memory
@@ -222,7 +223,7 @@ class Session:
             except _CloseRequested:
                 raise _closed_meanwhile("command") from None
             except BaseException as err:
-                raise _as_interrupt(err)
+                raise as_interrupt(err)
             if errors:
                 log.debug("errors of an abandoned command, dropped: %s", sorted(errors))
         self._reset_after_abort()
@@ -253,7 +254,7 @@ class Session:
 
     def _run(self, cmd: Command, payload, local):
         ctl = self.proc.control
-        if self._needs_reset or ctl.pending():
+        if self._needs_reset:  # an earlier command was abandoned or failed part-way
             self._settle()
         if self.close_requested:
             raise _closed_meanwhile(cmd.name.lower())
@@ -272,7 +273,7 @@ class Session:
         except WorkerDiedError:
             raise
         except BaseException as err:  # also Ctrl-C: free the workers, then re-raise
-            err = _as_interrupt(err)
+            err = as_interrupt(err)
             if _is_stop(err):
                 stop = err
             else:
@@ -320,7 +321,7 @@ class Session:
             except _GraceOver:
                 return None, stop
             except BaseException as err:
-                err = _as_interrupt(err)
+                err = as_interrupt(err)
                 if not _is_stop(err):
                     self.broken = err
                     self._abort()
@@ -379,18 +380,6 @@ def _is_stop(err: BaseException) -> bool:
     """Ends the command without meaning that anything failed: Ctrl-C, SystemExit
     from a signal handler, a timeout, close() meanwhile."""
     return not isinstance(err, Exception)
-
-
-def _as_interrupt(err: BaseException) -> BaseException:
-    """A Ctrl-C that native code (a Numba-compiled function, a C thunk) turned into
-    SystemError ("returned a result with an exception set") is a KeyboardInterrupt."""
-    if isinstance(err, SystemError):
-        seen, cause = 0, err
-        while cause is not None and seen < 8:
-            if isinstance(cause, KeyboardInterrupt):
-                return cause.with_traceback(err.__traceback__)
-            cause, seen = cause.__cause__ or cause.__context__, seen + 1
-    return err
 
 
 def _closed_meanwhile(what: str) -> SynkError:

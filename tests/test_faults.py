@@ -277,7 +277,8 @@ def test_master_exit_leaves_nothing(tmp_path, how):
 
 
 def test_fork_cleans_what_a_dead_master_left(fork):
-    # A master killed at the wrong moment: its segments outlive it.
+    # A fork whose processes were all killed at the wrong moment: its segments
+    # and its lock file outlive it, and nobody holds the lock any more.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     prefix = f"synk.{dead.pid}.0123456789abcdef."
@@ -285,6 +286,7 @@ def test_fork_cleans_what_a_dead_master_left(fork):
     seg.close_fd()
     sem = posix_ipc.Semaphore("/" + prefix + "done", posix_ipc.O_CREX)
     sem.close()
+    open(f"/dev/shm/{prefix}lock", "x").close()
     assert any(prefix in e for e in os.listdir("/dev/shm"))
     fork(1)
     assert [e for e in os.listdir("/dev/shm") if prefix in e] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 
 from ..data import forget
 from ..control import Aborted, Command, Interrupted, MasterGone, as_interrupt, handlers
@@ -59,9 +61,19 @@ def serve(proc) -> int:
                 error = pack_exception(exc, proc.rank)
             ctl.reply(proc.rank, error)
     except MasterGone:
+        # No further signal may break off the cleanup (a parent-death signal
+        # that follows a noticed reparenting, a SIGTERM from the group).
+        # Blocking them would not do: a native thread of this process would
+        # take them and Python would still run the handler here.
+        while True:
+            try:
+                _quiet_signals()
+                break
+            except MasterGone:
+                continue
         # Whoever of the fork leaves last unlinks: the lock tells whether any
         # other process of it (the master included) is still alive.
-        if proc.lease is not None and proc.lease.last_out():
+        if _last_out(proc):
             unlink_prefix(proc.prefix)
         return 1
     finally:
@@ -69,3 +81,32 @@ def serve(proc) -> int:
             proc.close()
         except Exception:
             pass
+
+
+def _quiet_signals() -> None:
+    """Ignore every signal that has a Python handler from now on."""
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):
+            pass
+
+
+def _last_out(proc) -> bool:
+    """True when no other process of the fork is alive any more.
+
+    Once the master is dead, a lock still held may be one that is being let
+    go of (a process that just died, or one that tried and is leaving): ask
+    again for a short while. Every process that asked is leaving, so a later
+    success is still proof.
+    """
+    if proc.lease is None:
+        return False
+    tries = 50 if proc.master_died() else 1
+    for i in range(tries):
+        if proc.lease.last_out():
+            return True
+        if i + 1 < tries:
+            time.sleep(0.01)
+    return False
