@@ -276,7 +276,8 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
             the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
     Returns:
-        The result(s) when ``in_place`` is False, else None.
+        The result(s) when ``in_place`` is False, else None: what ``in_place``
+        would store, in the variable's dtype (an integer ``avg`` rounded).
 
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.

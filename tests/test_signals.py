@@ -184,8 +184,9 @@ def test_ctrl_c_anywhere_in_collectives_leaves_correct_collectives(fork):
     for trial in range(12):
         timer = threading.Timer(0.002 + 0.003 * trial, os.kill, (MASTER_PID, signal.SIGINT))
         timer.start()
-        try:
-            for _ in range(2000):
+        try:  # until the Ctrl-C lands (a loaded machine may fire the timer late)
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
                 synk.all_reduce(s, "max")
         except KeyboardInterrupt:
             hits += 1
@@ -193,7 +194,7 @@ def test_ctrl_c_anywhere_in_collectives_leaves_correct_collectives(fork):
         synk.broadcast(s, np.arange(40000.0) + trial)
         synk.all_reduce(s, "sum")
         assert np.allclose(synk.gather(s, nd_up=1), 3 * (np.arange(40000.0) + trial))
-    assert hits >= 6
+    assert hits == 12
 
 
 def test_ctrl_c_with_a_worker_in_native_code_raises_then_next_call_waits(fork):
