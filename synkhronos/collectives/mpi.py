@@ -1,0 +1,612 @@
+"""MPI Communicator among the masters of several nodes, through mpi4py.
+
+Under ``mpirun`` (or ``srun``) each launched copy of a script is the master
+of its node. The node's processes reduce and gather among themselves first,
+through the shared-memory communicator (or NCCL); then the node masters alone
+run one collective through this communicator; then each master shares the
+result inside its node again (see :mod:`.hier`). So an ``MpiCommunicator``
+lives only in node masters, one per node, over an mpi4py communicator whose
+ranks are the node indices. Workers never touch MPI: the node master forks
+them before MPI is initialised (``mpi4py.rc.initialize = False``, then
+``MPI.Init_thread`` after the fork), and this module imports mpi4py only when
+a communicator is made.
+
+Every collective first agrees, in one small non-blocking all-gather, on what
+each node contributes (dtypes and shapes, weights, failure flags): a node that
+flagged ``failed=True`` makes every node raise :class:`PeerFailed` before
+anything is combined, and different layouts are the same ``ValueError`` on
+every node. Then the arrays move with buffer-based non-blocking MPI calls
+(``Iallreduce``, ``Ireduce``, ``Ibcast``, ``Igatherv``, ``Iallgatherv``),
+never pickled; a node with nothing to add sends the identity element of the
+op. Dtypes and values follow :mod:`.ops` as on every other path: ``avg`` of
+integers or booleans is float64, ``sum``/``max`` of booleans is a logical or.
+
+No call ever blocks inside MPI: every wait is a loop of ``Test()`` with
+``check()`` (the runtime's liveness check: the node's workers, deadlines,
+signals) between short sleeps. A blocking wait would be fatal twice over:
+``mpirun`` stops a job with SIGTERM, and a process blocked in a C-level MPI
+call never runs a Python handler; and a node whose worker died would wait
+for ever for a collective its peers can no longer finish.
+
+When a wait ends in an exception (``check()`` raised: a local worker died,
+a deadline passed, a signal handler raised), this node sends a short notice
+to every other node on a communicator of its own and raises. The others
+are polling their own waits, see the notice within one poll and raise
+:class:`NodeFailedError` naming the node and its reason (which names the
+failed rank). Such a communicator is *broken*: the collective it abandoned
+can never complete, so every later call raises and :meth:`close` only
+releases what is local; ``synk.close()`` and ``synk.fork()`` make a new one.
+A node master that dies outright is mpirun's to report: it stops the job by
+sending SIGTERM to every process, which the polling lets Python handle.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..control import WAIT_SLICE
+from ..errors import SynkError
+from .base import Communicator
+from .ops import cast_to, combine, result_dtype
+
+try:  # where the contract of issue 12 puts it
+    from ..errors import PeerFailed  # type: ignore[attr-defined]
+except ImportError:  # until then it lives with the shared-memory communicator
+    from .shm import PeerFailed
+
+__all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
+
+#: Seconds a wait polls MPI with only a yield in between, before it sleeps:
+#: MPI progresses only inside its calls, so a large transfer wants them often.
+SPIN_SECONDS = 0.02
+#: Sleep between polls once the spin is over (seconds).
+POLL_SLEEP = 100e-6
+#: Bytes of each node's header slot in the agreement all-gather; a larger
+#: header (very many arrays) takes a second, variable-sized round.
+HEADER_SLOT = 512
+#: Largest failure notice (bytes); longer reasons are cut.
+NOTICE_BYTES = 2048
+_NOTICE_TAG = 7
+
+_MPI = None
+
+
+def _mpi():
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI  # only here: importing the package never imports mpi4py
+
+        _MPI = MPI
+    return _MPI
+
+
+class NodeFailedError(SynkError):
+    """Another node failed in the middle of a collective; this one cannot finish.
+
+    Attributes:
+        node: the rank (node index) in the MPI communicator of the node that failed.
+        reason: what went wrong there, as that node said it.
+    """
+
+    def __init__(self, node: int, reason: str, what: str = "a collective"):
+        super().__init__(f"node {node} failed during {what}: {reason}; the MPI communicator "
+                         "cannot be used again: call synk.close() and synk.fork() again")
+        self.node = node
+        self.reason = reason
+
+
+#: reduce op -> MPI op name ("avg" is a weighted sum).
+MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
+
+
+def reduce_plan(dtype, op: str):
+    """How MPI reduces ``dtype`` with ``op``: ``(work dtype, MPI op name)``, or
+    None when MPI cannot (then the bytes are gathered and combined with
+    :func:`.ops.combine`, which gives the same results).
+
+    ``avg`` of integers and booleans sums in float64; booleans travel as
+    uint8, ``sum``/``max`` a logical or (MAX), ``prod``/``min`` a logical and
+    (MIN); complex numbers sum, average and multiply in MPI, their
+    ``max``/``min`` (numpy's order) are combined locally, as are float16 and
+    long doubles.
+    """
+    dtype = np.dtype(dtype)
+    if op == "avg" and dtype.kind in "biu":
+        return np.dtype(np.float64), "SUM"
+    if dtype.kind == "b":
+        return np.dtype(np.uint8), "MAX" if op in ("sum", "max") else "MIN"
+    if dtype.kind in "iu" and dtype.itemsize in (1, 2, 4, 8):
+        return dtype.newbyteorder("="), MPI_OPS[op]
+    if dtype.kind == "f" and dtype.itemsize in (4, 8):
+        return dtype.newbyteorder("="), MPI_OPS[op]
+    if dtype.kind == "c" and dtype.itemsize in (8, 16) and op in ("sum", "avg", "prod"):
+        return dtype.newbyteorder("="), MPI_OPS[op]
+    return None
+
+
+def _identity(op: str, work: np.dtype):
+    """The element a node with nothing to add contributes to ``op`` in ``work``."""
+    if op in ("sum", "avg"):
+        return 0
+    if op == "prod":
+        return 1
+    if work.kind == "f":
+        return -np.inf if op == "max" else np.inf
+    info = np.iinfo(work)
+    return info.min if op == "max" else info.max
+
+
+def _avg_scales(weights, mine):
+    """``(pre, post)`` as :func:`.ops.combine` weighs an ``avg``: equal weights sum,
+    then multiply by the reciprocal of the count (``pre`` None); uneven weights
+    multiply each contribution by its share of the total (``post`` None)."""
+    w = [float(x) for x in weights]
+    total = sum(w)
+    if total <= 0 or all(x == w[0] for x in w):
+        return None, 1.0 / len(w)
+    return float(mine) / total, None
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _layout_text(layout) -> list:
+    return [(str(d), s) for d, s in layout]
+
+
+class MpiCommunicator(Communicator):
+    """Collectives over MPI among node masters, one per node.
+
+    Args:
+        comm: an mpi4py intra-communicator whose ranks are the node masters
+            (``MPI.COMM_WORLD`` under ``mpirun`` with one copy per node). It is
+            duplicated (collectively), so the caller's own traffic never
+            mixes with this communicator's.
+        master_rank: the rank in ``comm`` of the master node (node 0's master).
+        check: called between wait slices; raises when this node cannot go on
+            (a worker died, a deadline passed): the runtime's ``Session.check``.
+
+    Raises:
+        SynkError: MPI is not initialised, or already finalised.
+        ValueError: ``master_rank`` is not a rank of ``comm``.
+
+    Every node master must create it at the same time (duplicating ``comm``
+    is collective). Arrays in and out are numpy arrays.
+    """
+
+    device_arrays = False
+    supports_resident = False
+
+    def __init__(self, comm, master_rank: int = 0, check: Callable[[], None] = lambda: None):
+        MPI = _mpi()
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            raise SynkError("MPI is not initialised (or already finalised): the node master calls "
+                            "MPI.Init_thread() after forking its workers, before making an "
+                            "MpiCommunicator")
+        size = comm.Get_size()
+        if not isinstance(master_rank, (int, np.integer)) or not 0 <= master_rank < size:
+            raise ValueError(f"master_rank must be a rank of the MPI communicator (0 to {size - 1}), "
+                             f"got {master_rank!r}")
+        self._MPI = MPI
+        self.check = check
+        self.broken: str | None = None
+        self.rank = comm.Get_rank()
+        self.size = size
+        self.master_rank = int(master_rank)
+        self._comm = self._ctl = None
+        self._notice = None
+        self._sent: list = []
+        self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
+        # duplicates, without blocking: data on one, failure notices on the other
+        comm_dup, req = comm.Idup()
+        ctl_dup, req2 = comm.Idup()
+        self._wait([req, req2], "creating the MPI communicator", notices=False)
+        for c in (comm_dup, ctl_dup):
+            c.Set_errhandler(MPI.ERRORS_RETURN)  # MPI errors become exceptions, never an abort
+        self._comm, self._ctl = comm_dup, ctl_dup
+        self._notice_buf = np.zeros(NOTICE_BYTES, dtype=np.uint8)
+        self._notice = ctl_dup.Irecv([self._notice_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
+                                     tag=_NOTICE_TAG)
+
+    # -- waiting and failures ----------------------------------------------
+
+    def _peer_failed(self, what: str):
+        # the notice has arrived: its request is complete (Test returned True)
+        raw = self._notice_buf.tobytes()
+        try:
+            node, reason = pickle.loads(raw)
+        except Exception:  # noqa: BLE001 - a cut notice still names nothing better
+            node, reason = "?", "(unreadable failure notice)"
+        self.broken = self.broken or f"node {node} failed: {reason}"
+        raise NodeFailedError(node, reason, what)
+
+    def _enter(self, what: str) -> None:
+        if self._comm is None:
+            raise SynkError(f"{what} on a closed MPI communicator")
+        if self._notice.Test():
+            self._peer_failed(what)
+        if self.broken is not None:
+            raise SynkError(f"the MPI communicator was abandoned after an earlier failure "
+                            f"({self.broken}); call synk.close() and synk.fork() again")
+
+    def _wait(self, reqs, what: str, keep=None, notices: bool = True) -> None:
+        """Until every request in ``reqs`` completes; ``check()`` between slices,
+        and a peer's failure notice ends the wait at once. Never a blocking wait.
+
+        ``keep`` holds the buffers the requests use: MPI may still read or
+        write them after a wait is abandoned, so they are then kept for the
+        communicator's lifetime instead of returned to the allocator.
+        """
+        Testall = self._MPI.Request.Testall
+        try:
+            if Testall(reqs):
+                return
+            start = time.perf_counter()
+            next_check = start + WAIT_SLICE
+            while True:
+                if notices and self._notice.Test():
+                    self._peer_failed(what)
+                now = time.perf_counter()
+                if now >= next_check:
+                    next_check = now + WAIT_SLICE
+                    self.check()
+                if Testall(reqs):
+                    return
+                if now - start < SPIN_SECONDS:
+                    os.sched_yield()
+                else:
+                    time.sleep(POLL_SLEEP)
+        except BaseException as exc:
+            self._abandoned.append((reqs, keep))
+            if not isinstance(exc, NodeFailedError):
+                self.abort(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def abort(self, reason: str) -> None:
+        """Abandon the communicator and tell every other node why.
+
+        Called when this node cannot finish a collective it has entered (or
+        may have entered elsewhere): the others raise :class:`NodeFailedError`
+        within one poll instead of waiting for it.
+        """
+        if self.broken is not None:
+            return
+        self.broken = reason
+        if self._ctl is None:
+            return
+        blob = pickle.dumps((self.rank, reason), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(blob) > NOTICE_BYTES:
+            blob = pickle.dumps((self.rank, reason[:NOTICE_BYTES // 2] + " ..."),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+        buf = np.frombuffer(blob, dtype=np.uint8)
+        for r in range(self.size):
+            if r != self.rank:
+                try:
+                    self._sent.append((buf, self._ctl.Isend([buf, self._MPI.BYTE], dest=r,
+                                                            tag=_NOTICE_TAG)))
+                except Exception:  # noqa: BLE001 - a node already gone needs no notice
+                    pass
+
+    def _started(self, what: str, start):
+        """``start()`` (buffers and MPI calls); a local error there abandons the
+        communicator and tells the others, who would otherwise wait for this node."""
+        try:
+            return start()
+        except BaseException as exc:
+            self.abort(f"{type(exc).__name__}: {exc}")
+            raise
+
+    # -- agreement ---------------------------------------------------------
+
+    def _agree(self, what: str, arrays, weight=1.0, failed=False):
+        """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed."""
+        self._enter(what)
+        layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
+        blob = pickle.dumps((layout, float(weight), bool(failed)), protocol=pickle.HIGHEST_PROTOCOL)
+        MPI, size = self._MPI, self.size
+        room = HEADER_SLOT - 8
+        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        slot[:8].view(np.int64)[0] = len(blob)
+        if len(blob) <= room:
+            slot[8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        slots = np.empty((size, HEADER_SLOT), dtype=np.uint8)
+        self._wait([self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])], what, (slot, slots))
+        lens = [int(x) for x in slots[:, :8].copy().view(np.int64).reshape(-1)]
+        if max(lens) <= room:
+            blobs = [slots[r, 8:8 + n].tobytes() for r, n in enumerate(lens)]
+        else:  # somebody's header did not fit: everybody sends it again, sized
+            displs = [sum(lens[:r]) for r in range(size)]
+            recv = np.empty(sum(lens), dtype=np.uint8)
+            send = np.frombuffer(blob, dtype=np.uint8)
+            self._wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
+                       what, (send, recv))
+            blobs = [recv[d:d + n].tobytes() for d, n in zip(displs, lens)]
+        metas = [pickle.loads(b) for b in blobs]
+        failed_nodes = [r for r, m in enumerate(metas) if m[2]]
+        if failed_nodes:
+            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure; nothing was combined")
+        for r, (lay, _, _) in enumerate(metas):
+            for dtype, _ in lay or ():
+                if dtype.hasobject:
+                    raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
+                                    "arrays of numbers and booleans only")
+        return [(m[0], m[1]) for m in metas]
+
+    # -- collectives -------------------------------------------------------
+
+    def barrier(self) -> None:
+        self._enter("barrier")
+        self._wait([self._comm.Ibarrier()], "barrier")
+
+    def _reduce(self, arrays, op, weight, failed, root, in_place=False):
+        what = "all_reduce" if root is None else "reduce"
+        if op not in MPI_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(MPI_OPS)}")
+        if root is not None and not 0 <= root < self.size:
+            raise ValueError(f"reduce: root must be a node rank (0 to {self.size - 1}), got {root!r}")
+        arrays = None if arrays is None else [np.asarray(a) for a in arrays]
+        metas = self._agree(what, arrays, weight, failed)
+        present = [r for r, (lay, _) in enumerate(metas) if lay is not None]
+        if not present:
+            return None
+        layout = metas[present[0]][0]
+        for r in present[1:]:
+            if metas[r][0] != layout:
+                raise ValueError(f"cannot {op}-reduce: node {present[0]} holds "
+                                 f"{_layout_text(layout)} but node {r} holds "
+                                 f"{_layout_text(metas[r][0])}")
+        weights = [metas[r][1] for r in present]
+        pre = post = None
+        if op == "avg":
+            pre, post = _avg_scales(weights, metas[self.rank][1] if arrays is not None else 0.0)
+        gets = root is None or self.rank == root
+        MPI = self._MPI
+        mpi_op = {name: getattr(MPI, name) for name in ("SUM", "PROD", "MAX", "MIN")}
+
+        def start():
+            reqs, jobs, keep = [], [], []
+            for i, (dtype, shape) in enumerate(layout):
+                plan = reduce_plan(dtype, op)
+                count = math.prod(shape)
+                mine = None if arrays is None else arrays[i]
+                if plan is None:  # gathered as bytes, combined here as ops.combine does
+                    jobs.append(("local", self._start_gather(mine, metas, i, root, reqs, keep)))
+                    continue
+                work, name = plan
+                if count == 0:
+                    jobs.append(("empty", None))
+                    continue
+                inplace_ok = (in_place and root is None and mine is not None
+                              and mine.flags.c_contiguous and mine.flags.writeable
+                              and (mine.dtype == work or (mine.dtype.kind == "b" and work.kind == "u")))
+                if inplace_ok:  # MPI works in the caller's array: no copy
+                    buf = mine.view(work) if mine.dtype != work else mine
+                    if pre is not None:
+                        buf *= work.type(pre)
+                    reqs.append(self._comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op[name]))
+                    jobs.append(("mpi", buf))
+                    keep.append(buf)
+                    continue
+                if mine is None:
+                    send = np.full(shape, _identity(op, work), dtype=work)
+                elif pre is not None:
+                    send = mine.astype(work) * work.type(pre)
+                elif mine.dtype.kind == "b" and work.kind == "u":
+                    send = np.ascontiguousarray(mine).view(work)
+                else:
+                    send = np.ascontiguousarray(mine, dtype=work)
+                recv = np.empty(shape, dtype=work) if gets else None
+                if root is None:
+                    reqs.append(self._comm.Iallreduce(send, recv, mpi_op[name]))
+                else:
+                    reqs.append(self._comm.Ireduce(send, recv, mpi_op[name], root))
+                jobs.append(("mpi", recv))
+                keep += [send, recv]
+            return reqs, jobs, keep
+
+        reqs, jobs, keep = self._started(what, start)
+        self._wait(reqs, what, keep)
+        if not gets:
+            return None
+        out = []
+        for (dtype, shape), (kind, val) in zip(layout, jobs):
+            rdtype = result_dtype(dtype, op)
+            if kind == "empty":
+                out.append(np.empty(shape, dtype=rdtype))
+            elif kind == "local":
+                parts = [val[r] for r in present]
+                out.append(np.asarray(combine(parts, op, weights)))
+            else:
+                if post is not None:
+                    val *= val.dtype.type(post)
+                out.append(val.view(rdtype) if val.dtype.kind == "u" and rdtype.kind == "b"
+                           else val.astype(rdtype, copy=False))
+        if in_place and arrays is not None:
+            for a, res in zip(arrays, out):
+                if not np.shares_memory(a, res):
+                    np.copyto(a, cast_to(res, a.dtype))
+            return arrays
+        return out
+
+    def _start_gather(self, mine, metas, i, root, reqs, keep):
+        """Post the gather of every node's array ``i`` as bytes; the result is a
+        function returning the list of parts over nodes (None where absent)."""
+        MPI = self._MPI
+        gets = root is None or self.rank == root
+        lays = [lay[i] if lay is not None else None for lay, _ in metas]
+        sizes = [0 if lay is None else math.prod(lay[1]) * np.dtype(lay[0]).itemsize for lay in lays]
+        displs = [sum(sizes[:r]) for r in range(self.size)]
+        send = _as_bytes(mine) if mine is not None and mine.nbytes else np.empty(0, dtype=np.uint8)
+        recv = np.empty(sum(sizes), dtype=np.uint8) if gets else None
+        spec = [recv, (sizes, displs), MPI.BYTE] if gets else None
+        keep += [send, recv]
+        if root is None:
+            reqs.append(self._comm.Iallgatherv([send, MPI.BYTE], spec))
+        else:
+            reqs.append(self._comm.Igatherv([send, MPI.BYTE], spec, root))
+
+        class Parts:
+            def __getitem__(_, r):
+                lay = lays[r]
+                if lay is None:
+                    return None
+                dtype, shape = lay
+                if sizes[r] == 0:
+                    return np.empty(shape, dtype=dtype)
+                return recv[displs[r]:displs[r] + sizes[r]].view(dtype).reshape(shape)
+
+        return Parts()
+
+    def reduce(self, arrays, op, root, weight=1.0, failed=False):
+        """``op`` over every node's arrays (None: nothing to add); the result on
+        node ``root``, None elsewhere and when no node contributed.
+
+        Raises:
+            PeerFailed: some node flagged ``failed``; nothing was combined.
+            ValueError: the nodes' arrays differ in dtype or shape.
+            NodeFailedError: another node failed while this one waited.
+        """
+        return self._reduce(arrays, op, weight, failed, root)
+
+    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
+        """``op`` over every node's arrays; the result on every node.
+
+        With ``in_place`` the result is written into this node's ``arrays``
+        (through :func:`.ops.cast_to`: the ``avg`` of integers is rounded) and
+        they are returned; MPI then works in them, without copies, when their
+        dtype is the one reduced in. A node that gave None gets new arrays.
+        """
+        return self._reduce(arrays, op, weight, failed, None, in_place)
+
+    def _gather(self, arrays, root, failed, join, what):
+        if root is not None and not 0 <= root < self.size:
+            raise ValueError(f"gather: root must be a node rank (0 to {self.size - 1}), got {root!r}")
+        arrays = None if arrays is None else [np.asarray(a) for a in arrays]
+        metas = self._agree(what, arrays, 1.0, failed)
+        counts = {len(lay) for lay, _ in metas if lay is not None}
+        if len(counts) > 1:
+            raise ValueError(f"cannot gather: the nodes hold different numbers of arrays "
+                             f"{[None if lay is None else len(lay) for lay, _ in metas]}")
+        n = counts.pop() if counts else 0
+
+        def start():
+            reqs, keep = [], []
+            views = [self._start_gather(None if arrays is None else arrays[i], metas, i, root, reqs, keep)
+                     for i in range(n)]
+            return reqs, views, keep
+
+        reqs, views, keep = self._started(what, start)
+        self._wait(reqs, what, keep)
+        if root is not None and self.rank != root:
+            return None
+        out = []
+        for i, parts in enumerate(views):
+            parts = [parts[r] for r in range(self.size)]
+            out.append(parts if join is None else join(i, parts))
+        return out
+
+    def gather(self, arrays, root, failed=False, join=None):
+        """On node ``root``, for each array, the list over nodes of its copies
+        (None where a node gave none), or ``join(i, parts)`` of that list; None
+        elsewhere."""
+        return self._gather(arrays, root, failed, join, "gather")
+
+    def all_gather(self, arrays, failed=False, join=None):
+        """As :meth:`gather`, on every node."""
+        return self._gather(arrays, None, failed, join, "all_gather")
+
+    def broadcast(self, arrays, root, failed=False, receive=None):
+        """Node ``root``'s arrays on every node (root gets its own back);
+        ``receive(i, array)``, if given, places array ``i`` on the other nodes
+        and returns what to give back for it.
+
+        Raises:
+            ValueError: root gave no arrays (on every node).
+        """
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast: root must be a node rank (0 to {self.size - 1}), got {root!r}")
+        is_root = self.rank == root
+        arrays_ = [np.asarray(a) for a in arrays] if is_root and arrays is not None else None
+        metas = self._agree("broadcast", arrays_, 1.0, failed)
+        layout = metas[root][0]
+        if layout is None:
+            raise ValueError(f"broadcast: root node {root} gave no arrays")
+        MPI = self._MPI
+        sizes = [math.prod(s) * np.dtype(d).itemsize for d, s in layout]
+
+        def start():
+            if is_root:
+                bufs = [_as_bytes(a) if n else None for a, n in zip(arrays_, sizes)]
+                # MPI reads root's buffer; a read-only array needs a writable alias
+                bufs = [b if b is None or b.flags.writeable else b.copy() for b in bufs]
+            else:
+                bufs = [np.empty(n, dtype=np.uint8) if n else None for n in sizes]
+            reqs = [self._comm.Ibcast([b, MPI.BYTE], root) for b in bufs if b is not None]
+            return reqs, bufs
+
+        reqs, bufs = self._started("broadcast", start)
+        self._wait(reqs, "broadcast", bufs)
+        if is_root:
+            return arrays_
+        out = [np.empty(s, dtype=d) if b is None else b.view(d).reshape(s)
+               for b, (d, s) in zip(bufs, layout)]
+        if receive is not None:
+            out = [receive(i, a) for i, a in enumerate(out)]
+        return out
+
+    def reset(self) -> None:
+        """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""
+
+    def local_reset(self) -> None:
+        """Nothing to reset (see :meth:`reset`)."""
+
+    def close(self) -> None:
+        """Collective: every node waits for the others, then the duplicated
+        communicators are freed with nothing outstanding. A broken communicator
+        (an abandoned collective) only releases what is local."""
+        if self._comm is None:
+            return
+        MPI = self._MPI
+        error = None
+        if self.broken is None:
+            try:
+                self._enter("close")
+                self._wait([self._comm.Ibarrier()], "close")
+            except BaseException as exc:  # noqa: BLE001 - released below, then raised
+                error = exc
+        # the notice receive: cancelled, then complete (locally, at once)
+        if self._notice is not None:
+            try:
+                if not self._notice.Test():
+                    self._notice.Cancel()
+                    end = time.perf_counter() + 5.0
+                    while not self._notice.Test() and time.perf_counter() < end:
+                        time.sleep(POLL_SLEEP)
+            except Exception:  # noqa: BLE001
+                pass
+        # notices sent: small, so MPI completes them eagerly; give them a moment
+        end = time.perf_counter() + 1.0
+        while self._sent and time.perf_counter() < end:
+            try:
+                if MPI.Request.Testall([req for _, req in self._sent]):
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(POLL_SLEEP)
+        self._sent = []
+        for c in (self._comm, self._ctl):
+            try:
+                c.Free()
+            except Exception:  # noqa: BLE001 - freed or unusable after a failure
+                pass
+        self._comm = self._ctl = self._notice = None
+        if error is not None:
+            raise error

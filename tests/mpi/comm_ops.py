@@ -1,0 +1,232 @@
+"""Every collective of MpiCommunicator, against numpy, on every rank (run under mpirun).
+
+    mpirun -np 3 python tests/mpi/comm_ops.py OUT_DIR [--quick]
+
+Every rank builds every rank's contribution from the same seeds, so each can
+compute numpy's answer on its own and compare. Ops x dtypes x sizes (small,
+0-d, and about 1-2 MiB), a rank with nothing to add (None), uneven weights,
+several arrays per call, non-contiguous and read-only inputs, in_place,
+join/receive callbacks, dtypes MPI cannot reduce (combined locally), a
+header too long for one slot, layouts that differ (ValueError everywhere) and
+failure flags (PeerFailed everywhere, the communicator usable afterwards).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from common import Verdict, close_enough, expected_reduce, init_mpi, result_dtype
+
+OPS = ("sum", "avg", "prod", "max", "min")
+DTYPES = (np.bool_, np.int32, np.int64, np.float32, np.float64)
+LARGE = 1 << 17  # elements: 0.5 MiB (int32/float32) to 1 MiB (int64/float64); 2 arrays a call
+
+
+def make(seed: int, rank: int, dtype, shape):
+    """Rank ``rank``'s contribution of case ``seed`` (the same on every rank)."""
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        lo = 0 if dtype.kind == "u" else -4
+        return rng.integers(lo, 5, size=shape).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.uniform(0.5, 1.5, shape) + 1j * rng.uniform(-1, 1, shape)).astype(dtype)
+    return rng.uniform(0.5, 1.5, shape).astype(dtype)
+
+
+def main() -> int:
+    out = sys.argv[1]
+    quick = "--quick" in sys.argv
+    MPI = init_mpi()
+    from synkhronos.collectives.mpi import MpiCommunicator, NodeFailedError
+    from synkhronos.collectives import PeerFailed
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    v = Verdict(out, rank)
+    comm = MpiCommunicator(world, master_rank=0)
+    v.expect(comm.rank == rank and comm.size == size and comm.master_rank == 0, "rank/size/master_rank")
+    v.expect(not comm.device_arrays and not comm.supports_resident, "capability flags")
+    seed = 0
+    try:
+        comm.barrier()
+        # -- reductions: every op, dtype, size; all present / the last rank absent
+        sizes = [(3, 4), ()] + ([] if quick else [(LARGE,)])
+        for op in OPS:
+            for dtype in DTYPES:
+                for shape in sizes:
+                    for absent in (None, size - 1):
+                        for uneven in ((False, True) if op == "avg" else (False,)):
+                            seed += 1
+                            w = [1.0 + 0.5 * r if uneven else 1.0 for r in range(size)]
+                            parts = [[make(seed, r, dtype, shape), make(seed + 10_000, r, dtype, (2,))]
+                                     for r in range(size)]
+                            mine = None if rank == absent else parts[rank]
+                            here = [r for r in range(size) if r != absent]
+                            want = [expected_reduce([parts[r][i] for r in here], op,
+                                                    [w[r] for r in here]) for i in range(2)]
+                            tag = f"{op} {np.dtype(dtype)} {shape} absent={absent} uneven={uneven}"
+                            got = comm.all_reduce(mine, op, weight=w[rank])
+                            v.expect(len(got) == 2 and all(close_enough(g, x) for g, x in zip(got, want)),
+                                     f"all_reduce {tag}")
+                            v.expect(got[0].dtype == result_dtype(dtype, op), f"all_reduce dtype {tag}")
+                            root = seed % size
+                            got = comm.reduce(mine, op, root, weight=w[rank])
+                            if rank == root:
+                                v.expect(got is not None and all(close_enough(g, x)
+                                                                 for g, x in zip(got, want)),
+                                         f"reduce root={root} {tag}")
+                            else:
+                                v.expect(got is None, f"reduce non-root gets None {tag}")
+        # -- dtypes MPI cannot reduce itself, and narrow integers
+        for dtype, op in [(np.complex128, "max"), (np.complex64, "sum"), (np.complex128, "avg"),
+                          (np.float16, "sum"), (np.float16, "avg"), (np.int8, "sum"),
+                          (np.uint16, "max"), (np.uint8, "avg"), (np.int8, "prod")]:
+            seed += 1
+            parts = [make(seed, r, dtype, (5, 3)) for r in range(size)]
+            w = [1.0 + r for r in range(size)]
+            got = comm.all_reduce([parts[rank]], op, weight=w[rank])
+            want = expected_reduce(parts, op, w)
+            v.expect(close_enough(got[0], want), f"all_reduce {op} {np.dtype(dtype)}: {got[0]} vs {want}")
+        # -- nobody contributes: None everywhere
+        v.expect(comm.all_reduce(None, "sum") is None, "all_reduce of nothing is None")
+        v.expect(comm.reduce(None, "max", 0) is None, "reduce of nothing is None")
+        # -- in_place: into the caller's arrays (zero-copy path and cast path)
+        for dtype, op in [(np.float64, "sum"), (np.float32, "avg"), (np.int32, "avg"), (np.bool_, "max"),
+                          (np.int64, "prod")]:
+            seed += 1
+            parts = [make(seed, r, dtype, (LARGE // 8,)) for r in range(size)]
+            mine = parts[rank].copy()
+            w = [1.0 + r for r in range(size)]
+            got = comm.all_reduce([mine], op, weight=w[rank], in_place=True)
+            want = expected_reduce(parts, op, w)
+            if np.dtype(dtype).kind in "iu" and want.dtype.kind == "f":
+                want = want.round().astype(dtype)  # lands rounded in the integer array
+            v.expect(got[0] is mine and close_enough(mine, want.astype(dtype)),
+                     f"in_place all_reduce {op} {np.dtype(dtype)}")
+        # -- non-contiguous and read-only inputs
+        seed += 1
+        parts = [make(seed, r, np.float64, (6, 8)) for r in range(size)]
+        got = comm.all_reduce([parts[rank][:, ::2]], "sum")
+        v.expect(close_enough(got[0], expected_reduce([p[:, ::2] for p in parts], "sum")),
+                 "all_reduce of a non-contiguous array")
+        # -- layouts that differ: the same ValueError on every rank, then all is well
+        try:
+            comm.all_reduce([np.zeros(3 if rank == 1 else 4)], "sum")
+            v.expect(False, "different shapes raise ValueError")
+        except ValueError as exc:
+            v.expect("node 1" in str(exc) or "node 0" in str(exc), f"mismatch names nodes: {exc}")
+        try:
+            comm.all_gather([np.zeros(1)] * (2 if rank == 0 else 1))
+            v.expect(False, "different array counts raise ValueError")
+        except ValueError:
+            v.expect(True, "")
+        # -- a header too long for one slot (many arrays) takes a second round
+        many = [np.full((1,), rank * 100 + i, dtype=np.int64) for i in range(60)]
+        got = comm.all_reduce(many, "sum")
+        v.expect(all(int(g[0]) == sum(r * 100 + i for r in range(size)) for i, g in enumerate(got)),
+                 "all_reduce of 60 arrays")
+        # -- gathers: uneven rows, None, join, root 0 and last
+        for absent in (None, 1):
+            for large in (False, True) if not quick else (False,):
+                seed += 1
+                rows = [(r + 1) * (LARGE // 16 if large else 1) for r in range(size)]
+                parts = [[make(seed, r, np.float32, (rows[r], 3)), make(seed, r, np.int64, ()),
+                          make(seed, r, np.bool_, (rows[r],))] for r in range(size)]
+                mine = None if rank == absent else parts[rank]
+                want = [np.concatenate([parts[r][i].reshape(-1) for r in range(size) if r != absent])
+                        for i in range(3)]
+
+                def join(i, ps):
+                    return ("j", i, [p is None for p in ps],
+                            np.concatenate([p.reshape(-1) for p in ps if p is not None]))
+
+                for root in (None, 0, size - 1):
+                    tag = f"gather root={root} absent={absent} large={large}"
+                    got = comm.all_gather(mine) if root is None else comm.gather(mine, root)
+                    joined = (comm.all_gather(mine, join=join) if root is None
+                              else comm.gather(mine, root, join=join))
+                    if root is not None and rank != root:
+                        v.expect(got is None and joined is None, f"{tag}: None off root")
+                        continue
+                    ok = len(got) == 3
+                    for i in range(3):
+                        for r in range(size):
+                            if r == absent:
+                                ok = ok and got[i][r] is None
+                            else:
+                                ok = ok and close_enough(got[i][r], parts[r][i])
+                    v.expect(ok, tag)
+                    v.expect(all(j[0] == "j" and j[1] == i and j[2] == [r == absent for r in range(size)]
+                                 and close_enough(j[3], want[i]) for i, j in enumerate(joined)),
+                             f"{tag} with join")
+        v.expect(comm.all_gather(None) == [], "all_gather of nothing is []")
+        # -- broadcast: roots, receive, read-only, 0-d, large, empty
+        for root in range(size):
+            seed += 1
+            src = [make(seed, 0, np.float64, (LARGE,)), make(seed, 0, np.int32, ()),
+                   make(seed, 0, np.bool_, (0, 3)), make(seed, 0, np.complex64, (4, 2))]
+            src[0].setflags(write=False)
+            mine = src if rank == root else None
+            got = comm.broadcast(mine, root)
+            v.expect(len(got) == 4 and all(close_enough(g, s) for g, s in zip(got, src)),
+                     f"broadcast root={root}")
+            if rank == root:
+                v.expect(all(g is s for g, s in zip(got, src)), "root gets its own arrays")
+            seen = []
+
+            def receive(i, a):
+                seen.append(i)
+                return ("kept", a.copy())
+
+            got = comm.broadcast([s[::-1] if s.ndim else s for s in src] if rank == root else None,
+                                 root, receive=receive)
+            if rank != root:
+                v.expect(seen == [0, 1, 2, 3] and all(g[0] == "kept" for g in got)
+                         and close_enough(got[0][1], src[0][::-1]), f"broadcast receive root={root}")
+        try:
+            comm.broadcast(None, 0)
+            v.expect(False, "broadcast of nothing raises")
+        except ValueError as exc:
+            v.expect("root node 0" in str(exc), f"broadcast of nothing names root: {exc}")
+        # -- failure flags: PeerFailed everywhere, nothing combined; still usable after
+        calls = [
+            lambda f: comm.all_reduce([np.ones(4)], "sum", failed=f),
+            lambda f: comm.reduce([np.ones(LARGE)], "avg", 0, failed=f),
+            lambda f: comm.gather([np.ones(2)], size - 1, failed=f),
+            lambda f: comm.all_gather([np.ones(2)], failed=f),
+            lambda f: comm.broadcast([np.ones(2)] if rank == 0 else None, 0, failed=f),
+        ]
+        for k, call in enumerate(calls):
+            try:
+                call(rank == 1)
+                v.expect(False, f"failed flag {k}: PeerFailed expected")
+            except PeerFailed as exc:
+                v.expect("[1]" in str(exc), f"PeerFailed names node 1: {exc}")
+        got = comm.all_reduce([np.full(3, rank, dtype=np.int64)], "sum")
+        v.expect(close_enough(got[0], np.full(3, sum(range(size)), dtype=np.int64)),
+                 "usable after PeerFailed")
+        comm.barrier()
+        v.info["node_failed_error"] = NodeFailedError.__name__
+        comm.close()
+        try:
+            comm.barrier()
+            v.expect(False, "a call after close raises")
+        except Exception as exc:  # noqa: BLE001
+            v.expect("closed" in str(exc), f"call after close: {exc}")
+    except BaseException as exc:  # noqa: BLE001 - written down, then a non-zero exit
+        comm.abort(f"{type(exc).__name__}: {exc}")  # the others raise instead of waiting
+        ok = v.write(exc)
+        MPI.Finalize()
+        return 0 if ok else 1
+    ok = v.write()
+    MPI.Finalize()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
