@@ -54,10 +54,9 @@ def mpirun(out: Path, n: int, script: str, *args: str, extra=(), limit: int = JO
             output, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not end within {limit} s:\n{output[-4000:]}")
     verdicts = {}
-    for r in range(n):
-        path = out / f"verdict.{r}.json"
-        if path.exists():
-            verdicts[r] = json.loads(path.read_text())
+    for path in out.glob("verdict.*.json"):
+        v = json.loads(path.read_text())
+        verdicts[v["rank"]] = v
     return proc.returncode, output, verdicts
 
 
@@ -170,3 +169,20 @@ def test_dead_node_stops_the_job_through_sigterm(tmp_path):
     assert sorted(verdicts) == [0, 2], output[-3000:]
     for v in verdicts.values():
         assert v["raised"] == "Terminated" and v["elapsed"] < 10.0, v
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_hierarchical_over_nodes_of_two(tmp_path, n):
+    """HierarchicalCommunicator over n MPI ranks that each host a node of 2
+    processes (shared-memory communicator, ranks as threads): every op and
+    dtype with a worker or a whole node absent and uneven weights (avg weighs
+    nodes by their processes' weights), in_place, gathers in node order then
+    rank order with join and every root, broadcasts from every global rank
+    (workers too) and failure flags from a worker of the last node or from the
+    root: PeerFailed in every process of every node, usable afterwards; no
+    shared memory left on any node."""
+    rc, output, verdicts = mpirun(tmp_path, n, "hier_ops.py")
+    assert_all_ok(rc, output, verdicts, 2 * n)
+    for node in range(n):
+        assert (tmp_path / f"shm.{node}.txt").read_text() == "", f"node {node} left shared memory"

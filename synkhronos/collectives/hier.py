@@ -1,0 +1,325 @@
+"""Hierarchical Communicator: inside each node, then among nodes, then inside again.
+
+Under ``mpirun`` every node runs its own fork (a master and its workers, one
+shared-memory or NCCL communicator each), and the node masters are joined by
+an :class:`.mpi.MpiCommunicator`. A :class:`HierarchicalCommunicator` in every
+process of every node makes of these one communicator over all of them, with
+global ranks node-major (node 0's processes first, each node's in its local
+rank order), as Horovod does:
+
+1. inside the node, every process hands its part to the node master (a
+   reduction through the local communicator; gathers and failure flags too);
+2. the node masters alone run one MPI collective;
+3. each node master shares the outcome inside its node (a local broadcast,
+   which also carries whether anything failed anywhere).
+
+Every process of a node runs the same local collectives in the same order,
+whatever fails: an error in step 1 or 2 is remembered and flagged in the
+next step, and raised at the end, so that a failure anywhere makes every
+process of every node raise (:class:`PeerFailed` where nothing failed
+locally) and no process is left waiting. ``avg`` weighs each node by the sum
+of its contributing processes' weights, so it equals the flat average.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Callable
+
+import numpy as np
+
+from .base import Communicator
+from .ops import cast_to
+
+try:  # where the contract of issue 12 puts it
+    from ..errors import PeerFailed  # type: ignore[attr-defined]
+except ImportError:  # until then it lives with the shared-memory communicator
+    from .shm import PeerFailed
+
+__all__ = ["HierarchicalCommunicator"]
+
+_YES, _NO = np.ones(1, dtype=np.int8), np.zeros(1, dtype=np.int8)
+
+
+class HierarchicalCommunicator(Communicator):
+    """One communicator over every process of every node.
+
+    Args:
+        local: this node's communicator (every process of the node).
+        inter: in the node master (``local.rank == local.master_rank``), the
+            communicator among node masters (:class:`.mpi.MpiCommunicator`,
+            its rank is the node index); None in every other process.
+
+    Creating it is collective over every process of every node (the node
+    sizes are exchanged). ``rank``, ``size`` and ``master_rank`` are global;
+    ``node``, ``nodes`` and ``node_sizes`` say where each process lives.
+    """
+
+    device_arrays = False
+    supports_resident = False
+
+    def __init__(self, local: Communicator, inter: Communicator | None):
+        is_master = local.rank == local.master_rank
+        if is_master != (inter is not None):
+            raise ValueError("the node master (local.rank == local.master_rank) takes the inter-node "
+                             f"communicator and no other process does; local rank {local.rank} of "
+                             f"master {local.master_rank} got inter={inter!r}")
+        self._local, self._inter, self._is_master = local, inter, is_master
+        self._lm = local.master_rank
+        shape = None
+        if is_master:
+            parts = inter.all_gather([np.array([local.size, local.master_rank], dtype=np.int64)])[0]
+            table = np.stack(parts)
+            shape = [table, np.array([inter.rank, inter.master_rank], dtype=np.int64)]
+        got = local.broadcast(shape, self._lm)
+        table, (node, master_node) = np.asarray(got[0]), [int(x) for x in got[1]]
+        self.node_sizes = [int(x) for x in table[:, 0]]
+        self.nodes = len(self.node_sizes)
+        self.node = node
+        self.offsets = [sum(self.node_sizes[:k]) for k in range(self.nodes)]
+        self.size = sum(self.node_sizes)
+        self.rank = self.offsets[node] + local.rank
+        self.master_rank = self.offsets[master_node] + int(table[master_node, 1])
+
+    @property
+    def check(self) -> Callable[[], None]:
+        return self._local.check
+
+    @check.setter
+    def check(self, fn) -> None:
+        self._local.check = fn
+        if self._inter is not None:
+            self._inter.check = fn
+
+    def where(self, rank: int) -> tuple[int, int]:
+        """``(node, local rank)`` of global ``rank``."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank must be 0 to {self.size - 1}, got {rank!r}")
+        node = max(k for k in range(self.nodes) if self.offsets[k] <= rank)
+        return node, rank - self.offsets[node]
+
+    # -- the three steps -----------------------------------------------------
+
+    def _steps(self, first, middle, share):
+        """``first()`` in every process of the node, ``middle(value, failed)`` in
+        the node master, ``share(value, failed)`` in every process; the first
+        error is raised after all three, in every process."""
+        err = value = None
+        try:
+            value = first()
+        except Exception as exc:  # noqa: BLE001 - raised after the next steps
+            err = exc
+        if self._is_master:
+            try:
+                value = middle(value, err is not None)
+            except Exception as exc:  # noqa: BLE001
+                err = err or exc
+                value = None
+        try:
+            value = share(value, err is not None)
+        except Exception as exc:  # noqa: BLE001
+            err = err or exc
+        if err is not None:
+            raise err
+        return value
+
+    def _share(self, arrays, failed, receive=None):
+        """Node master's ``arrays`` (None: nothing) in every process of the node."""
+        payload = None
+        if self._is_master:
+            payload = [_NO] if arrays is None else [_YES, *arrays]
+        rec = None
+        if receive is not None:
+            def rec(i, a):  # the marker first, then the arrays
+                return np.array(a) if i == 0 else receive(i - 1, a)
+        got = self._local.broadcast(payload, self._lm, failed=failed, receive=rec)
+        if not int(np.asarray(got[0])[0]):
+            return None
+        return list(got[1:])
+
+    # -- collectives -----------------------------------------------------------
+
+    def barrier(self) -> None:
+        self._local.barrier()
+        if self._is_master:
+            self._inter.barrier()
+        self._local.barrier()
+
+    def _reduce(self, arrays, op, root, weight, failed, in_place=False):
+        local, lm = self._local, self._lm
+        root_node = root_local = None
+        if root is not None:
+            root_node, root_local = self.where(root)
+
+        def first():
+            # both local calls run whatever happens: every process of the node
+            # must make the same calls
+            wsum = err = None
+            if op == "avg":  # the node's weight in the average among nodes
+                try:
+                    ws = local.gather(None if arrays is None else [np.array([float(weight)])], lm,
+                                      failed=failed)
+                    if ws:  # on the master; [] when no process of the node contributes
+                        wsum = sum(float(p[0]) for p in ws[0] if p is not None)
+                except Exception as exc:  # noqa: BLE001
+                    err = exc
+            try:
+                part = local.reduce(arrays, op, lm, weight=weight, failed=failed or err is not None)
+            except Exception as exc:  # noqa: BLE001
+                err = err or exc
+            if err is not None:
+                raise err
+            return part, wsum
+
+        def middle(value, bad):
+            part, wsum = value if value is not None else (None, None)
+            w = 1.0 if wsum is None else wsum
+            if root is None:
+                return self._inter.all_reduce(part, op, weight=w, failed=bad)
+            out = self._inter.reduce(part, op, root_node, weight=w, failed=bad)
+            return out
+
+        if root is None:
+            def share(value, bad):
+                receive = None
+                if in_place and arrays is not None and not self._is_master:
+                    def receive(i, a):
+                        np.copyto(arrays[i], cast_to(a, arrays[i].dtype))
+                        return arrays[i]
+                out = self._share(value, bad, receive)
+                if in_place and arrays is not None and out is not None and self._is_master:
+                    for dst, src in zip(arrays, out):
+                        np.copyto(dst, cast_to(src, dst.dtype))
+                    return list(arrays)
+                return out
+            return self._steps(first, middle, share)
+
+        def share(value, bad):
+            mine = self.node == root_node and root_local != lm
+            got = self._share(value if mine else None, bad)
+            if self.rank != root:
+                return None
+            return value if root_local == lm else got
+        return self._steps(first, middle, share)
+
+    def reduce(self, arrays, op, root, weight=1.0, failed=False):
+        """``op`` over every process's arrays; the result on global rank ``root``."""
+        return self._reduce(arrays, op, root, weight, failed)
+
+    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
+        """``op`` over every process's arrays; the result everywhere (``in_place``:
+        written into this process's arrays, rounded as :func:`.ops.cast_to`)."""
+        return self._reduce(arrays, op, None, weight, failed, in_place)
+
+    def _gather(self, arrays, root, failed, join):
+        local, lm = self._local, self._lm
+        root_node = None
+        if root is not None:
+            root_node, _ = self.where(root)
+
+        def first():
+            return local.gather(arrays, lm, failed=failed)
+
+        def middle(parts, bad):
+            # the node's parts as two arrays: a pickled layout, then every present part's bytes
+            lays, chunks = [], []
+            for per_array in parts or ():
+                lay = []
+                for p in per_array:
+                    if p is None:
+                        lay.append(None)
+                    else:
+                        p = np.asarray(p)
+                        lay.append((p.dtype, p.shape))  # (ascontiguousarray makes 0-d arrays 1-d)
+                        chunks.append(np.ascontiguousarray(p).reshape(-1).view(np.uint8))
+                lays.append(lay)
+            head = np.frombuffer(pickle.dumps(lays, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+            blob = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
+            if root is None:
+                got = self._inter.all_gather([head, blob], failed=bad)
+            else:
+                got = self._inter.gather([head, blob], root_node, failed=bad)
+            if got is None:
+                return None
+            return [a for node in range(self.nodes) for a in (got[0][node], got[1][node])]
+
+        def share(packed, bad):
+            # to every process (all_gather), or to the root when it is a worker
+            sends = root is None or (self.node == root_node and root != self.offsets[root_node] + lm)
+            got = self._share(packed if sends else None, bad)
+            if root is not None and self.rank != root:
+                return None
+            return self._unpack(packed if self._is_master else got, join)
+
+        return self._steps(first, middle, share)
+
+    def _unpack(self, packed, join):
+        per_node = []
+        for node in range(self.nodes):
+            lays = pickle.loads(np.asarray(packed[2 * node]).tobytes())
+            per_node.append((lays, np.asarray(packed[2 * node + 1])))
+        counts = {len(lays) for lays, _ in per_node if lays}
+        if len(counts) > 1:
+            raise ValueError(f"cannot gather: the nodes hold different numbers of arrays "
+                             f"{[len(lays) for lays, _ in per_node]}")
+        n = counts.pop() if counts else 0
+        parts = [[] for _ in range(n)]
+        for node, (lays, blob) in enumerate(per_node):
+            offset = 0
+            for i in range(n):
+                for lay in (lays[i] if lays else [None] * self.node_sizes[node]):
+                    if lay is None:
+                        parts[i].append(None)
+                        continue
+                    dtype, shape = lay
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                    parts[i].append(blob[offset:offset + nbytes].view(dtype).reshape(shape))
+                    offset += nbytes
+        return [p if join is None else join(i, p) for i, p in enumerate(parts)]
+
+    def gather(self, arrays, root, failed=False, join=None):
+        """On global rank ``root``, for each array, the list over global ranks of
+        its copies (None where absent), or ``join(i, parts)``; None elsewhere."""
+        return self._gather(arrays, root, failed, join)
+
+    def all_gather(self, arrays, failed=False, join=None):
+        """As :meth:`gather`, in every process."""
+        return self._gather(arrays, None, failed, join)
+
+    def broadcast(self, arrays, root, failed=False, receive=None):
+        """Global rank ``root``'s arrays in every process (root gets its own)."""
+        local, lm = self._local, self._lm
+        root_node, root_local = self.where(root)
+        on_root_node = self.node == root_node
+        relay = on_root_node and root_local != lm  # a worker's values go to its master first
+
+        def first():
+            if relay:
+                return local.broadcast(arrays if local.rank == root_local else None, root_local,
+                                       failed=failed)
+            return arrays if self.rank == root else None
+
+        def middle(value, bad):
+            bad = bad or (self.rank == root and bool(failed))
+            return self._inter.broadcast(value if on_root_node else None, root_node, failed=bad)
+
+        def share(value, bad):
+            if relay:  # the node has the values already: only the verdict travels
+                self._share(None, bad)
+                return value
+            got = self._share(value, bad)
+            return value if self._is_master else got
+
+        out = self._steps(first, middle, share)
+        if self.rank == root:
+            return arrays
+        if receive is not None:
+            out = [receive(i, a) for i, a in enumerate(out)]
+        return out
+
+    def close(self) -> None:
+        """Close the inter-node communicator (collective among node masters)
+        and this node's communicator."""
+        if self._inter is not None:
+            self._inter.close()
+        self._local.close()
