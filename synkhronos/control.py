@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from .errors import WorkerDiedError, pack_exception
-from .shmem import Segment, create_semaphore, unlink_segment
+from .errors import Interrupted, WorkerDiedError, pack_exception
+from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
 __all__ = []
 
@@ -46,38 +46,8 @@ class Command(enum.IntEnum):
     DISTRIBUTE = 1
     CALL = 2
     COLLECTIVE = 3
-    RESET = 4
     CLOSE = 5
-    INIT_GPU = 6
-
-
-class Aborted(Exception):
-    """Raised in a process waiting on others once the master gave up."""
-
-
-class MasterGone(BaseException):
-    """Raised in a worker whose master has died; ends the worker."""
-
-
-class Interrupted(BaseException):
-    """Raised in a worker's computation when the master abandons the command
-    (Ctrl-C, a timeout, close() from another thread): a BaseException, so no
-    ``except Exception`` in user code or PyTensor keeps it."""
-
-
-def as_interrupt(err: BaseException) -> BaseException:
-    """What an exception stands for when an interrupt caused it: native code (a
-    Numba-compiled function, a C thunk) turns a Ctrl-C, or the master's
-    interrupt in a worker, into SystemError ("returned a result with an
-    exception set"). Returns that KeyboardInterrupt or Interrupted, else ``err``."""
-    cause, seen = err, 0
-    while isinstance(cause, BaseException) and seen < 8:
-        if isinstance(cause, (KeyboardInterrupt, Interrupted)):
-            return cause if cause is err else cause.with_traceback(err.__traceback__)
-        if not isinstance(cause, SystemError):
-            return err
-        cause, seen = cause.__cause__ or cause.__context__, seen + 1
-    return err
+    INIT_DEVICE = 6
 
 
 class _Interruptible:
@@ -181,9 +151,8 @@ class ControlBlock:
         self._overflow: Segment | None = None
         self._overflow_gen = 0
         self._err_seq = 0
-        open_sem = create_semaphore if create else (lambda name: posix_ipc.Semaphore("/" + name))
-        self.go = {r: open_sem(f"{prefix}go{r}") for r in range(size) if r != master_rank}
-        self.done = open_sem(prefix + "done")
+        self.go = {r: open_semaphore(f"{prefix}go{r}", create) for r in range(size) if r != master_rank}
+        self.done = open_semaphore(prefix + "done", create)
         self._closed = False
 
     # -- master side -------------------------------------------------------
@@ -215,6 +184,10 @@ class ControlBlock:
         """The ranks that have not answered the last command yet."""
         seq = self._words[_W_SEQ]
         return [r for r in self.go if self._acked[r] != seq]
+
+    def any_failed(self) -> bool:
+        """Whether a worker reported an error for the current command."""
+        return any(self._status[r] for r in self.go)
 
     def collect(self, check: Callable[[], None]) -> dict[int, bytes]:
         """Wait until every worker finished the command; return their errors by rank.
@@ -302,16 +275,7 @@ class ControlBlock:
         self._payload.release()
         # views keep the mapping alive: drop every one, so the block is unmapped now
         self._words = self._status = self._err_gen = self._acked = None
-        for sem in list(self.go.values()) + [self.done]:
-            try:
-                sem.close()
-            except posix_ipc.Error:
-                pass
-            if self.create:
-                try:
-                    sem.unlink()
-                except posix_ipc.ExistentialError:
-                    pass
+        close_semaphores([*self.go.values(), self.done], unlink=self.create)
         if self._overflow is not None:
             self._overflow.close()
         self._seg.close()
@@ -337,3 +301,32 @@ class ChildWatch:
         if self.exited:
             rank = min(self.exited)
             raise WorkerDiedError(rank, self.exited[rank])
+
+    def alive(self) -> dict[int, int]:
+        """rank -> pid of every worker not yet seen to exit."""
+        return {r: p for r, p in self.pids.items() if r not in self.exited}
+
+    @staticmethod
+    def kill(pids, sig) -> None:
+        """Send ``sig`` to every process of ``pids`` that still exists."""
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    @staticmethod
+    def wait(pending: dict[int, int], seconds: float) -> None:
+        """Reap the processes of ``pending`` (rank -> pid), removing each one
+        that is gone, until none is left or ``seconds`` have passed."""
+        end = time.monotonic() + seconds
+        while pending and time.monotonic() < end:
+            for rank, pid in list(pending.items()):
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    done = pid
+                if done:
+                    del pending[rank]
+            if pending:
+                time.sleep(0.002)

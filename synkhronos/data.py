@@ -9,6 +9,7 @@ import weakref
 import numpy as np
 
 from . import runtime
+from .errors import short_repr
 from .shmem import Segment, Shrink
 
 __all__ = ["Data", "data"]
@@ -351,7 +352,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     except TypeError:
         raise TypeError(f"dtype {dtype!r} is not a numpy dtype") from None
     if dtype.hasobject:
-        what = "" if value is None else f": {_short_repr(value)}"
+        what = "" if value is None else f": {short_repr(value)}"
         raise TypeError(f"synk.data cannot hold dtype {dtype} (object arrays do not live in shared "
                         f"memory){what}")
     if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or not 0 <= ndim <= _MAX_NDIM:
@@ -376,8 +377,3 @@ def _check_shape(shape) -> tuple:
         if s < 0:
             raise ValueError(f"shape entries must be non-negative, got {shape!r}")
     return tuple(int(s) for s in items)
-
-
-def _short_repr(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 5] + "(...)"

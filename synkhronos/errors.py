@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
+import sys
 import traceback
 
 __all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError", "SynkTimeoutError"]
@@ -143,3 +145,51 @@ def unpack_exception(blob: bytes) -> BaseException:
             pass
     exc.__cause__ = RemoteTraceback(tb)
     return exc
+
+
+class Aborted(Exception):
+    """Raised in a process waiting on others once the master gave up."""
+
+
+class MasterGone(BaseException):
+    """Raised in a worker whose master has died; ends the worker."""
+
+
+class Interrupted(BaseException):
+    """Raised in a worker's computation when the master abandons the command
+    (Ctrl-C, a timeout, close() from another thread): a BaseException, so no
+    ``except Exception`` in user code or PyTensor keeps it."""
+
+
+def as_interrupt(err: BaseException) -> BaseException:
+    """What an exception stands for when an interrupt caused it: native code (a
+    Numba-compiled function, a C thunk) turns a Ctrl-C, or the master's
+    interrupt in a worker, into SystemError ("returned a result with an
+    exception set"). Returns that KeyboardInterrupt or Interrupted, else ``err``."""
+    cause, seen = err, 0
+    while isinstance(cause, BaseException) and seen < 8:
+        if isinstance(cause, (KeyboardInterrupt, Interrupted)):
+            return cause if cause is err else cause.with_traceback(err.__traceback__)
+        if not isinstance(cause, SystemError):
+            return err
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return err
+
+
+class PeerFailed(Exception):
+    """Another process flagged a failure in this collective; nothing was combined."""
+
+
+def short_repr(value, limit: int = 80, ellipsis: str = "(...)") -> str:
+    """A short text of a value for an error message: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - len(ellipsis)] + ellipsis
+
+
+def user_stacklevel() -> int:
+    """For warnings.warn: the level of the first caller outside synkhronos."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level

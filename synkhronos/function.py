@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import sys
 import warnings
 from typing import Any
 
@@ -15,17 +13,15 @@ from pytensor.graph.basic import Variable
 from pytensor.scalar import upcast
 
 from . import gpu, runtime
+from .arrays import concat
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives import PeerFailed, check_op
-from .collectives.ops import cast_to, combine, result_dtype
-from .control import Command, as_interrupt, handler, interruptible
-from .data import Data, _short_repr, attach
-from .errors import SynkError
+from .collectives.ops import OUTPUT_OPS, cast_to, check_op, combine, result_dtype
+from .control import Command, handler, interruptible
+from .data import Data, attach
+from .errors import PeerFailed, SynkError, as_interrupt, short_repr, user_stacklevel
 
 __all__ = ["Function", "function"]
 
-OUTPUT_OPS = ("avg", "sum", "prod", "max", "min", "gather")
-UPDATE_OPS = ("avg", "sum", "prod", "max", "min")
 _fids = itertools.count(1)
 
 
@@ -174,16 +170,7 @@ def _accumulate(parts, op, weights, var):
                 f"output {var.name or var} (op {op!r}) has shape {shape} for a slice of {rows} rows: "
                 "it is not one row per input row, so its slices cannot be joined into the result "
                 "of the whole call; use num_slices=1 for it, or a reducing op")
-    return _concat(parts)
-
-
-def _concat(parts):
-    parts = [np.asarray(p) for p in parts if p is not None]
-    if not parts:
-        return None
-    if parts[0].ndim == 0:
-        return np.stack(parts)
-    return np.concatenate(parts, axis=0)
+    return concat(parts)
 
 
 # ---------------------------------------------------------------------------
@@ -320,14 +307,13 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
             mine = [outs[i] for i in idx]
         else:  # the avg of integers is float64 from the start, sliced or not, small or large
             mine = [np.asarray(outs[i], dtype=result_dtype(np.asarray(outs[i]).dtype, op)) for i in idx]
-        concat = (lambda _, parts: comm.concat(parts)) if on_device else (lambda _, parts: _concat(parts))
         # Every process must take part in every collective, also after one failed:
         # a rooted collective tells only some processes that it failed, and the
         # others would wait in the next one for a hub that had left.
         flagged = failed or failure is not None
         try:
             if op == "gather":
-                got = comm.gather(mine, root=root, failed=flagged, join=concat)
+                got = comm.gather(mine, root=root, failed=flagged, join=lambda _, parts: concat(parts))
                 if got is not None:
                     for i, joined in zip(idx, got):
                         results[i] = joined
@@ -490,7 +476,7 @@ class Function:
         arr = np.asarray(value) if not isinstance(value, np.ndarray) else value
         if arr.dtype.kind in "OUSV":  # objects, strings, raw bytes
             raise TypeError(f"{label} expects a numeric array of dtype {var.type.dtype}, got an array of "
-                            f"dtype {arr.dtype}: {_short_repr(value)}")
+                            f"dtype {arr.dtype}: {short_repr(value)}")
         if arr.ndim != var.type.ndim:
             raise TypeError(f"{label} expects ndim={var.type.ndim}, got ndim={arr.ndim} (shape {arr.shape})")
         try:
@@ -514,7 +500,7 @@ class Function:
                           f"{value.dtype}: every call casts a copy of it ({value.size * want.itemsize} "
                           f"bytes now) into shared memory; create it with synk.data(value, "
                           f"dtype={want.name!r}) to pass it without a copy",
-                          stacklevel=_user_stacklevel())
+                          stacklevel=user_stacklevel())
         d = self._scratch_data(("cast", i), want, value.shape)
         d.minibatch = value.minibatch
         if value.size:
@@ -732,15 +718,6 @@ class Function:
 _MISSING = object()
 
 
-def _user_stacklevel() -> int:
-    """For warnings.warn: the level of the first caller outside synkhronos."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(here):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _is_minibatch(value) -> bool:
     return isinstance(value, Data) and value.minibatch
 
@@ -834,7 +811,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             if not hasattr(var, "get_value"):
                 raise TypeError(f"update target must be a shared variable, got {var!r}")
             upd_pairs.append((var, expr))
-            upd_ops.append(check_op(op, UPDATE_OPS, "update op"))
+            upd_ops.append(check_op(op, what="update op"))
 
     if broadcast_inputs is not None:
         if bcast_inputs is not None:

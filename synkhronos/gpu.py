@@ -18,8 +18,10 @@ import sys
 
 import numpy as np
 
+from .arrays import concat, is_device_array, join, to_cupy, to_jax, to_numpy
 from .control import Command, handler
 from .collectives.ops import cast_to
+from .tuning import restore_env
 
 __all__ = ["stack_missing", "probe", "count_gpus", "gpu_available", "get_n_gpu", "on_device", "to_numpy",
            "to_cupy", "to_jax"]
@@ -242,11 +244,7 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
 
 def unbind(saved: tuple) -> None:
     """Put back the environment entries :func:`bind` replaced."""
-    for key, value in saved:
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    restore_env(saved)
 
 
 def _jax_backends_up() -> bool:
@@ -298,13 +296,13 @@ class GpuState:
 
 @dataclasses.dataclass
 class InitGpu:
-    """The INIT_GPU command: first every process opens its GPU, then NCCL."""
+    """The INIT_DEVICE command: first every process opens its GPU, then NCCL."""
 
     phase: str                  # "device" or "nccl"
     unique_id: tuple | None = None
 
 
-@handler(Command.INIT_GPU)
+@handler(Command.INIT_DEVICE)
 def _init_gpu(proc, msg: InitGpu) -> None:
     if msg.phase == "device":
         proc.gpu = GpuState()
@@ -314,16 +312,16 @@ def _init_gpu(proc, msg: InitGpu) -> None:
 
         proc.nccl = NcclCommunicator(proc.comm, msg.unique_id)
     else:
-        raise ValueError(f"unknown INIT_GPU phase {msg.phase!r}")
+        raise ValueError(f"unknown INIT_DEVICE phase {msg.phase!r}")
 
 
 def start(session) -> None:
     """Master-side, right after fork: open the GPU in every process, then NCCL if planned."""
-    session.run(Command.INIT_GPU, InitGpu("device"), _init_gpu)
+    session.run(Command.INIT_DEVICE, InitGpu("device"), _init_gpu)
     if session.proc.gpu_plan.nccl:
         from .collectives.nccl import new_unique_id
 
-        session.run(Command.INIT_GPU, InitGpu("nccl", new_unique_id()), _init_gpu)
+        session.run(Command.INIT_DEVICE, InitGpu("nccl", new_unique_id()), _init_gpu)
 
 
 # ---------------------------------------------------------------------------
@@ -384,11 +382,6 @@ def _store(proc, sid, var, value) -> None:
 _NCCL_KINDS = ("broadcast", "gather", "all_gather", "reduce", "all_reduce")
 
 
-def is_device_array(value) -> bool:
-    """A JAX or CuPy array (checked without importing either)."""
-    return (type(value).__module__ or "").startswith(("jax", "jaxlib", "cupy"))
-
-
 def on_device(shared_vars):
     """Where every process keeps the values of shared variables (GPU device only).
 
@@ -433,8 +426,6 @@ def run_shared_collective(proc, spec, host_run):
 
 
 def _nccl_shared_collective(proc, nccl, spec):
-    from .shareds import _join
-
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     values = [v.container.storage[0] for v in vars_]
     root, kind = proc.master_rank, spec.kind
@@ -444,10 +435,10 @@ def _nccl_shared_collective(proc, nccl, spec):
             for sid, v, g in zip(spec.sids, vars_, got):
                 _store(proc, sid, v, g)
     elif kind == "gather":
-        return nccl.gather(values, root=root, join=lambda i, parts: _join(
+        return nccl.gather(values, root=root, join=lambda i, parts: join(
             [to_numpy(p) for p in parts], spec.nd_up, vars_[i]))
     elif kind == "all_gather":
-        got = nccl.all_gather(values, join=lambda i, parts: nccl.concat(parts))
+        got = nccl.all_gather(values, join=lambda i, parts: concat(parts))
         for sid, v, g in zip(spec.sids, vars_, got):
             _store(proc, sid, v, g)
         return [to_numpy(g) for g in got] if proc.is_master else None
@@ -474,50 +465,6 @@ def output_comms(proc, spec, subset) -> list | None:
     modes = spec.output_modes or spec.output_ops
     return [proc.comm if not spec.nccl or (isinstance(modes[i], str) and modes[i].startswith("c_"))
             else nccl for i in subset]
-
-
-# ---------------------------------------------------------------------------
-# Arrays: JAX <-> CuPy through DLPack (no copy), and to numpy.
-
-
-def to_cupy(x):
-    """A CuPy array of ``x``: JAX arrays through DLPack (no copy), numpy copied to the device."""
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return x
-    if isinstance(x, np.ndarray) or np.isscalar(x):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__"):
-        return cupy.from_dlpack(x)
-    return cupy.asarray(np.asarray(x))
-
-
-def to_jax(x, device=None):
-    """A JAX array of ``x``: CuPy arrays through DLPack (no copy), numpy copied to ``device``."""
-    import jax
-
-    if isinstance(x, jax.Array):
-        return x
-    if isinstance(x, np.ndarray) or np.isscalar(x):
-        return jax.device_put(np.asarray(x), device)
-    if x.size == 0:  # nothing to share, and an empty buffer may have no address to import
-        return jax.device_put(np.empty(x.shape, dtype=x.dtype), device)
-    try:
-        return jax.dlpack.from_dlpack(x)
-    except AttributeError:  # a JAX whose dlpack module lacks from_dlpack
-        import jax.numpy as jnp
-
-        return jnp.from_dlpack(x)
-
-
-def to_numpy(x):
-    """A numpy array of ``x`` (a copy from the device for JAX and CuPy arrays); None stays None."""
-    if x is None or isinstance(x, np.ndarray):
-        return x
-    if type(x).__module__.startswith("cupy"):
-        return x.get()
-    return np.asarray(x)
 
 
 def convert_outputs(results, device_outputs: bool, device=None) -> list:

@@ -18,12 +18,11 @@ import numpy as np
 
 from . import gpu
 from .collectives import PeerFailed, ShmCommunicator
-from .control import (Aborted, ChildWatch, Command, ControlBlock, Interrupted, MasterGone, as_interrupt,
-                      interruptible)
-from .errors import SynkError, SynkTimeoutError, WorkerDiedError, unpack_exception
+from .control import ChildWatch, Command, ControlBlock, interruptible
+from .errors import (Aborted, Interrupted, MasterGone, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
+                     unpack_exception)
 from .shmem import Lease, disown, unlink_prefix, unlink_stale
-from .memory import keep_freed_memory
-from .threads import available_cores, core_groups, limit_threads, pin
+from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
 
 __all__ = ["fork", "close"]
 
@@ -149,7 +148,7 @@ class Session:
     def check(self) -> None:
         """Master-side check between wait slices inside a collective."""
         self.poll()
-        if any(self.proc.control._status[r] for r in self.proc.control.go):
+        if self.proc.control.any_failed():
             # a worker failed outside a collective's own error protocol: free the others
             self._abort()
             raise Aborted("a worker failed during a collective")
@@ -771,24 +770,9 @@ def _on_fatal_signal(signum, frame):
 
 def _emergency_cleanup(s: Session) -> None:
     """The master is about to die: no protocol, kill and reap the workers, unlink everything."""
-    for rank, pid in s.watch.pids.items():
-        if rank not in s.watch.exited:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    end = time.monotonic() + 5.0
-    pending = [p for r, p in s.watch.pids.items() if r not in s.watch.exited]
-    while pending and time.monotonic() < end:
-        for pid in list(pending):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                pending.remove(pid)
-        if pending:
-            time.sleep(0.002)
+    pending = s.watch.alive()
+    s.watch.kill(pending.values(), signal.SIGKILL)
+    s.watch.wait(pending, 5.0)
     unlink_prefix(s.proc.prefix)
 
 
@@ -929,7 +913,7 @@ def _reap(watch: ChildWatch, interrupts: list | None = None) -> None:
 
     A Ctrl-C meanwhile (kept in ``interrupts``) goes straight to SIGKILL.
     """
-    pending = {r: p for r, p in watch.pids.items() if r not in watch.exited}
+    pending = watch.alive()
     ladder = ((None, CLOSE_GRACE), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0))
     stage = 0
     while pending and stage < len(ladder):
@@ -938,21 +922,8 @@ def _reap(watch: ChildWatch, interrupts: list | None = None) -> None:
             if sig is not None:
                 for rank, pid in pending.items():
                     log.warning("worker rank %d (pid %d) did not exit; sending %s", rank, pid, sig.name)
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-            end = time.monotonic() + grace
-            while pending and time.monotonic() < end:
-                for rank, pid in list(pending.items()):
-                    try:
-                        done, _ = os.waitpid(pid, os.WNOHANG)
-                    except ChildProcessError:
-                        done = pid
-                    if done:
-                        del pending[rank]
-                if pending:
-                    time.sleep(0.002)
+                    watch.kill([pid], sig)
+            watch.wait(pending, grace)
             stage += 1
         except KeyboardInterrupt as err:
             if interrupts is None:

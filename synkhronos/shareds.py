@@ -15,17 +15,16 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from . import runtime
+from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives import check_op
-from .collectives.ops import cast_to
+from .collectives.ops import cast_to, parse_op
 from .control import Command, handler
+from .errors import short_repr
 from .shmem import SHRINK_BYTES
 from .data import Data, attach, forget
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
-
-_OPS = ("avg", "sum", "prod", "max", "min")
 
 
 @dataclasses.dataclass
@@ -33,7 +32,6 @@ class CollectiveSpec:
     kind: str
     sids: list
     op: str | None = None
-    root: int = 0
     rank: int | None = None
     refs: Any = None          # Data refs of values, when the master sends values
     batch: Any = None         # normalised batch per value (scatter, set_value)
@@ -96,17 +94,11 @@ def _values_for(vars_, values, what: str, single: bool = False):
         try:
             out.append(var.type.filter(arr, strict=strict, allow_downcast=allow_downcast))
         except (TypeError, ValueError, OverflowError) as err:
-            shown = _show(arr)
+            shown = short_repr(arr, ellipsis="...")
             detail = err.args[0] if err.args else err
             raise type(err)(f"{what}: value {shown} for shared variable {var.name or var!r} "
                             f"({var.type}): {detail}") from None
     return out
-
-
-def _show(value) -> str:
-    """A short text of a value for an error message."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_value_list(values) -> bool:
@@ -285,7 +277,7 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    op, cpu = _check_reduce_op(op)
+    op, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, single = _resolve(shared_vars)
     res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place), cpu=cpu))
@@ -315,7 +307,7 @@ def all_reduce(shared_vars, op="avg", nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    op, cpu = _check_reduce_op(op)
+    op, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
     _send(s, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu))
@@ -325,11 +317,6 @@ def _check_nccl(nccl) -> bool:
     if not isinstance(nccl, (bool, np.bool_)):
         raise TypeError(f"nccl must be True or False, got {nccl!r}")
     return bool(nccl)
-
-
-def _check_reduce_op(op):
-    """``(op without its c_ prefix, whether the prefix asked for the CPU path)``."""
-    return check_op(op, _OPS), isinstance(op, str) and op.startswith("c_")
 
 
 def _check_rank(s, rank):
@@ -436,22 +423,6 @@ def get_shapes(shared_vars):
     return _ret(_send(s, CollectiveSpec("get_shapes", sids)), single)
 
 
-def _join(parts, nd_up, var):
-    if nd_up == 1:
-        shapes = {p.shape for p in parts}
-        if len(shapes) > 1:
-            raise ValueError(f"gather(nd_up=1) needs equal shapes, but shared variable "
-                             f"{var.name or var!r} has shapes {[p.shape for p in parts]}; use nd_up=0")
-        return np.stack(parts)
-    if parts[0].ndim == 0:
-        raise ValueError(f"gather(nd_up=0) cannot concatenate 0-d shared variable {var.name or var!r}")
-    return np.concatenate(parts, axis=0)
-
-
-# ---------------------------------------------------------------------------
-# Every process.
-
-
 def _store(var, value) -> None:
     # a reduction's float result lands in an integer variable rounded, never truncated
     var.set_value(cast_to(np.asarray(value), var.type.dtype), borrow=True)
@@ -492,7 +463,7 @@ def _home(proc, sid, dtype, shape, taken, current=None) -> np.ndarray:
             return view
         if ranges is None:
             ranges = taken()
-        if not _overlaps(view, ranges):
+        if not overlaps(view, ranges):
             return view
     if free_key is None:
         return comm.resident(keys[-1], dtype, shape, fresh=True)
@@ -511,7 +482,7 @@ def leave_homes(proc) -> None:
     ranges = comm.resident_ranges()
     for var in proc.shareds.values():
         value = var.container.storage[0]
-        if isinstance(value, np.ndarray) and value.nbytes and _overlaps(value, ranges):
+        if isinstance(value, np.ndarray) and value.nbytes and overlaps(value, ranges):
             var.set_value(np.array(value, copy=True), borrow=True)
 
 
@@ -560,19 +531,8 @@ def _memory_in_use(proc, exclude) -> list:
             continue
         value = var.container.storage[0]  # the storage itself, never a copy
         if isinstance(value, np.ndarray) and value.nbytes:
-            ranges.append(_byte_bounds(value))
+            ranges.append(byte_bounds(value))
     return ranges
-
-
-try:
-    from numpy.lib.array_utils import byte_bounds as _byte_bounds
-except ImportError:  # numpy < 2
-    _byte_bounds = np.byte_bounds
-
-
-def _overlaps(a, ranges) -> bool:
-    lo, hi = _byte_bounds(a)
-    return any(r_lo < hi and lo < r_hi for r_lo, r_hi in ranges)
 
 
 def _send(s, spec: CollectiveSpec):
@@ -623,7 +583,7 @@ def _run_host(proc, spec: CollectiveSpec):
                       if math.prod(ref[3]) * np.dtype(ref[2]).itemsize >= SHRINK_BYTES])
     elif kind == "gather":
         return comm.gather(_resident(proc, spec.sids, vars_), root=root,
-                           join=lambda i, parts: _join(parts, spec.nd_up, vars_[i]))
+                           join=lambda i, parts: join(parts, spec.nd_up, vars_[i]))
     elif kind == "all_gather":
         got = comm.all_gather(_resident(proc, spec.sids, vars_))  # read in place, not via the slot
         out = []

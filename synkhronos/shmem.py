@@ -58,7 +58,7 @@ def new_prefix() -> str:
     return f"{_ROOT}.{os.getpid()}.{secrets.token_hex(8)}."
 
 
-def _round_up(n: int, to: int = _ALIGN) -> int:
+def round_up(n: int, to: int = _ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
@@ -241,6 +241,25 @@ def create_semaphore(name: str, initial: int = 0) -> posix_ipc.Semaphore:
     return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
 
 
+def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
+    """Create semaphore ``name`` (at zero, this process its only owner), or open the existing one."""
+    return create_semaphore(name) if create else posix_ipc.Semaphore("/" + name)
+
+
+def close_semaphores(sems, unlink: bool) -> None:
+    """Close every semaphore of ``sems``; unlink them too when ``unlink`` (their creator)."""
+    for sem in sems:
+        try:
+            sem.close()
+        except posix_ipc.Error:
+            pass
+        if unlink:
+            try:
+                sem.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+
+
 def _entries() -> list[str]:
     """The names in /dev/shm (segments as they are, semaphores as ``sem.NAME``)."""
     try:
@@ -387,6 +406,3 @@ def unlink_stale() -> list[str]:
             os.close(fd)
     return removed
 
-
-def round_up(n: int) -> int:
-    return _round_up(n)

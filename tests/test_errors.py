@@ -16,7 +16,7 @@ from pytensor.graph.op import Op
 from pytensor.raise_op import Assert
 
 import synkhronos as synk
-from synkhronos.threads import available_cores
+from synkhronos.tuning import available_cores
 from conftest import MODE, worker_pids
 
 

@@ -221,7 +221,7 @@ def test_namespace_is_the_public_api():
     public = {k for k, v in vars(synk).items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
     assert public == set(names)
     assert set(dir(synk)) == set(names) | {"__version__"}
-    for internal in ("batching", "control", "memory", "runtime", "shareds", "shmem", "threads"):
+    for internal in ("batching", "control", "runtime", "shareds", "shmem", "tuning"):
         assert internal not in dir(synk)
         assert isinstance(getattr(synk, internal), types.ModuleType)  # still importable
 

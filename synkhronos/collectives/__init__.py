@@ -1,17 +1,12 @@
 """Communicators: one interface, one class per backend."""
 
+from ..errors import PeerFailed
 from .base import Communicator
 from .ops import REDUCE_OPS, check_op
-from .shm import PeerFailed, ShmCommunicator
+from .nccl import NcclCommunicator
+from .shm import ShmCommunicator
 
 __all__ = ["Communicator", "ShmCommunicator", "PeerFailed", "REDUCE_OPS", "check_op", "BACKENDS"]
 
-#: backend name -> Communicator class; the GPU backend registers itself here.
-BACKENDS = {"shm": ShmCommunicator}
-
-try:  # the module imports CuPy only when a communicator is made
-    from .nccl import NcclCommunicator
-except ImportError:  # pragma: no cover - a broken install of this package
-    NcclCommunicator = None
-else:
-    BACKENDS["nccl"] = NcclCommunicator
+#: backend name -> Communicator class (nccl.py imports CuPy only when a communicator is made).
+BACKENDS = {"shm": ShmCommunicator, "nccl": NcclCommunicator}

@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
+from ..arrays import to_cupy
 from ..control import SPIN_SECONDS, WAIT_SLICE
-from ..errors import SynkError
+from ..errors import PeerFailed, SynkError
 from .base import Communicator
-from .shm import PeerFailed
 
 __all__ = ["NcclCommunicator", "new_unique_id", "avg_factors", "reduce_plan"]
 
@@ -157,7 +157,7 @@ class NcclCommunicator(Communicator):
         self._cp = cupy
         self._nccl = nccl
         self._shm = shm
-        self.rank, self.size, self.hub = shm.rank, shm.size, shm.hub
+        self.rank, self.size, self.master_rank = shm.rank, shm.size, shm.master_rank
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self._comm = nccl.NcclCommunicator(self.size, tuple(unique_id), self.rank)
         self.broken: str | None = None
@@ -230,8 +230,6 @@ class NcclCommunicator(Communicator):
 
     def _dev(self, a):
         """A C-contiguous CuPy array of ``a`` on this GPU (JAX arrays without a copy)."""
-        from ..gpu import to_cupy
-
         cp = self._cp
         if a.size == 0:
             return cp.empty(a.shape, dtype=a.dtype)
@@ -413,16 +411,6 @@ class NcclCommunicator(Communicator):
         if receive is not None and self.rank != root:
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
-
-    def concat(self, parts):
-        """Concatenate gathered parts along axis 0 on the device (0-d parts are stacked)."""
-        cp = self._cp
-        parts = [p for p in parts if p is not None]
-        if not parts:
-            return None
-        if parts[0].ndim == 0:
-            return cp.stack(parts)
-        return cp.concatenate(parts, axis=0)
 
     def close(self) -> None:
         comm, self._comm = self._comm, None

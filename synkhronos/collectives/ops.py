@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REDUCE_OPS", "check_op", "result_dtype", "cast_to"]
+__all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -16,7 +16,13 @@ REDUCE_OPS = {
 }
 
 
-def check_op(op, allowed=tuple(REDUCE_OPS), what="op") -> str:
+#: The reduce ops a user may name (each also with a ``c_`` prefix).
+REDUCE_OP_NAMES = ("avg", "sum", "prod", "max", "min")
+#: What a function output may name: a reduce op, or gather.
+OUTPUT_OPS = REDUCE_OP_NAMES + ("gather",)
+
+
+def check_op(op, allowed=REDUCE_OP_NAMES, what="op") -> str:
     """Validate a reduce-op name; return it without any ``c_`` prefix."""
     if not isinstance(op, str):
         raise TypeError(f"{what} must be one of {sorted(allowed)}, got {op!r}")
@@ -25,6 +31,12 @@ def check_op(op, allowed=tuple(REDUCE_OPS), what="op") -> str:
         raise ValueError(f"unknown {what} {op!r}; expected one of {sorted(allowed)} "
                          "(optionally with a 'c_' prefix)")
     return name
+
+
+def parse_op(op, allowed=REDUCE_OP_NAMES, what="op") -> tuple:
+    """Validate a reduce-op name; return ``(name, cpu)``: the name without its
+    ``c_`` prefix, and whether the prefix asks for the CPU path."""
+    return check_op(op, allowed, what), isinstance(op, str) and op.startswith("c_")
 
 
 def result_dtype(dtype, op) -> np.dtype:

@@ -15,19 +15,15 @@ import pickle
 from typing import Callable
 
 import numpy as np
-import posix_ipc
 
+from ..arrays import byte_bounds
 from ..control import acquire, drain
-from ..shmem import Segment, Shrink, create_semaphore, round_up, segment_exists
+from ..errors import PeerFailed
+from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, round_up, segment_exists
 from .base import Communicator
 from .ops import cast_to, combine, result_dtype
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
-
-try:
-    from numpy.lib.array_utils import byte_bounds as _byte_bounds
-except ImportError:  # numpy < 2
-    _byte_bounds = np.byte_bounds
 
 #: Reductions smaller than this (bytes) are done whole by each process that
 #: needs the result; larger ones are split in one chunk per process.
@@ -37,30 +33,26 @@ _W_RESULT_GEN, _W_VERDICT = 0, 1
 _DONE, _LARGE, _FAILED, _MISMATCH = range(4)
 
 
-class PeerFailed(Exception):
-    """Another process flagged a failure in this collective; nothing was combined."""
-
-
 class ShmCommunicator(Communicator):
     """Collectives through POSIX shared memory; the hub (master) coordinates barriers."""
 
-    def __init__(self, prefix: str, rank: int, size: int, hub: int, create: bool,
+    def __init__(self, prefix: str, rank: int, size: int, master_rank: int, create: bool,
                  check: Callable[[], None] = lambda: None):
         self.prefix = prefix + "c."
         self.rank = rank
         self.size = size
-        self.hub = hub
+        self.master_rank = master_rank
         self.check = check
         self._create = create
         self._board_seg = Segment(self.prefix + "board", 8 * (_BOARD_WORDS + size), create=create)
         self._board = self._board_seg.array(np.int64, (_BOARD_WORDS + size,))
         self._slot_gen = self._board[_BOARD_WORDS:]
-        open_sem = create_semaphore if create else (lambda name: posix_ipc.Semaphore("/" + name))
-        self._arrive = open_sem(self.prefix + "arrive")
-        self._depart = {r: open_sem(f"{self.prefix}depart{r}") for r in range(size) if r != hub}
+        self._arrive = open_semaphore(self.prefix + "arrive", create)
+        others = [r for r in range(size) if r != master_rank]
+        self._depart = {r: open_semaphore(f"{self.prefix}depart{r}", create) for r in others}
         # rooted collectives to the hub let the others go on at once; the hub
         # "releases" their slot once read, and they take that before reusing it
-        self._release = {r: open_sem(f"{self.prefix}release{r}") for r in range(size) if r != hub}
+        self._release = {r: open_semaphore(f"{self.prefix}release{r}", create) for r in others}
         self._pending_release = False
         self._slot: Segment | None = None
         self._peer_slots: dict[int, Segment] = {}
@@ -80,7 +72,7 @@ class ShmCommunicator(Communicator):
     def barrier(self) -> None:
         if self.size == 1:
             return
-        if self.rank == self.hub:
+        if self.rank == self.master_rank:
             for _ in range(self.size - 1):
                 acquire(self._arrive, self.check)
             for sem in self._depart.values():
@@ -142,7 +134,7 @@ class ShmCommunicator(Communicator):
 
     def resident_ranges(self) -> list:
         """Byte ranges of this process's resident arrays."""
-        return [_byte_bounds(view) for _, view in self._owned.values() if view.nbytes]
+        return [byte_bounds(view) for _, view in self._owned.values() if view.nbytes]
 
     def _resident_name(self, a) -> str | None:
         name = self._resident_ids.get(id(a))
@@ -269,14 +261,14 @@ class ShmCommunicator(Communicator):
         """A result segment of at least ``nbytes``, the same one in every process."""
         need = self._result is None or self._result.size < nbytes or self._result_shrink(self._result.size, nbytes)
         if need:  # every process reaches the same decision from the same headers
-            if self.rank == self.hub:
+            if self.rank == self.master_rank:
                 self._result_gen += 1
                 # sized exactly: only large reductions use it, and their sizes rarely change
                 new = Segment(f"{self.prefix}res.{self._result_gen}", max(nbytes, 4096), create=True,
                               what=f"a reduction's result of {nbytes} bytes")
                 self._board[_W_RESULT_GEN] = self._result_gen
             self.barrier()
-            if self.rank != self.hub:
+            if self.rank != self.master_rank:
                 self._result_gen = int(self._board[_W_RESULT_GEN])
                 new = Segment(f"{self.prefix}res.{self._result_gen}")
             if self._result is not None:
@@ -359,7 +351,7 @@ class ShmCommunicator(Communicator):
         arrays are large enough to be reduced in parallel chunks.
         """
         self._publish(arrays, weight, failed)
-        if self.rank != self.hub:
+        if self.rank != self.master_rank:
             mine = None if arrays is None else [np.asarray(a) for a in arrays]
             waits = op is not None and (mine is None or self._large([mine]))
             self._arrive.release()
@@ -385,7 +377,7 @@ class ShmCommunicator(Communicator):
         views = {r: self._read(r) for r in range(self.size)}
         waiting, fast = [], []
         for r, (arrs, *_) in views.items():
-            if r != self.hub:
+            if r != self.master_rank:
                 big = arrs is not None and sum(a.nbytes for a in arrs) >= CHUNK_THRESHOLD
                 (waiting if op is not None and (arrs is None or big) else fast).append(r)
         self._board[_W_VERDICT] = _DONE
@@ -419,7 +411,7 @@ class ShmCommunicator(Communicator):
                 self._release[r].release()
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
-        if root == self.hub and self.size > 1:
+        if root == self.master_rank and self.size > 1:
             return self._rooted(arrays, op, weight, failed)
         views = self._exchange(arrays, weight, failed)
         return self._combine(views, op, everywhere=False, root=root)
@@ -456,7 +448,7 @@ class ShmCommunicator(Communicator):
         """``join(i, parts)``, if given, builds the result for array ``i`` from
         the processes' parts (views, None where absent) before they go away:
         one copy instead of a copy per part and then another."""
-        if root == self.hub and self.size > 1:
+        if root == self.master_rank and self.size > 1:
             return self._rooted(arrays, None, 1.0, failed, join)
         views = self._exchange(arrays, failed=failed)
         out = None
@@ -505,16 +497,7 @@ class ShmCommunicator(Communicator):
         self._read_cache.clear()
         self._last_meta = None
         self._board = self._slot_gen = None
-        for sem in [self._arrive, *self._depart.values(), *self._release.values()]:
-            try:
-                sem.close()
-            except posix_ipc.Error:
-                pass
-            if self._create:
-                try:
-                    sem.unlink()
-                except posix_ipc.ExistentialError:
-                    pass
+        close_semaphores([self._arrive, *self._depart.values(), *self._release.values()], unlink=self._create)
         self._board_seg.close()
 
 

@@ -8,8 +8,8 @@ import signal
 import time
 
 from ..data import forget
-from ..control import Aborted, Command, Interrupted, MasterGone, as_interrupt, handlers
-from ..errors import pack_exception
+from ..control import Command, handlers
+from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
 from ..shmem import unlink_prefix
 
 __all__ = ["serve", "serve_profiled"]
