@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from .errors import Interrupted, WorkerDiedError, pack_exception
+from .errors import WorkerDiedError, pack_exception
 from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
 __all__ = []
@@ -48,33 +48,6 @@ class Command(enum.IntEnum):
     COLLECTIVE = 3
     CLOSE = 5
     INIT_DEVICE = 6
-
-
-class _Interruptible:
-    """``with interruptible:`` marks where a worker may be stopped by the master's
-    interrupt signal: its computation, not the bookkeeping of the protocol
-    (that notices the abort flag at its next wait). A no-op in the master,
-    whose Ctrl-C is Python's own."""
-
-    __slots__ = ("control", "armed")
-
-    def __init__(self):
-        self.control = None   # the worker's ControlBlock; None in the master
-        self.armed = False
-
-    def __enter__(self):
-        if self.control is not None:
-            if self.control.aborted():  # the interrupt came before the computation began
-                raise Interrupted("the master abandoned this command")
-            self.armed = True
-        return self
-
-    def __exit__(self, *exc):
-        self.armed = False
-        return False
-
-
-interruptible = _Interruptible()
 
 
 #: Worker-side handlers, filled in by the feature modules:

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 
 import numpy as np
 
-from . import runtime
+from . import context
 from .errors import short_repr
 from .shmem import Segment, Shrink
 
 __all__ = ["Data", "data"]
-
-_uids = itertools.count(1)
-
 
 class _Memory:
     """The segment of one Data object, released when the Data is closed or garbage.
@@ -37,14 +33,14 @@ class _Memory:
             return
         seg.close()
         forget(self.proc, (self.uid,))  # the master's own mapping, if a call attached it
-        s = runtime._session
+        s = context.current()
         if s is not None and s.proc is self.proc:
             s.dropped.append(self.uid)
 
     def forget(self) -> None:
         """Release, and leave the session's list of live memory (the Data is gone)."""
         self.release()
-        s = runtime._session
+        s = context.current()
         if s is not None and s.proc is self.proc:
             s.data_memory.pop(self.uid, None)
 
@@ -62,8 +58,8 @@ class Data:
     """
 
     def __init__(self, dtype, ndim: int, minibatch: bool = False, name=None, oversize: float = 1.0):
-        self._proc = runtime.session().proc
-        self._uid = next(_uids)
+        self._proc = context.session().proc
+        self._uid = context.next_data_id()
         self._gen = 0
         self._dtype = np.dtype(dtype)
         self._ndim = int(ndim)
@@ -71,7 +67,7 @@ class Data:
         self._mem = _Memory(self._proc, self._uid)
         # a dropped Data gives its shared memory back at once (and the workers
         # their mappings), not at close(); close() releases the ones still alive
-        runtime.session().data_memory[self._uid] = self._mem
+        context.session().data_memory[self._uid] = self._mem
         weakref.finalize(self, self._mem.forget).atexit = False
         self._alloc = 0
         self._shrink = None  # scratch only: see _fit
@@ -205,7 +201,7 @@ class Data:
         return repr(self.name) if self.name is not None else f"#{self._uid}"
 
     def _check_alive(self) -> None:
-        s = runtime._session
+        s = context.current()
         if s is None or s.proc is not self._proc:
             raise RuntimeError(f"synk.data {self._label()} belongs to a fork that was closed")
 
@@ -321,7 +317,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: conflicting or missing dtype/ndim, bad value.
     """
-    runtime.session()
+    context.session()
     if var is not None:
         vtype = getattr(var, "type", None)
         if vtype is None or not hasattr(vtype, "dtype") or not hasattr(vtype, "ndim"):

@@ -8,8 +8,9 @@ import pickle
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import gpu, runtime
-from .control import Command, handler, interruptible
+from . import context, gpu
+from .context import interruptible
+from .control import Command, handler
 
 __all__ = ["distribute"]
 
@@ -51,7 +52,7 @@ def shared_variables(fn) -> list:
     return out
 
 
-@runtime.serialized
+@context.serialized
 def distribute() -> None:
     """Send every function built since the last distribute() to the workers.
 
@@ -72,7 +73,7 @@ def distribute() -> None:
         TypeError: a function cannot be pickled (the message says which).
         Any exception a worker raised while unpickling or compiling.
     """
-    s = runtime.session()
+    s = context.session()
     s.usable()
     new = [f for f in s.functions if f._spec.fid not in s.distributed]
     if not new:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 from typing import Any
 
@@ -12,17 +11,16 @@ import pytensor
 from pytensor.graph.basic import Variable
 from pytensor.scalar import upcast
 
-from . import gpu, runtime
+from . import context, gpu
 from .arrays import concat
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import OUTPUT_OPS, cast_to, check_op, combine, result_dtype
-from .control import Command, handler, interruptible
+from .context import interruptible
+from .control import Command, handler
 from .data import Data, attach
 from .errors import PeerFailed, SynkError, as_interrupt, short_repr, user_stacklevel
 
 __all__ = ["Function", "function"]
-
-_fids = itertools.count(1)
 
 
 @dataclasses.dataclass
@@ -517,7 +515,7 @@ class Function:
 
     # -- the call ----------------------------------------------------------
 
-    @runtime.serialized
+    @context.serialized
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
                  device_outputs=False, **kwargs):
         """Run data-parallel: scatter inputs, compute everywhere, reduce outputs.
@@ -553,7 +551,7 @@ class Function:
             ValueError, IndexError: bad inputs or rows, named in the message.
             WorkerError or the worker's own exception type: a process failed.
         """
-        s = runtime.session()
+        s = context.session()
         if self._owner is not s:
             raise SynkError(
                 f"function {self.name!r} was built for a fork that was closed (synk.close()); "
@@ -620,7 +618,7 @@ class Function:
         return self._shape_result(results)
 
     def _scratch_fill_whole(self, i, value):
-        if runtime.session().n_parallel == 1:
+        if context.session().n_parallel == 1:
             return None  # nobody else reads it
         d = self._scratch_data(i, value.dtype, value.shape)
         if value.size:
@@ -756,7 +754,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: bad arguments, named in the message.
     """
-    s = runtime.session()
+    s = context.session()
     s.usable()
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of PyTensor variables, got {inputs!r}")
@@ -849,7 +847,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         raise TypeError(f"nccl must be True or False, got {nccl!r}")
     if s.proc.device == "gpu":
         pytensor_kwargs.setdefault("mode", "JAX")  # the graph runs on this process's GPU
-    fid = next(_fids)
+    fid = context.next_function_id()
     name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
     spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
                         dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops,

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from . import context
 from .arrays import concat, is_device_array, join, to_cupy, to_jax, to_numpy
 from .control import Command, handler
 from .collectives.ops import cast_to
@@ -211,10 +212,6 @@ def plan(n_gpus: int, n_parallel: int) -> GpuPlan:
 _JAX_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
-#: The GPU this process's CUDA was bound to by bind(), once it was.
-_bound_gpu: str | None = None
-
-
 def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
     """Make GPU ``gpu_plan.gpu_of(rank)`` the only one this process sees.
 
@@ -226,10 +223,9 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
     Raises:
         RuntimeError: CUDA is already up in this process (through JAX).
     """
-    global _bound_gpu
     want = gpu_plan.gpu_of(rank)
     if _jax_backends_up():
-        if n_parallel == 1 and _bound_gpu == want:
+        if n_parallel == 1 and context.bound_gpu == want:
             return ()
         cuda_initialised_error()
     changes = {"CUDA_VISIBLE_DEVICES": want}
@@ -238,7 +234,7 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
             changes[key] = value
     saved = tuple((k, os.environ.get(k)) for k in changes)
     os.environ.update(changes)
-    _bound_gpu = want
+    context.bound_gpu = want
     return saved
 
 

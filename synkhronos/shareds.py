@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import runtime
+from . import context
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import cast_to, parse_op
@@ -54,7 +54,7 @@ def _as_list(shared_vars):
 
 def _resolve(shared_vars):
     """Shared variables -> (session, vars, sids, single); errors name the variable."""
-    s = runtime.session()
+    s = context.session()
     s.usable()
     items, single = _as_list(shared_vars)
     for v in items:
@@ -108,7 +108,7 @@ def _is_value_list(values) -> bool:
 
 def _stage(fn_key, arrays):
     """Copy arrays into the session's collective scratch segments; return their refs."""
-    s = runtime.session()
+    s = context.session()
     refs = []
     for i, arr in enumerate(arrays):
         key = (fn_key, i)
@@ -139,7 +139,7 @@ def _ret(results, single):
     return results[0] if single else tuple(results)
 
 
-@runtime.serialized
+@context.serialized
 def broadcast(shared_vars, values=None, nccl=True):
     """Give every process the master's value of each shared variable.
 
@@ -167,7 +167,7 @@ def broadcast(shared_vars, values=None, nccl=True):
     _send(s, CollectiveSpec("broadcast", sids, cpu=cpu))
 
 
-@runtime.serialized
+@context.serialized
 def scatter(shared_vars, values, batch=None):
     """Split each value along axis 0 and give each process its part.
 
@@ -202,7 +202,7 @@ def scatter(shared_vars, values, batch=None):
         _unstage(s, "scatter", len(arrays))
 
 
-@runtime.serialized
+@context.serialized
 def gather(shared_vars, nd_up=1, nccl=True):
     """Collect every process's value in the master, in rank order.
 
@@ -229,7 +229,7 @@ def gather(shared_vars, nd_up=1, nccl=True):
     return _ret(joined, single)
 
 
-@runtime.serialized
+@context.serialized
 def all_gather(shared_vars, nccl=True):
     """Concatenate every process's value along axis 0 and store it in every process.
 
@@ -255,7 +255,7 @@ def all_gather(shared_vars, nccl=True):
     return _ret(_send(s, CollectiveSpec("all_gather", sids, cpu=cpu)), single)
 
 
-@runtime.serialized
+@context.serialized
 def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """Combine every process's value with ``op`` into the master.
 
@@ -284,7 +284,7 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     return None if in_place else _ret(res, single)
 
 
-@runtime.serialized
+@context.serialized
 def all_reduce(shared_vars, op="avg", nccl=True):
     """Combine every process's value with ``op`` and store the result everywhere.
 
@@ -327,7 +327,7 @@ def _check_rank(s, rank):
     return int(rank)
 
 
-@runtime.serialized
+@context.serialized
 def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
 
@@ -360,7 +360,7 @@ def set_value(rank, shared_vars, values, batch=None):
         _unstage(s, "set_value", len(arrays))
 
 
-@runtime.serialized
+@context.serialized
 def get_value(rank, shared_vars):
     """The value(s) of shared variables in process ``rank``.
 
@@ -381,7 +381,7 @@ def get_value(rank, shared_vars):
     return _ret(_send(s, CollectiveSpec("get_value", sids, rank=rank)), single)
 
 
-@runtime.serialized
+@context.serialized
 def get_lengths(shared_vars):
     """Length along axis 0 of each variable in every process.
 
@@ -404,7 +404,7 @@ def get_lengths(shared_vars):
     return _ret([np.array([sh[0] for sh in per]) for per in shapes], single)
 
 
-@runtime.serialized
+@context.serialized
 def get_shapes(shared_vars):
     """Shape of each variable in every process.
 

@@ -15,6 +15,8 @@ import struct
 import numpy as np
 import posix_ipc
 
+from . import context
+
 __all__ = []
 
 _SHM_DIR = "/dev/shm"
@@ -229,7 +231,7 @@ def segment_exists(name: str) -> bool:
 
 
 def unlink_segment(name: str) -> None:
-    if _foreign and _is_foreign(name):
+    if context.foreign_prefixes and _is_foreign(name):
         return
     try:
         posix_ipc.unlink_shared_memory("/" + name)
@@ -249,15 +251,15 @@ def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
 def close_semaphores(sems, unlink: bool) -> None:
     """Close every semaphore of ``sems``; unlink them too when ``unlink`` (their creator)."""
     for sem in sems:
-        try:
-            sem.close()
-        except posix_ipc.Error:
-            pass
-        if unlink:
+        if unlink:  # before close(): posix_ipc refuses to unlink a closed semaphore
             try:
                 sem.unlink()
             except posix_ipc.ExistentialError:
                 pass
+        try:
+            sem.close()
+        except posix_ipc.Error:
+            pass
 
 
 def _entries() -> list[str]:
@@ -274,7 +276,7 @@ def unlink_prefix(prefix: str) -> list[str]:
     The fork's lock file goes last: while anything of a fork is left, so is
     its lock file, and :func:`unlink_stale` can judge it.
     """
-    if _foreign and _is_foreign(prefix):
+    if context.foreign_prefixes and _is_foreign(prefix):
         return []
     removed = []
     lock = None
@@ -305,18 +307,15 @@ def unlink_prefix(prefix: str) -> list[str]:
 #: can be taken: a pid is no proof of death (another PID namespace that shares
 #: /dev/shm has its own pids), a lock is.
 _LOCK = "lock"
-#: Prefixes of forks that this process only inherited (the user forked it from
-#: a master after synk.fork()): nothing of theirs is unlinked from here.
-_foreign: set[str] = set()
 
 
 def _is_foreign(name: str) -> bool:
-    return any(name.startswith(p) for p in _foreign)
+    return any(name.startswith(p) for p in context.foreign_prefixes)
 
 
 def disown(prefix: str) -> None:
     """Never unlink anything named ``prefix...`` from this process."""
-    _foreign.add(prefix)
+    context.foreign_prefixes.add(prefix)
 
 
 class Lease:

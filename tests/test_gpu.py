@@ -27,7 +27,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import gpu, runtime
+from synkhronos import context, gpu, runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "gpu_scenarios.py"
@@ -228,7 +228,7 @@ def test_bind_sets_and_unbind_restores_the_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.setattr(gpu, "_bound_gpu", None)
+    monkeypatch.setattr(context, "bound_gpu", None)
     saved = gpu.bind(gpu.plan(2, 2), 1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"

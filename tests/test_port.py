@@ -25,7 +25,7 @@ from pytensor import wrap_py
 
 import synkhronos as synk
 from conftest import MODE, shm_names, worker_pids
-from synkhronos import gpu, runtime, shareds
+from synkhronos import context, gpu, runtime, shareds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_fork_use_gpu_true_without_a_gpu_warns_and_uses_the_cpu():
 def test_bad_original_fork_keywords(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         synk.fork(2, **kwargs)
-    assert not runtime.running()
+    assert context.current() is None
     # positional use of the original's later arguments is refused, not misread
     with pytest.raises(TypeError, match="positional"):
         synk.fork(2, True, 0, False, 1000, 16)

@@ -19,11 +19,12 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos import runtime
+from synkhronos import context, runtime, signals
+from synkhronos import session as session_module
 
 MASTER_PID = os.getpid()
 FAST = dict(mode="FAST_COMPILE")
-INTERRUPT = runtime._INTERRUPT_SIGNAL
+INTERRUPT = signals.INTERRUPT_SIGNAL
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 
@@ -340,11 +341,11 @@ def test_stuck_worker_then_close_leaves_nothing(fork):
     t0 = time.monotonic()
     synk.close()  # the worker ignores CLOSE and SIGTERM: SIGKILL ends it
     assert time.monotonic() - t0 < 15
-    assert not runtime.running()
+    assert context.current() is None
 
 
 def test_long_wait_logs_a_warning_naming_the_ranks(fork, monkeypatch, caplog):
-    monkeypatch.setattr(runtime, "WAIT_WARNING_INTERVAL", 0.2)
+    monkeypatch.setattr(session_module, "WAIT_WARNING_INTERVAL", 0.2)
     fork(2)
     f, _ = _stalling("python", seconds=1.0)
     with caplog.at_level(logging.WARNING, logger="synkhronos"):
@@ -359,7 +360,7 @@ def test_long_wait_logs_a_warning_naming_the_ranks(fork, monkeypatch, caplog):
 def test_bad_timeout(timeout, exc):
     with pytest.raises(exc, match="timeout"):
         synk.fork(2, device="cpu", timeout=timeout)
-    assert not runtime.running()
+    assert context.current() is None
 
 
 # -- close() during a call, Ctrl-C during close() ---------------------------------
@@ -376,7 +377,7 @@ def test_close_from_another_thread_during_a_call(fork):
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert time.monotonic() - t0 < 20
-    assert not runtime.running()
+    assert context.current() is None
     with pytest.raises(RuntimeError, match="not running"):
         f(np.ones(4))
 
@@ -393,7 +394,7 @@ def test_close_from_a_signal_handler_during_a_call(fork):
         timer.join()
     finally:
         signal.signal(signal.SIGUSR1, old)
-    assert not runtime.running()
+    assert context.current() is None
 
 
 def test_ctrl_c_during_close_still_cleans_up(fork):
@@ -406,7 +407,7 @@ def test_ctrl_c_during_close_still_cleans_up(fork):
     with pytest.raises(KeyboardInterrupt):
         synk.close()
     timer.join()
-    assert not runtime.running()
+    assert context.current() is None
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,196 @@
+"""This process's state: the one module with module-level mutable state.
+
+What a process of a fork holds (:class:`Process`), the master's running
+session, the lock that lets one command run at a time, the flags the signal
+handlers set, the worker's interruptible region, id counters, the prefixes of
+forks this process only inherited, and the GPU it is bound to. Every other
+module reads and writes these through this module, never through globals of
+its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import threading
+
+from .errors import Aborted, Interrupted, MasterGone
+
+__all__ = []
+
+
+class Process:
+    """What one process (master or worker) of a fork holds."""
+
+    def __init__(self, prefix: str, rank: int, size: int, master_rank: int, device: str):
+        self.prefix = prefix
+        self.rank = rank
+        self.size = size
+        self.master_rank = master_rank
+        self.device = device
+        self.is_master = rank == master_rank
+        self.master_pid = os.getpid() if self.is_master else os.getppid()
+        self.control = None   # control.ControlBlock
+        self.comm = None
+        self.functions = {}   # function id -> local executor
+        self.shareds = {}     # shared-variable id -> this process's variable
+        self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
+        self.gpu_plan = None  # gpu.GpuPlan on a GPU device
+        self.gpu = None       # gpu.GpuState once this process opened its GPU
+        self.nccl = None      # NcclCommunicator when every process has a GPU of its own
+        self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
+        self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
+
+    def check_parent(self) -> None:
+        """Worker-side: raise MasterGone once the master process has died."""
+        if signal_state.terminate_requested or self.master_died():
+            raise MasterGone()
+
+    def master_died(self) -> bool:
+        """Worker-side: the master has died (a parent-death signal came, or we were reparented)."""
+        return signal_state.master_died or os.getppid() != self.master_pid
+
+    def check_master(self) -> None:
+        """Worker-side check between wait slices inside a collective."""
+        self.check_parent()
+        if self.control.aborted():
+            raise Aborted("the master abandoned this command")
+
+    def close(self) -> None:
+        for seg, _ in self.data_cache.values():
+            seg.close()
+        self.data_cache.clear()
+        if self.nccl is not None:
+            self.nccl.close()
+            self.nccl = None
+        if self.comm is not None:
+            self.comm.close()
+        if self.control is not None:
+            self.control.close()
+        if self.lease is not None:
+            self.lease.close()
+
+
+class SignalState:
+    """What the signal handlers of this process have seen (read by the liveness checks)."""
+
+    __slots__ = ("terminate_requested", "terminate_signal", "master_died", "dispositions")
+
+    def __init__(self):
+        self.terminate_requested = False  # a worker: a terminating signal came
+        self.terminate_signal = None      # ... which one (the worker dies of it at the end)
+        self.master_died = False          # a worker: the parent-death signal came
+        #: The master's dispositions of signals.FATAL_SIGNALS when it forked (read by the workers).
+        self.dispositions = {}
+
+
+signal_state = SignalState()
+
+
+class _Interruptible:
+    """``with interruptible:`` marks where a worker may be stopped by the master's
+    interrupt signal: its computation, not the bookkeeping of the protocol
+    (that notices the abort flag at its next wait). A no-op in the master,
+    whose Ctrl-C is Python's own."""
+
+    __slots__ = ("control", "armed")
+
+    def __init__(self):
+        self.control = None   # the worker's ControlBlock; None in the master
+        self.armed = False
+
+    def __enter__(self):
+        if self.control is not None:
+            if self.control.aborted():  # the interrupt came before the computation began
+                raise Interrupted("the master abandoned this command")
+            self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        self.armed = False
+        return False
+
+
+interruptible = _Interruptible()
+
+
+#: The master's running session (session.Session), None when no fork runs here.
+_current = None
+#: The master's pid when this process was forked from it by the user after
+#: synk.fork() (its fork is not ours to use), else None.
+inherited_from: int | None = None
+#: One command at a time: a call or collective from a second thread waits for
+#: the first (re-entrant: a call may distribute first).
+command_lock = threading.RLock()
+
+
+def current():
+    """The running session, or None."""
+    return _current
+
+
+def set_current(s) -> None:
+    """Make ``s`` (a session.Session, or None) the running session."""
+    global _current
+    _current = s
+
+
+def serialized(fn):
+    """Let one thread at a time into ``fn`` (public calls that talk to the workers)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with command_lock:
+            refuse_nested(fn.__name__)
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def refuse_nested(what: str) -> None:
+    """RuntimeError if this thread is inside a running command already (a signal
+    handler or a custom Op's ``perform`` calling synkhronos during a call): the
+    re-entrant lock lets it through, and its messages would mix into the
+    running command's."""
+    s = _current
+    if s is not None and s.in_flight == threading.get_ident():
+        raise RuntimeError(f"synkhronos {what}() was called while another synkhronos command "
+                           "is running in this thread (from a signal handler, or from code "
+                           "that a synkhronos function runs); nested commands are not "
+                           "supported: make the call after the running one returns")
+
+
+def session():
+    """The running fork; RuntimeError before fork() and in a process the user
+    forked from the master."""
+    if _current is None:
+        if inherited_from is not None:
+            raise RuntimeError(
+                f"this process (pid {os.getpid()}) was forked from the synkhronos master (pid "
+                f"{inherited_from}) after synk.fork(): the workers belong to that process and "
+                "only it can use them; call synk.fork() here to start a fork of this process's own")
+        raise RuntimeError("synkhronos is not running: call synk.fork() first")
+    return _current
+
+
+_function_ids = itertools.count(1)
+_data_ids = itertools.count(1)
+
+
+def next_function_id() -> int:
+    """A new id for a synk.function, unique in this process."""
+    return next(_function_ids)
+
+
+def next_data_id() -> int:
+    """A new id for a synk.data, unique in this process."""
+    return next(_data_ids)
+
+
+#: Prefixes of forks that this process only inherited (the user forked it from
+#: a master after synk.fork()): nothing of theirs is unlinked from here.
+foreign_prefixes: set[str] = set()
+
+#: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.
+bound_gpu: str | None = None

@@ -1,0 +1,323 @@
+"""The master's handle on a running fork: run a command in every process and
+wait for the answers, with liveness checks, timeouts, Ctrl-C and close()
+from another thread handled between wait slices."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from . import context, signals
+from .control import ChildWatch, Command
+from .errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
+                     unpack_exception)
+
+__all__ = ["Session"]
+
+log = logging.getLogger("synkhronos")
+
+#: Seconds between the warnings logged while the master waits for workers that
+#: have not answered a command (module constant: a test may shorten it).
+WAIT_WARNING_INTERVAL = 60.0
+#: Seconds the workers get to come back after a command was abandoned (Ctrl-C,
+#: a timeout, close() from another thread) before the master raises all the same.
+INTERRUPT_GRACE = 1.0
+#: How often the master repeats its interrupt signal to workers still busy.
+_RESIGNAL_EVERY = 0.2
+
+
+class Session:
+    """The master's handle on a running fork."""
+
+    def __init__(self, proc, pids: dict[int, int], thread_limit, close: Callable[[], None]):
+        self.proc = proc
+        self._close = close          # runtime.close: a close() asked for during a command runs as it ends
+        self.watch = ChildWatch(pids)
+        self.thread_limit = thread_limit
+        self.broken: BaseException | None = None
+        self.functions = []          # Function objects, in creation order
+        self.distributed = set()     # ids of functions the workers hold
+        self.shared_ids = {}         # id(shared variable) -> sid
+        self.shared_vars = {}        # sid -> shared variable (keeps them alive)
+        self.dropped = []            # Data uids whose old mappings workers should close
+        self.saved_affinity = None   # the master's cores before fork() pinned it
+        self.collective_scratch = {}  # staging Data for values the master sends
+        self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
+        self.in_flight = None        # thread id while a command runs (nested calls are refused)
+        self.pid = os.getpid()       # the process that called fork(): the only one that may use it
+        self.timeout: float | None = None  # fork(timeout=...): longest wait for the workers
+        self.close_requested = False  # close() came during a command (another thread, a handler)
+        self.closed = False
+        self.saved_handlers = {}     # signal -> the disposition fork() replaced in the master
+        self._needs_reset = False    # the abort flag was raised: reset before the next command
+        self._wait_start = 0.0
+        self._next_warning = 0.0
+        self._next_signal = 0.0
+
+    @property
+    def n_parallel(self) -> int:
+        return self.proc.size
+
+    def poll(self) -> None:
+        """Between wait slices: raise WorkerDiedError (and mark the fork broken)
+        if a worker has died, stop the command when it ran out of time or
+        close() was called meanwhile, and warn when a wait lasts long."""
+        try:
+            self.watch.poll()
+        except WorkerDiedError as err:
+            self.broken = err
+            self.abort()
+            raise
+        if self.close_requested:
+            raise _CloseRequested()
+        now = time.monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + WAIT_WARNING_INTERVAL
+            log.warning("synkhronos: waited %.0f s for worker ranks %s to finish the command "
+                        "(busy or stuck); fork(timeout=...) bounds the wait, Ctrl-C abandons it",
+                        now - self._wait_start, self.proc.control.pending())
+        if self.timeout is not None and now - self._wait_start > self.timeout:
+            raise _TimedOut(self.proc.control.pending())
+
+    def check(self) -> None:
+        """Master-side check between wait slices inside a collective."""
+        self.poll()
+        if self.proc.control.any_failed():
+            # a worker failed outside a collective's own error protocol: free the others
+            self.abort()
+            raise Aborted("a worker failed during a collective")
+
+    def abort(self) -> None:
+        """Tell the workers to give up the running command (read between their wait slices)."""
+        self.proc.control.set_abort(True)
+        self._needs_reset = True
+
+    def _begin_wait(self) -> None:
+        self._wait_start = time.monotonic()
+        self._next_warning = self._wait_start + WAIT_WARNING_INTERVAL
+
+    def interrupt_workers(self, now: float | None = None) -> None:
+        """Send the interrupt signal to the workers that have not answered, so
+        that a long computation stops at its next Python step."""
+        now = time.monotonic() if now is None else now
+        self._next_signal = now + _RESIGNAL_EVERY
+        for rank in self.proc.control.pending():
+            pid = self.watch.pids.get(rank)
+            if pid is not None and rank not in self.watch.exited:
+                try:
+                    os.kill(pid, signals.INTERRUPT_SIGNAL)
+                except ProcessLookupError:
+                    pass
+
+    def _poll_abandoned(self, grace_end: float) -> None:
+        """The check while waiting for workers to leave an abandoned command."""
+        try:
+            self.watch.poll()
+        except WorkerDiedError as err:
+            self.broken = err
+            raise
+        now = time.monotonic()
+        if now >= self._next_signal:
+            self.interrupt_workers(now)
+        if now >= grace_end:
+            raise _GraceOver()
+
+    def _poll_settling(self) -> None:
+        """The check while a new command first waits for workers still busy with an abandoned one."""
+        self.poll()
+        now = time.monotonic()
+        if now >= self._next_signal:
+            self.interrupt_workers(now)
+
+    def _reset_after_abort(self) -> None:
+        """Every worker answered: zero the communicator's semaphores and lower the abort flag."""
+        ctl = self.proc.control
+        self.proc.comm.reset()
+        ctl.new_epoch()
+        ctl.set_abort(False)
+        self._needs_reset = False
+
+    def _settle(self) -> None:
+        """Before a new command: wait until the workers are done with an abandoned
+        one (they were told to stop) and reset. Ctrl-C, the timeout and
+        close() stop this wait too; the runtime then stays as it was."""
+        ctl = self.proc.control
+        if ctl.pending():
+            self.abort()
+            self._begin_wait()
+            self.interrupt_workers()
+            try:
+                errors = ctl.collect(self._poll_settling)
+            except _TimedOut as err:
+                raise SynkTimeoutError(
+                    f"worker ranks {err.ranks} are still busy with a command abandoned earlier and did "
+                    f"not finish within timeout={self.timeout} s; synk.close() ends them",
+                    err.ranks, self.timeout, usable=False) from None
+            except _CloseRequested:
+                raise _closed_meanwhile("command") from None
+            except BaseException as err:
+                raise as_interrupt(err)
+            if errors:
+                log.debug("errors of an abandoned command, dropped: %s", sorted(errors))
+        self._reset_after_abort()
+
+    def usable(self) -> None:
+        if self.closed:
+            raise SynkError("this synkhronos fork was closed (synk.close()); call synk.fork() "
+                            "to start a new one and build its functions again")
+        if self.broken is not None:
+            raise SynkError(f"synkhronos is unusable after an earlier failure ({self.broken}); "
+                            "call synk.close() and synk.fork() again")
+
+    def run(self, cmd: Command, payload, local=None):
+        """Send ``cmd`` to every worker, run ``local(proc, payload)`` here, wait for all.
+
+        Returns what ``local`` returned; raises the most telling error of any
+        process (a worker's carries its rank and traceback).
+        """
+        self.usable()
+        context.refuse_nested(cmd.name.lower())
+        self.in_flight = threading.get_ident()
+        try:
+            return self._run(cmd, payload, local)
+        finally:
+            self.in_flight = None
+            if self.close_requested and context.current() is self:
+                self._close()  # asked for by a signal handler (or Op) during this command
+
+    def _run(self, cmd: Command, payload, local):
+        ctl = self.proc.control
+        if self._needs_reset:  # an earlier command was abandoned or failed part-way
+            self._settle()
+        if self.close_requested:
+            raise _closed_meanwhile(cmd.name.lower())
+        dropped, self.dropped = self.dropped, []
+        try:
+            ctl.post(cmd, (dropped, payload))
+        except BaseException:  # nothing was sent (a full /dev/shm): the next command tells them
+            self.dropped[:0] = dropped
+            raise
+        self._begin_wait()
+        result = local_err = stop = None
+        aborted = False
+        try:
+            if local is not None:
+                result = local(self.proc, payload)
+        except WorkerDiedError:
+            raise
+        except BaseException as err:  # also Ctrl-C: free the workers, then re-raise
+            err = as_interrupt(err)
+            if _is_stop(err):
+                stop = err
+            else:
+                local_err = err
+            if not isinstance(err, PeerFailed):
+                self.abort()
+                aborted = True
+        errors, stop = self._collect(stop)
+        if errors is None:  # abandoned, and some workers are still busy with it
+            raise self._stopped(cmd, stop, back=False)
+        if aborted or errors or stop is not None:
+            self._reset_after_abort()
+        if stop is not None:
+            raise self._stopped(cmd, stop, back=True)
+        unpacked = {rank: unpack_exception(blob) for rank, blob in errors.items()}
+        if local_err is not None:
+            unpacked[self.proc.rank] = local_err
+        if unpacked:
+            raise _most_telling(unpacked)
+        return result
+
+    def _collect(self, stop):
+        """Wait for every worker's answer to the posted command.
+
+        With ``stop`` (Ctrl-C, a timeout, close() meanwhile), or once one
+        comes during the wait, the command is abandoned: the workers are told
+        to give it up (abort flag and interrupt signal) and get
+        ``INTERRUPT_GRACE`` seconds to answer. A second Ctrl-C ends that
+        grace at once. Returns ``(errors by rank, stop)``, errors None when
+        some workers are still busy (the next command waits for them first).
+        """
+        ctl = self.proc.control
+        grace_end = None
+        while True:
+            try:
+                if stop is None:
+                    return ctl.collect(self.poll), None
+                if grace_end is None:
+                    self.abort()
+                    self.interrupt_workers()
+                    grace_end = time.monotonic() + INTERRUPT_GRACE
+                return ctl.collect(lambda: self._poll_abandoned(grace_end)), stop
+            except WorkerDiedError:
+                raise
+            except _GraceOver:
+                return None, stop
+            except BaseException as err:
+                err = as_interrupt(err)
+                if not _is_stop(err):
+                    self.broken = err
+                    self.abort()
+                    raise
+                if stop is None:
+                    stop = err
+                elif isinstance(err, KeyboardInterrupt):
+                    return None, stop
+
+    def _stopped(self, cmd: Command, stop: BaseException, back: bool) -> BaseException:
+        """The exception that ends an abandoned command, saying whether the runtime is usable."""
+        what = cmd.name.lower()
+        busy = self.proc.control.pending()
+        state = ("every process is back and synkhronos is usable" if back else
+                 f"worker ranks {busy} are still busy with it: the next command first waits for "
+                 "them (they were told to stop), synk.close() ends them")
+        if isinstance(stop, _TimedOut):
+            return SynkTimeoutError(
+                f"worker ranks {stop.ranks} did not finish the {what} command within "
+                f"timeout={self.timeout} s; the command was abandoned, and {state}",
+                stop.ranks, self.timeout, usable=back)
+        if isinstance(stop, _CloseRequested):
+            return _closed_meanwhile(what)
+        try:
+            stop.add_note(f"synkhronos: the {what} command was abandoned in every process; {state}. "
+                          "Updates it made may have been applied in some processes only.")
+        except Exception:
+            pass
+        return stop
+
+def _most_telling(errors: dict):
+    """The root cause among the processes' errors: not a follow-on abort, lowest rank."""
+    for rank in sorted(errors):
+        if not isinstance(errors[rank], (Aborted, PeerFailed)):
+            return errors[rank]
+    return errors[min(errors)]
+
+
+class _TimedOut(BaseException):
+    """Raised between wait slices once a command outlasted fork(timeout=...)."""
+
+    def __init__(self, ranks):
+        super().__init__(ranks)
+        self.ranks = list(ranks)
+
+
+class _CloseRequested(BaseException):
+    """Raised between wait slices once close() was called during the command."""
+
+
+class _GraceOver(BaseException):
+    """The workers did not come back within INTERRUPT_GRACE of an abandoned command."""
+
+
+def _is_stop(err: BaseException) -> bool:
+    """Ends the command without meaning that anything failed: Ctrl-C, SystemExit
+    from a signal handler, a timeout, close() meanwhile."""
+    return not isinstance(err, Exception)
+
+
+def _closed_meanwhile(what: str) -> SynkError:
+    return SynkError(f"synk.close() was called (from another thread or a signal handler) during "
+                     f"this {what}; the command was abandoned and the fork is closed")
