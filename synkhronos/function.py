@@ -298,7 +298,7 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
                 for i in idx:
                     results[i] = outs[i]
             continue
-        on_device = getattr(comm, "device_arrays", False)
+        on_device = comm.device_arrays
         if outs is None:
             mine = None
         elif on_device:

@@ -477,7 +477,7 @@ def leave_homes(proc) -> None:
     """At close(): copy the master's shared variables out of their homes, so that the
     homes' shared memory goes with the fork and the variables keep their values."""
     comm = proc.comm
-    if not hasattr(comm, "resident_ranges"):
+    if not comm.supports_resident:
         return
     ranges = comm.resident_ranges()
     for var in proc.shareds.values():
@@ -491,7 +491,7 @@ def _resident(proc, sids, vars_) -> list:
     can read (and all_reduce write) in place; copied only when an update or
     set_value has replaced a value since the last collective."""
     values = [v.get_value(borrow=True) for v in vars_]
-    if not hasattr(proc.comm, "resident"):
+    if not proc.comm.supports_resident:
         return values
     cache = []
 
@@ -513,7 +513,7 @@ def _resident(proc, sids, vars_) -> list:
 def _receive_into(proc, sid, var, src) -> np.ndarray:
     """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
     value (memory allocated once, not at every broadcast)."""
-    if not hasattr(proc.comm, "resident") or np.dtype(src.dtype) != np.dtype(var.type.dtype):
+    if not proc.comm.supports_resident or np.dtype(src.dtype) != np.dtype(var.type.dtype):
         _store(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
     view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -17,35 +17,71 @@ class Communicator(abc.ABC):
     may contribute ``None`` to ``reduce``, ``all_reduce``, ``gather`` and
     ``all_gather`` when it has nothing to add (it computed on no rows); the
     reduction then runs over the processes that did contribute.
-    ``weight`` scales a process's contribution to ``avg``.
+    ``weight`` scales a process's contribution to ``avg``. ``failed=True`` in
+    any process makes every process raise ``PeerFailed``
+    before anything is combined. ``root`` is only ever the per-call argument;
+    ``master_rank`` is the rank of the process that called ``fork()``.
     """
 
     rank: int
     size: int
+    master_rank: int
+    #: Called between wait slices: raises when a peer died or the command was abandoned.
+    check: Callable[[], None]
+    #: Takes and returns device (CuPy/JAX) arrays as they are, not numpy arrays.
+    device_arrays: bool = False
+    #: ``resident``, ``existing``, ``drop_resident`` and ``resident_ranges`` work.
+    supports_resident: bool = False
 
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every process has entered the barrier."""
 
     @abc.abstractmethod
-    def broadcast(self, arrays: Sequence[np.ndarray] | None, root: int) -> list[np.ndarray]:
-        """Root's arrays, returned in every process."""
+    def broadcast(self, arrays: Sequence[np.ndarray] | None, root: int, failed: bool = False,
+                  receive=None) -> list[np.ndarray]:
+        """Root's arrays, returned in every process; ``receive(i, array)``, when
+        given, makes what a non-root process keeps of array ``i``."""
 
     @abc.abstractmethod
-    def reduce(self, arrays, op: str, root: int, weight: float = 1.0):
+    def reduce(self, arrays, op: str, root: int, weight: float = 1.0, failed: bool = False):
         """Combine every process's arrays with ``op``; the result on root, None elsewhere."""
 
     @abc.abstractmethod
-    def all_reduce(self, arrays, op: str, weight: float = 1.0):
-        """Combine every process's arrays with ``op``; the result everywhere."""
+    def all_reduce(self, arrays, op: str, weight: float = 1.0, failed: bool = False, in_place: bool = False):
+        """Combine every process's arrays with ``op``; the result everywhere
+        (``in_place``: also written into resident arrays, where supported)."""
 
     @abc.abstractmethod
-    def gather(self, arrays, root: int):
-        """On root, for each array, the list of every process's copy (None elsewhere)."""
+    def gather(self, arrays, root: int, failed: bool = False, join=None):
+        """On root, for each array, the list of every process's copy, or
+        ``join(i, parts)`` of it (None elsewhere)."""
 
     @abc.abstractmethod
-    def all_gather(self, arrays):
-        """Everywhere, for each array, the list of every process's copy."""
+    def all_gather(self, arrays, failed: bool = False, join=None):
+        """Everywhere, for each array, the list of every process's copy, or ``join(i, parts)`` of it."""
+
+    def reset(self) -> None:
+        """In the master, every process idle, after an abandoned command: forget
+        its traces (default: nothing to forget)."""
+
+    def local_reset(self) -> None:
+        """In every process, after the master's :meth:`reset` (default: nothing)."""
+
+    def resident(self, key: str, dtype, shape, fresh: bool = False) -> np.ndarray:
+        """An array of this process that collectives read in place (``supports_resident`` only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no resident arrays")
+
+    def existing(self, key: str, dtype, shape) -> np.ndarray | None:
+        """The resident array ``key`` of this dtype and shape, if there is one."""
+        return None
+
+    def drop_resident(self, key: str) -> None:
+        """Give up resident array ``key`` (nothing to give up by default)."""
+
+    def resident_ranges(self) -> list:
+        """Byte ranges of this process's resident arrays (none by default)."""
+        return []
 
     def close(self) -> None:
         """Release what this process holds of the communicator."""

@@ -34,7 +34,9 @@ _DONE, _LARGE, _FAILED, _MISMATCH = range(4)
 
 
 class ShmCommunicator(Communicator):
-    """Collectives through POSIX shared memory; the hub (master) coordinates barriers."""
+    """Collectives through POSIX shared memory; the master's process coordinates barriers."""
+
+    supports_resident = True
 
     def __init__(self, prefix: str, rank: int, size: int, master_rank: int, create: bool,
                  check: Callable[[], None] = lambda: None):
