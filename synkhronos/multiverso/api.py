@@ -1,0 +1,190 @@
+"""``init``, ``shutdown``, ``barrier`` and the worker ids; the one place that picks the backend."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import SynkError
+
+__all__ = ["init", "shutdown", "barrier", "workers_num", "worker_id", "server_id",
+           "is_master_worker", "under_launcher"]
+
+#: Environment variables that a launcher (Open MPI's mpirun, MPICH/Hydra, Slurm's
+#: PMI/PMIx) sets in every process it starts.
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")
+
+
+class _State:
+    """What ``init()`` made in this process."""
+
+    def __init__(self, world, sync: bool):
+        self.world = world
+        self.sync = sync
+        self.tables: list = []
+        self.down = False
+        self.limiter = None
+
+
+_state: _State | None = None
+_used = False
+
+
+def under_launcher() -> bool:
+    """True when an MPI launcher started this process (then every rank is a worker)."""
+    return any(v in os.environ for v in LAUNCHER_VARS)
+
+
+def _default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _make_world(num_workers):
+    """The backend, chosen here and only here: MPI under a launcher, else forked workers."""
+    if under_launcher():
+        from .mpi_world import MpiWorld  # imports mpi4py: only under a launcher
+
+        world = MpiWorld()
+        if num_workers is not None and num_workers != world.size:
+            world.shutdown()
+            raise ValueError(f"num_workers={num_workers!r} but the launcher started {world.size} "
+                             "processes; leave num_workers out under mpirun")
+        return world
+    from .spmd import ForkedWorld
+
+    n = _default_workers() if num_workers is None else num_workers
+    world = ForkedWorld(n)
+    world.start()
+    return world
+
+
+def init(sync: bool = False, num_workers: int | None = None) -> None:
+    """Start the workers and the parameter server (Multiverso's ``MV_Init``).
+
+    Without a launcher this forks ``num_workers - 1`` processes, and every one
+    of them runs the rest of the script, exactly as if ``mpirun`` had started
+    them (SPMD); this process is worker 0, the master. Under ``mpirun`` (or
+    another MPI launcher) every launched process is a worker and nothing is
+    forked.
+
+    Args:
+        sync: True for a sync server (every worker calls ``add`` and ``get`` in
+            the same order and the same number of times; the i-th ``get`` of
+            every worker returns the same values); False (the default) for an
+            async server (adds are applied as they arrive; ``barrier()``
+            flushes).
+        num_workers: the number of workers to fork; default one per CPU core
+            this process may run on. Under a launcher, leave it out (or give
+            the launcher's number of processes).
+
+    Raises:
+        SynkError: ``init`` was already called in this process.
+        TypeError: ``num_workers`` is not an int.
+        ValueError: ``num_workers`` is below 1, or differs from the launcher's.
+    """
+    global _state, _used
+    if _used:
+        raise SynkError("multiverso.init() was already called in this process; call it once, "
+                        "at the start of the script")
+    if not isinstance(sync, bool):
+        raise TypeError(f"sync must be True or False, got {sync!r}")
+    if num_workers is not None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+            raise TypeError(f"num_workers must be an int, got {num_workers!r}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+    world = _make_world(num_workers)
+    _used = True
+    state = _State(world, sync)
+    if world.size > 1 and world.kind == "fork":
+        from threadpoolctl import threadpool_limits  # each worker gets its share of the cores
+
+        state.limiter = threadpool_limits(max(1, _default_workers() // world.size))
+    _state = state
+
+
+def current(what: str) -> _State:
+    """The running state, or a clear error naming the call ``what``."""
+    if _state is None:
+        raise SynkError(f"{what} was called before multiverso.init()")
+    if _state.down:
+        raise SynkError(f"{what} was called after multiverso.shutdown()")
+    return _state
+
+
+def shutdown() -> None:
+    """Leave the parameter server (Multiverso's ``MV_ShutDown``).
+
+    Waits until every worker has called ``shutdown()`` (or ended its script),
+    then frees the tables. A worker that shut down counts as finished: sync
+    gets of the others no longer wait for it. Tables cannot be used after.
+
+    Raises:
+        SynkError: called before ``init()`` or twice.
+        WorkerFailedError: another worker raised an exception or died.
+    """
+    state = current("multiverso.shutdown()")
+    try:
+        state.world.shutdown()
+    finally:
+        state.down = True
+        for table in state.tables:
+            table._close()
+        state.tables.clear()
+
+
+def barrier() -> None:
+    """Wait until every worker calls ``barrier()``; every add issued before it
+    is then seen by every worker's ``get``.
+
+    Raises:
+        SynkError: called before ``init()`` or after ``shutdown()``, or another
+            worker has shut down and will never reach the barrier.
+        WorkerFailedError: another worker raised an exception or died.
+    """
+    current("multiverso.barrier()").world.barrier("barrier()")
+
+
+def workers_num() -> int:
+    """The number of workers.
+
+    Raises:
+        SynkError: called before ``init()``.
+    """
+    return _ids("workers_num()").size
+
+
+def worker_id() -> int:
+    """This worker's id, zero-based.
+
+    Raises:
+        SynkError: called before ``init()``.
+    """
+    return _ids("worker_id()").rank
+
+
+def server_id() -> int:
+    """This process's server id: every worker also serves a share of every
+    table (Multiverso's default roles), so it equals :func:`worker_id`.
+
+    Raises:
+        SynkError: called before ``init()``.
+    """
+    return _ids("server_id()").rank
+
+
+def is_master_worker() -> bool:
+    """True in worker 0, the master (for validation, printing, saving).
+
+    Raises:
+        SynkError: called before ``init()``.
+    """
+    return _ids("is_master_worker()").rank == 0
+
+
+def _ids(what: str):
+    if _state is None:
+        raise SynkError(f"{what} was called before multiverso.init()")
+    return _state.world

@@ -1,0 +1,501 @@
+"""One machine without a launcher: fork the workers, watch them, wait with them.
+
+:func:`ForkedWorld.start` forks ``n - 1`` children of the calling process;
+every child returns from it and runs the rest of the script (SPMD), as if a
+launcher had started ``n`` copies. Rank 0 is the original process.
+
+What the processes share lives in POSIX shared memory under one prefix made
+with :func:`synkhronos.shmem.new_prefix` (so ``synk.<pid of rank 0>.``):
+
+- a control segment: per-rank state and exit status, the first failure, the
+  barrier's counter and generation, per-rank table descriptors and a slot per
+  rank for the traceback of an exception it raised;
+- a semaphore used as the control lock, and a pool of semaphores used as the
+  tables' stripe locks (see :mod:`.shm_tables`);
+- a liveness file: every rank holds a POSIX record lock (``lockf``) on its own
+  byte of it. The kernel drops such a lock when the process ends, however it
+  ends, and never passes it to a child, so a rank whose byte can be locked by
+  someone else is gone. Its state slot then tells a clean end (``shutdown()``
+  or the end of its script) from a death.
+
+Every wait polls (a short spin, then short sleeps) and runs :meth:`check`
+every :data:`CHECK_EVERY` seconds: the first failure anywhere (an exception
+some rank raised, a rank that died) turns into :class:`WorkerFailedError`
+naming that rank, with its traceback chained, in every rank's next blocking
+call. Rank 0 waits for its children when the script ends, ends them after a
+grace period when something failed, removes every name under the prefix, and
+makes the exit status non-zero when any rank failed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import fcntl
+import os
+import pickle
+import signal
+import struct
+import sys
+import time
+import traceback
+
+import numpy as np
+import posix_ipc
+
+from .. import shmem
+from ..errors import RemoteTraceback, SynkError
+
+__all__ = ["WorkerFailedError", "ForkedWorld"]
+
+#: Seconds between liveness checks inside a wait.
+CHECK_EVERY = 0.05
+#: Seconds a wait spins (yielding the core) before it starts to sleep.
+SPIN = 0.001
+#: Longest sleep between polls (seconds).
+MAX_SLEEP = 0.002
+#: Seconds rank 0 waits, once something failed, for the other ranks to end on
+#: their own (they raise in their next blocking call) before it kills them.
+GRACE = 5.0
+#: Bytes of each rank's slot for the traceback of its failure.
+ERROR_SLOT = 16384
+#: Number of semaphores in the stripe-lock pool.
+NUM_STRIPE_LOCKS = 128
+
+# rank states
+RUNNING, SHUTDOWN, EXITED, FAILED, DIED = 0, 1, 2, 3, 4
+_STATE_TEXT = {RUNNING: "running", SHUTDOWN: "called shutdown()", EXITED: "ended its script",
+               FAILED: "raised an exception", DIED: "died"}
+
+# control block (int64 words)
+_FIRST_FAILED, _BAR_COUNT, _BAR_GEN, _STARTED = 0, 1, 2, 3
+_HEADER = 8
+_PER_RANK = 12  # state, exitcode, meta[4] for even barriers, meta[4] for odd ones, spare[2]
+_STATE, _EXIT, _META = 0, 1, 2
+
+_PR_SET_PDEATHSIG = 1
+#: struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid (64-bit off_t).
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+class WorkerFailedError(SynkError):
+    """Another worker raised an exception or died; this worker cannot go on.
+
+    Attributes:
+        rank: the rank of the worker that failed first.
+        remote_traceback: its traceback as text ("" when it died without one).
+        exitcode: its exit status when known (``-signal`` when a signal ended it).
+    """
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = "", exitcode=None):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+
+    def __reduce__(self):
+        return (WorkerFailedError, (self.rank, self.args[0], self.remote_traceback, self.exitcode))
+
+
+def describe_exit(code) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _wait_until(pred, check, what: str) -> None:
+    """Poll ``pred()`` until true; ``check(what)`` every CHECK_EVERY seconds."""
+    if pred():
+        return
+    start = time.monotonic()
+    next_check = start
+    sleep = 50e-6
+    while True:
+        now = time.monotonic()
+        if now >= next_check:
+            check(what)
+            next_check = now + CHECK_EVERY
+        if pred():
+            return
+        if now - start < SPIN:
+            os.sched_yield()
+        else:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, MAX_SLEEP)
+
+
+class ForkedWorld:
+    """The processes of one ``mv.init()`` on one machine (see the module docstring).
+
+    Attributes:
+        rank: this process's rank (0 is the process that called ``init``).
+        size: the number of processes.
+        prefix: the shared-memory name prefix of everything they share.
+    """
+
+    kind = "fork"
+
+    def __init__(self, size: int):
+        self.size = size
+        self.rank = 0
+        self.prefix = shmem.new_prefix()
+        self.pids: dict[int, int] = {}
+        self.closed = False
+        self._probing = False
+        self._exit_codes: dict[int, int] = {}
+        ints = _HEADER + _PER_RANK * size
+        self._ctl_bytes = shmem.round_up(ints * 8)
+        made = []
+        try:
+            self._seg = shmem.Segment(self.prefix + "ctl", self._ctl_bytes + ERROR_SLOT * size,
+                                      create=True, what="the multiverso control block")
+            made.append(self._seg)
+            self._ctl = self._seg.array(np.int64, (ints,))
+            self._ctl[_FIRST_FAILED] = -1
+            self._lock = shmem.create_semaphore(self.prefix + "lock.ctl", 1)
+            self.stripe_locks = [shmem.create_semaphore(f"{self.prefix}lock.{i}", 1)
+                                 for i in range(NUM_STRIPE_LOCKS)]
+            self._live_path = os.path.join("/dev/shm", self.prefix + "live")
+            self._live_fd = os.open(self._live_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                    0o600)
+            os.ftruncate(self._live_fd, max(size, 1))
+            fcntl.lockf(self._live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        except BaseException:
+            shmem.unlink_prefix(self.prefix)
+            raise
+
+    # -- start ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Fork the other ranks; each child returns from here as its rank."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        for rank in range(1, self.size):
+            pid = os.fork()
+            if pid == 0:
+                self._become_child(rank, parent)
+                return
+            self.pids[rank] = pid
+        self._install_hooks()
+        self._await_start()
+
+    def _await_start(self) -> None:
+        """A child holds its liveness byte only once it runs: until every child
+        does, deaths are seen by rank 0's waitpid only, never by probing."""
+        _wait_until(lambda: int(self._ctl[_STARTED]) >= self.size - 1, self.check, "init()")
+        self._probing = True
+
+    def _become_child(self, rank: int, parent: int) -> None:
+        self.rank = rank
+        self.pids = {}
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        signal.signal(signal.SIGTERM, self._terminated)
+        if os.getppid() != parent:  # rank 0 ended before the signal was armed
+            self._terminated(signal.SIGTERM, None)
+        fcntl.lockf(self._live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        self._install_hooks()
+        with self.locked():
+            self._ctl[_STARTED] += 1
+        self._await_start()
+
+    def _install_hooks(self) -> None:
+        previous = sys.excepthook
+
+        def excepthook(tp, value, tb, _previous=previous):
+            if not isinstance(value, WorkerFailedError) and not self.closed:
+                self.record_failure(value)
+            _previous(tp, value, tb)
+
+        sys.excepthook = excepthook
+        atexit.register(self._at_exit)
+
+    # -- shared state --------------------------------------------------------
+
+    def _slot(self, rank: int, field: int) -> int:
+        return _HEADER + _PER_RANK * rank + field
+
+    def state(self, rank: int) -> int:
+        return int(self._ctl[self._slot(rank, _STATE)])
+
+    def set_state(self, state: int) -> None:
+        with self.locked():
+            if self.state(self.rank) in (RUNNING, SHUTDOWN):
+                self._ctl[self._slot(self.rank, _STATE)] = state
+
+    def locked(self, lock=None):
+        return _Held(self._lock if lock is None else lock, self)
+
+    def record_failure(self, exc: BaseException) -> None:
+        """Mark this rank failed with ``exc`` (its traceback goes to its slot)."""
+        try:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        except Exception:  # noqa: BLE001 - a broken exception still marks the failure
+            text = f"{type(exc).__name__}: (traceback unavailable)"
+        blob = pickle.dumps((f"{type(exc).__name__}: {exc}", text))
+        if len(blob) > ERROR_SLOT - 8:
+            text = text[-(ERROR_SLOT // 2):]
+            blob = pickle.dumps((f"{type(exc).__name__}", "...\n" + text))
+        with self.locked():
+            start = self._ctl_bytes + ERROR_SLOT * self.rank
+            self._seg.set_int(len(blob), start)
+            self._seg.set_bytes(start + 8, blob)
+            self._ctl[self._slot(self.rank, _STATE)] = FAILED
+            if self._ctl[_FIRST_FAILED] < 0:
+                self._ctl[_FIRST_FAILED] = self.rank
+
+    def _mark_dead(self, rank: int, code) -> None:
+        with self.locked():
+            if self.state(rank) in (RUNNING, SHUTDOWN):
+                self._ctl[self._slot(rank, _STATE)] = DIED
+            if code is not None:
+                self._ctl[self._slot(rank, _EXIT)] = code
+            if self.state(rank) in (FAILED, DIED) and self._ctl[_FIRST_FAILED] < 0:
+                self._ctl[_FIRST_FAILED] = rank
+
+    def _alive(self, rank: int) -> bool:
+        """Whether process ``rank`` still runs (its liveness byte is held).
+
+        Asked with F_GETLK, which takes no lock: a probe that took the byte for
+        a moment would make a second prober believe the owner alive.
+        """
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, rank, 1, 0)
+        reply = fcntl.fcntl(self._live_fd, fcntl.F_GETLK, query)
+        return _FLOCK.unpack(reply)[0] != fcntl.F_UNLCK
+
+    def _reap(self) -> None:
+        """Rank 0: collect the exit status of children that ended."""
+        for rank, pid in list(self.pids.items()):
+            if rank in self._exit_codes:
+                continue
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                got, status = pid, None
+            if got == 0:
+                continue
+            code = None if status is None else os.waitstatus_to_exitcode(status)
+            self._exit_codes[rank] = code
+            if code != 0 or self.state(rank) in (RUNNING, SHUTDOWN, FAILED, DIED):
+                self._mark_dead(rank, code)
+                if code != 0 and self.state(rank) == EXITED:
+                    with self.locked():
+                        self._ctl[self._slot(rank, _EXIT)] = code
+                        if self._ctl[_FIRST_FAILED] < 0:
+                            self._ctl[_FIRST_FAILED] = rank
+
+    def check(self, what: str = "this call", record: bool = True) -> None:
+        """Raise :class:`WorkerFailedError` when any rank failed or died.
+
+        ``record=False`` only reads and never takes the control lock (for waits
+        on that lock itself, whose holder may be the one that died).
+        """
+        if record and self.rank == 0 and self.pids:
+            self._reap()
+        if self._probing and self._ctl[_FIRST_FAILED] < 0:
+            for r in range(self.size):
+                if r != self.rank and self.state(r) in (RUNNING, SHUTDOWN) and not self._alive(r):
+                    # it may have ended cleanly between the two reads
+                    if self.state(r) in (RUNNING, SHUTDOWN):
+                        if not record:
+                            raise WorkerFailedError(r, f"worker {r} of {self.size} died (seen by "
+                                                       f"worker {self.rank} in {what})")
+                        self._mark_dead(r, None)
+        first = int(self._ctl[_FIRST_FAILED])
+        if first >= 0 and first != self.rank:
+            raise self.failure(first, what)
+
+    def failure(self, rank: int, what: str) -> WorkerFailedError:
+        state = self.state(rank)
+        code = int(self._ctl[self._slot(rank, _EXIT)]) if self.state(rank) != FAILED else None
+        if state == FAILED:
+            start = self._ctl_bytes + ERROR_SLOT * rank
+            n = self._seg.get_int(start)
+            message, tb = pickle.loads(self._seg.get_bytes(start + 8, start + 8 + n))
+            err = WorkerFailedError(rank, f"worker {rank} of {self.size} raised {message} "
+                                          f"(seen by worker {self.rank} in {what})", tb)
+            err.__cause__ = RemoteTraceback(f'\n"""\nTraceback from worker {rank}:\n{tb}"""')
+            return err
+        known = code if (state == DIED and code) else None
+        if state == EXITED:
+            return WorkerFailedError(rank, f"worker {rank} of {self.size} ended with "
+                                           f"{describe_exit(code)} (seen by worker {self.rank} in "
+                                           f"{what})", exitcode=code)
+        return WorkerFailedError(rank, f"worker {rank} of {self.size} died ({describe_exit(known)}) "
+                                       f"(seen by worker {self.rank} in {what})", exitcode=known)
+
+    def wait_until(self, pred, what: str) -> None:
+        """Poll ``pred`` until it holds, raising when a peer fails meanwhile."""
+        self.check(what)
+        _wait_until(pred, self.check, what)
+
+    # -- collective steps ------------------------------------------------------
+
+    def _gone(self, what: str) -> None:
+        for r in range(self.size):
+            s = self.state(r)
+            if r != self.rank and s in (SHUTDOWN, EXITED):
+                raise SynkError(f"{what}: worker {r} of {self.size} {_STATE_TEXT[s]} and will never "
+                                f"reach it (every worker must call {what} the same number of times)")
+
+    def barrier(self, what: str = "barrier()", meta=None) -> list | None:
+        """Wait until every rank arrives. With ``meta`` (4 ints), return every rank's."""
+        self.check(what)
+        self._gone(what)
+        with self.locked():
+            gen = int(self._ctl[_BAR_GEN])
+            # a fast rank may write the next barrier's meta while a slow one still
+            # reads this one's: alternate between two places
+            where = _META + 4 * (gen % 2)
+            if meta is not None:
+                base = self._slot(self.rank, where)
+                self._ctl[base:base + 4] = meta
+            self._ctl[_BAR_COUNT] += 1
+            if self._ctl[_BAR_COUNT] == self.size:
+                self._ctl[_BAR_COUNT] = 0
+                self._ctl[_BAR_GEN] = gen + 1
+
+        def passed():
+            return int(self._ctl[_BAR_GEN]) != gen
+
+        def check(w):
+            self.check(w)
+            if not passed():
+                self._gone(w)
+
+        check(what)
+        _wait_until(passed, check, what)
+        if meta is None:
+            return None
+        return [tuple(int(v) for v in self._ctl[self._slot(r, where):self._slot(r, where) + 4])
+                for r in range(self.size)]
+
+    def new_store(self, index: int, num_row: int, num_col: int, dtype, init_value):
+        """The storage of a new table (collective): one copy in shared memory."""
+        from .shm_tables import ShmStore
+
+        return ShmStore(self, index, num_row, num_col, dtype, init_value)
+
+    def finished(self, rank: int) -> bool:
+        """True when ``rank`` will make no more table calls (shutdown or ended)."""
+        return self.state(rank) in (SHUTDOWN, EXITED)
+
+    def shutdown(self) -> None:
+        """Leave: wait until every rank has called shutdown() or ended its script."""
+        self.check("shutdown()")
+        self.set_state(SHUTDOWN)
+        self.wait_until(lambda: all(self.finished(r) for r in range(self.size)), "shutdown()")
+
+    # -- the end ---------------------------------------------------------------
+
+    def _terminated(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        """A child told to stop (rank 0 died, or SIGTERM): leave cleanly and at once."""
+        # no lock here: the handler may have interrupted this process holding it
+        slot = self._slot(self.rank, _STATE)
+        if self._ctl[slot] in (RUNNING, SHUTDOWN):
+            self._ctl[slot] = DIED
+        self._leave(wait_for_parent=True)
+        os._exit(128 + signal.SIGTERM)
+
+    def _leave(self, wait_for_parent: bool = False) -> None:
+        """Drop this rank's liveness byte; the last process out removes the names.
+
+        ``wait_for_parent`` (a child told to stop): first wait a moment for rank
+        0's byte to read free. The parent-death signal comes when the thread
+        that forked exits, and rank 0's other threads (BLAS) may still hold
+        its files, and so its byte, for a while.
+        """
+        try:
+            fcntl.lockf(self._live_fd, fcntl.LOCK_UN, 1, self.rank)
+        except OSError:
+            pass
+        end = time.monotonic() + 2.0
+        while wait_for_parent and self._alive(0) and time.monotonic() < end:
+            time.sleep(0.002)
+        if not any(self._alive(r) for r in range(self.size) if r != self.rank):
+            shmem.unlink_prefix(self.prefix)
+
+    def _at_exit(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.set_state(EXITED)
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+        if self.rank != 0:
+            self._leave()
+            return
+        failed = self._wait_children()
+        shmem.unlink_prefix(self.prefix)
+        if failed is not None:
+            sys.stderr.write(f"synkhronos.multiverso: {failed}; exiting with status 1\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _wait_children(self):
+        """Rank 0 at exit: wait for every child; end them once something failed.
+
+        Returns the text of the first failure, or None.
+        """
+        deadline = None
+        while True:
+            self._reap()
+            if all(r in self._exit_codes for r in self.pids):
+                break
+            first = int(self._ctl[_FIRST_FAILED])
+            if first >= 0 and deadline is None:
+                deadline = time.monotonic() + GRACE
+            if deadline is not None and time.monotonic() > deadline:
+                for r, pid in self.pids.items():
+                    if r not in self._exit_codes:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                deadline = time.monotonic() + 3600
+            time.sleep(0.005)
+        first = int(self._ctl[_FIRST_FAILED])
+        if first < 0:
+            for r, code in self._exit_codes.items():
+                if code:
+                    return f"worker {r} ended with {describe_exit(code)}"
+            return None
+        return str(self.failure(first, "exit").args[0]).split(" (seen by")[0]
+
+
+class _Held:
+    """``with world.locked():`` a semaphore used as a lock, waited on with liveness checks."""
+
+    __slots__ = ("sem", "world")
+
+    def __init__(self, sem, world):
+        self.sem = sem
+        self.world = world
+
+    def __enter__(self):
+        try:
+            self.sem.acquire(0)
+            return self
+        except posix_ipc.BusyError:
+            pass
+        while True:
+            try:
+                self.sem.acquire(CHECK_EVERY)
+                return self
+            except posix_ipc.BusyError:
+                self.world.check("waiting for a lock", record=False)
+
+    def __exit__(self, *exc):
+        self.sem.release()
+        return False

@@ -1,0 +1,276 @@
+"""Scenarios of synkhronos.multiverso, run as scripts (the SPMD model: every worker runs it).
+
+    python scenarios.py SCENARIO NUM_WORKERS [TOKEN]
+    mpirun -np N python scenarios.py SCENARIO 0 [TOKEN]
+
+Every worker checks its own results and raises on the first wrong one (so
+the exit status says it all); each prints ``PASS <scenario> rank <r> of <n>``
+at the end. The fault scenarios fail on purpose; tests/test_multiverso.py
+reads their output. TOKEN only marks the processes, so that the test can
+look for any left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import synkhronos.multiverso as mv  # noqa: E402
+from synkhronos.errors import SynkError  # noqa: E402
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(f"worker {mv.worker_id()}: {what}")
+
+
+def raises(exc, fragment, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as err:
+        check(fragment in str(err), f"{exc.__name__} without {fragment!r}: {err}")
+        return
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(f"expected {exc.__name__} ({fragment}), got {type(err).__name__}: {err}")
+    raise AssertionError(f"expected {exc.__name__} ({fragment}), nothing raised")
+
+
+# -- Multiverso's own tests (binding/python/multiverso/tests/test_multiverso.py) ---------
+
+def array_test(size, rounds=100):
+    n = mv.workers_num()
+    tbh = mv.ArrayTableHandler(size)
+    mv.barrier()
+    for i in range(rounds):
+        tbh.add(range(1, size + 1))
+        tbh.add(range(1, size + 1))
+        mv.barrier()
+        got = tbh.get()
+        check(got.shape == (size,) and got.dtype == np.float32, f"array get: {got.shape} {got.dtype}")
+        expected = np.arange(1, size + 1) * (i + 1) * 2 * n
+        check(np.array_equal(got, expected), f"array round {i}: {got[:5]} != {expected[:5]}")
+        mv.barrier()
+
+
+def matrix_test():
+    num_row, num_col = 11, 10
+    size = num_row * num_col
+    n = mv.workers_num()
+    tbh = mv.MatrixTableHandler(num_row, num_col)
+    mv.barrier()
+    row_ids = [0, 1, 5, 10]
+    base = np.arange(size).reshape(num_row, num_col)
+    for count in range(1, 21):
+        tbh.add(range(size))
+        tbh.add([range(rid * num_col, (1 + rid) * num_col) for rid in row_ids], row_ids)
+        mv.barrier()
+        data = tbh.get()
+        mv.barrier()
+        expected = base * count * n
+        expected[row_ids] *= 2
+        check(np.array_equal(data, expected), f"matrix round {count}: {data} != {expected}")
+        data = tbh.get(row_ids)
+        mv.barrier()
+        check(np.array_equal(data, base[row_ids] * count * n * 2), f"matrix rows round {count}")
+
+
+def tables():
+    n, me = mv.workers_num(), mv.worker_id()
+    array_test(10000)
+    matrix_test()
+    array_test(1, rounds=20)                      # size 1 (Multiverso issue 69)
+    if n > 1:
+        array_test(n - 1, rounds=5)               # fewer values than workers
+    # master's init_value wins; float64 on request; out=
+    t = mv.ArrayTableHandler(3, init_value=np.array([1.5, 2.5, 3.5]) + 100 * me, dtype=np.float64)
+    mv.barrier()
+    out = np.zeros(3)
+    check(t.get(out=out) is out and np.array_equal(out, [1.5, 2.5, 3.5]), f"init value: {out.tolist()}")
+    check(t.dtype == np.float64, "float64 table")
+    mv.barrier()
+    t.add(np.full(3, 2.0 ** -40), sync=True)       # float64 keeps what float32 would lose
+    mv.barrier()
+    check(np.array_equal(t.get(), np.array([1.5, 2.5, 3.5]) + n * 2.0 ** -40), "float64 precision")
+    m = mv.MatrixTableHandler(4, 3, init_value=np.arange(12.0).reshape(4, 3) * (me + 1))
+    mv.barrier()
+    check(np.array_equal(m.get(), np.arange(12).reshape(4, 3)), "matrix init value")
+    mv.barrier()
+    m.add(np.ones(6), row_ids=[3, 3])               # a repeated row receives both rows
+    m.add(np.full((1, 3), 2.0), row_ids=[1])
+    mv.barrier()
+    got = m.get()
+    exp = np.arange(12.0).reshape(4, 3)
+    exp[3] += 2 * n
+    exp[1] += 2 * n
+    check(np.array_equal(got, exp), f"duplicate rows: {got} != {exp}")
+    check(np.array_equal(m.get([3, 0, 3]), exp[[3, 0, 3]]), "rows in the order given, repeats")
+    check(m.get([]).shape == (0, 3), "no rows")
+    out = np.empty(12, dtype=np.float32)
+    check(m.get(out=out) is out and np.array_equal(out, exp.reshape(-1)), "flat out")
+    mv.barrier()
+    errors(m, t)
+    mv.barrier()
+
+
+def errors(m, t):
+    raises(ValueError, "has 4 values", t.add, np.ones(4))
+    raises(TypeError, "real numbers", t.add, np.array(["a", "b", "c"]))
+    raises(TypeError, "real numbers", t.add, np.ones(3, dtype=complex))
+    raises(TypeError, "data is None", t.add, None)
+    raises(IndexError, "row id 4 is out of range", m.add, np.ones(3), row_ids=[4])
+    raises(IndexError, "row id -1 is out of range", m.get, [-1])
+    raises(TypeError, "row_ids must be ints", m.get, [0.5])
+    raises(ValueError, "2 row ids of 3 columns need 6", m.add, np.ones(3), row_ids=[0, 1])
+    raises(TypeError, "out has dtype float64", m.get, out=np.zeros((4, 3)))
+    raises(ValueError, "out has shape (3, 3)", m.get, out=np.zeros((3, 3), dtype=np.float32))
+    raises(TypeError, "dtype must be float32 or float64", mv.ArrayTableHandler, 3, dtype=np.int32)
+    raises(ValueError, "size must be at least 1", mv.ArrayTableHandler, 0)
+    raises(TypeError, "num_col must be an int", mv.MatrixTableHandler, 2, 2.0)
+    raises(ValueError, "holds 6 values", mv.ArrayTableHandler, 6, init_value=np.ones(5))
+    raises(SynkError, "already called", mv.init)
+
+
+def shapes():
+    """Tables constructed differently on different workers: a clear error on every one."""
+    mv.ArrayTableHandler(5 + mv.worker_id())
+
+
+# -- sync server -------------------------------------------------------------------------
+
+def sync():
+    n, me = mv.workers_num(), mv.worker_id()
+    rounds = 30
+    last = n - 1
+    mine = rounds // 2 if (me == last and n > 1) else rounds   # the last worker finishes early
+    size = 50
+    t = mv.ArrayTableHandler(size, dtype=np.float64)
+    contrib = lambda r, k: (r + 1) * 1000.0 + k + np.arange(size)  # noqa: E731
+    rng = np.random.default_rng(me)
+    for k in range(mine):
+        t.add(contrib(me, k))
+        time.sleep(rng.uniform(0, 0.003))           # workers drift apart
+        got = t.get()
+        exp = sum(contrib(r, j) for r in range(n) for j in range(min(k + 1, rounds // 2)
+                                                                  if (r == last and n > 1) else k + 1))
+        check(np.array_equal(got, exp), f"sync get {k}: {got[:3]} != {exp[:3]}")
+    mv.shutdown()
+
+
+# -- no update lost ------------------------------------------------------------------------
+
+def stress():
+    n, me = mv.workers_num(), mv.worker_id()
+    big = mv.ArrayTableHandler(300_000, dtype=np.float64)       # many stripes
+    small = mv.ArrayTableHandler(100)                             # one stripe: every add contends
+    mat = mv.MatrixTableHandler(500, 64, dtype=np.float64)
+    mv.barrier()
+    rng = np.random.default_rng(me)
+    ones = np.ones(300_000)
+    rows_added = np.zeros(500)
+    for k in range(60):
+        big.add(ones)
+        small.add(np.ones(100, dtype=np.float32))
+        ids = rng.integers(0, 500, size=40)
+        mat.add(np.ones((40, 64)), row_ids=ids)
+        np.add.at(rows_added, ids, 1)
+    total = np.zeros(500)
+    done = mv.ArrayTableHandler(500, dtype=np.float64)          # each worker's row counts, summed
+    done.add(rows_added)
+    mv.barrier()
+    total = done.get()
+    check(np.array_equal(big.get(), np.full(300_000, 60.0 * n)), "big table lost an update")
+    check(np.array_equal(small.get(), np.full(100, 60.0 * n)), "small table lost an update")
+    check(np.array_equal(mat.get(), np.repeat(total[:, None], 64, axis=1)), "matrix lost an update")
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+def fault_raise():
+    t = mv.ArrayTableHandler(10)
+    for i in range(3):
+        t.add(np.ones(10))
+        mv.barrier()
+    if mv.worker_id() == mv.workers_num() - 1:
+        raise ValueError(f"boom from worker {mv.worker_id()}")
+    mv.barrier()
+    raise AssertionError("the barrier after a failure returned")
+
+
+def fault_kill():
+    t = mv.ArrayTableHandler(10)
+    mv.barrier()
+    if mv.worker_id() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t.add(np.ones(10))
+    t.get()
+    mv.barrier()
+    raise AssertionError("the barrier after a death returned")
+
+
+def fault_kill_master():
+    mv.barrier()
+    if mv.worker_id() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+    raise AssertionError("a worker outlived its master")
+
+
+def fault_sync_get():
+    """A worker fails while the others wait for it in a sync get."""
+    t = mv.ArrayTableHandler(10)
+    t.add(np.ones(10))
+    t.get()
+    if mv.worker_id() == 1:
+        raise RuntimeError("failed before the second get")
+    t.add(np.ones(10))
+    t.get()
+    raise AssertionError("a sync get returned without worker 1")
+
+
+def fault_early_exit():
+    """A worker ends its script without shutdown() while the others wait in a barrier."""
+    mv.barrier()
+    if mv.worker_id() == 1:
+        sys.exit(0)
+    mv.barrier()
+    raise AssertionError("a barrier returned without worker 1")
+
+
+def not_initialised():
+    raises(SynkError, "before multiverso.init()", mv.barrier)
+    raises(SynkError, "before multiverso.init()", mv.ArrayTableHandler, 3)
+    raises(SynkError, "before multiverso.init()", mv.worker_id)
+    mv.init(num_workers=2)
+    t = mv.ArrayTableHandler(3)
+    mv.shutdown()
+    raises(SynkError, "after multiverso.shutdown()", t.add, np.ones(3))
+    raises(SynkError, "after multiverso.shutdown()", mv.barrier)
+    raises(SynkError, "after multiverso.shutdown()", mv.shutdown)
+
+
+SCENARIOS = {f.__name__: f for f in (tables, shapes, sync, stress, fault_raise, fault_kill,
+                                     fault_kill_master, fault_sync_get, fault_early_exit)}
+
+
+def main():
+    name, n = sys.argv[1], int(sys.argv[2])
+    if name == "not_initialised":
+        not_initialised()
+        print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
+        return
+    mv.init(sync=name in ("sync", "fault_sync_get"), num_workers=n or None)
+    SCENARIOS[name]()
+    print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
+    if name != "sync":
+        mv.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""synkhronos.multiverso with forked workers (no launcher): Multiverso's own tests, the sync
+server, concurrency, bad inputs and faults.
+
+Each case runs tests/mv/scenarios.py as a script (every worker runs the rest
+of the script after ``mv.init()``), bounded by a timeout; the script checks
+its results in every worker. Afterwards nothing may be left in /dev/shm under
+the script's prefix, and no process of it may remain.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mv.runner import run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def passed(r, name, n):
+    assert r.rc == 0, f"exit status {r.rc}:\n{r.output[-4000:]}"
+    ranks = sorted(int(m) for m in re.findall(rf"PASS {name} rank (\d+) of {n}", r.output))
+    assert ranks == list(range(n)), f"PASS lines from ranks {ranks}:\n{r.output[-4000:]}"
+    clean(r)
+
+
+def clean(r):
+    assert r.leftovers == [], f"left in /dev/shm: {r.leftovers}"
+    assert r.stragglers == [], f"processes left: {r.stragglers}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_multiverso_tables(n):
+    """Multiverso's array (10,000 x 100 rounds) and matrix (11 x 10, row_ids) tests, size 1,
+    sizes below the worker count, init values, float64, out=, duplicate row ids, bad inputs."""
+    passed(run(["tables", n]), "tables", n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sync_server_gets_match_and_early_finish(n):
+    """Every i-th get of every worker equals the sum of every add issued before it (so they
+    all match); the last worker shuts down at half time and the others go on without it."""
+    passed(run(["sync", n]), "sync", n)
+
+
+def test_concurrent_adds_lose_nothing():
+    """Three workers add into a many-stripe table, a one-stripe table and random rows of a
+    matrix without barriers; after one barrier the sums are exact."""
+    passed(run(["stress", 3]), "stress", 3)
+
+
+def test_calls_before_init_and_after_shutdown():
+    passed(run(["not_initialised", 0]), "not_initialised", 2)
+
+
+def test_different_tables_on_different_workers():
+    r = run(["shapes", 3])
+    assert r.rc != 0
+    assert "every worker must construct the same tables in the same order" in r.output
+    clean(r)
+
+
+def failed(r):
+    assert r.rc != 0, f"a failed run exited with status 0:\n{r.output[-3000:]}"
+    assert "[runner: killed" not in r.output, f"the run hung:\n{r.output[-3000:]}"
+    clean(r)
+
+
+def test_worker_raises():
+    r = run(["fault_raise", 3])
+    failed(r)
+    # the others name the rank, with the traceback where it raised
+    assert "worker 2 of 3 raised ValueError: boom from worker 2 (seen by worker 0 in barrier())" in r.output
+    assert "worker 2 of 3 raised ValueError: boom from worker 2 (seen by worker 1 in barrier())" in r.output
+    assert "Traceback from worker 2:" in r.output and 'raise ValueError(f"boom' in r.output
+
+
+def test_worker_killed():
+    r = run(["fault_kill", 3])
+    failed(r)
+    assert re.search(r"worker 1 of 3 died \(.*\) \(seen by worker 0", r.output), r.output[-3000:]
+    assert re.search(r"worker 1 of 3 died \(.*\) \(seen by worker 2", r.output), r.output[-3000:]
+
+
+def test_master_killed():
+    """Rank 0 killed: its workers end (parent-death signal) and the last one cleans up."""
+    r = run(["fault_kill_master", 3])
+    failed(r)
+
+
+def test_worker_raises_during_sync_get():
+    r = run(["fault_sync_get", 3])
+    failed(r)
+    assert "worker 1 of 3 raised RuntimeError: failed before the second get (seen by worker 0 in " \
+           "get() (sync server))" in r.output
+
+
+def test_worker_ends_without_reaching_barrier():
+    r = run(["fault_early_exit", 3])
+    failed(r)
+    assert "worker 1 of 3 ended its script and will never reach it" in r.output
