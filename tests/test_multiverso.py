@@ -100,3 +100,11 @@ def test_worker_ends_without_reaching_barrier():
     r = run(["fault_early_exit", 3])
     failed(r)
     assert "worker 1 of 3 ended its script and will never reach it" in r.output
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_mv_shared_and_param_managers(n):
+    """Multiverso's 200 x 200 mv_shared test (a PyTensor function adds arange twice per round,
+    sync, barrier, sync), W.mv_sync() on what mv_shared returns, the master's initial value,
+    the ported ``theano_ext.sharedvar`` import, and a manager for a list of shared variables."""
+    passed(run(["sharedvar", n]), "sharedvar", n)

@@ -255,8 +255,62 @@ def not_initialised():
     raises(SynkError, "after multiverso.shutdown()", mv.shutdown)
 
 
+# -- PyTensor helpers -------------------------------------------------------------------------
+
+def sharedvar(rounds=100):
+    """Multiverso's shared-variable test (200 x 200, W + arange twice per round), plus
+    mv_sync() on the variable itself and the param managers."""
+    import pytensor
+
+    from synkhronos.multiverso.pytensor_ext import SharedVarParamManager, mv_shared
+    from synkhronos.multiverso.theano_ext import sharedvar as sv  # the ported import
+
+    n, me = mv.workers_num(), mv.worker_id()
+    row, col = 200, 200
+    W = mv_shared(value=np.zeros((row, col), dtype=pytensor.config.floatX), name="W", borrow=True)
+    delta = np.arange(1, row * col + 1, dtype=pytensor.config.floatX).reshape((row, col))
+    train_model = pytensor.function([], updates=[(W, W + delta)], mode="FAST_COMPILE")
+    mv.barrier()
+    for i in range(rounds):
+        train_model()
+        train_model()
+        sv.sync_all_mv_shared_vars()
+        mv.barrier()
+        sv.sync_all_mv_shared_vars()                # to get the newest value, sync again
+        check(np.array_equal(W.get_value().reshape(-1), np.arange(1, row * col + 1) * (i + 1) * 2 * n),
+              f"mv_shared round {i}")
+        mv.barrier()
+    # the master's initial value wins; W.mv_sync() works on what mv_shared returns
+    b = mv_shared(np.full(3, 10.0 * (me + 1), dtype=np.float32), name="b")
+    check(np.array_equal(b.get_value(), [10.0] * 3) and b.get_value().dtype == np.float32, "b init")
+    b.set_value(b.get_value() + me + 1)
+    b.mv_sync()
+    mv.barrier()
+    b.mv_sync()
+    check(np.array_equal(b.get_value(), [10.0 + n * (n + 1) / 2] * 3), f"b.mv_sync: {b.get_value()}")
+    # a manager for a list of shared variables: ints, a scalar, float32
+    k = pytensor.shared(np.arange(4, dtype=np.int64) * (me + 1), name="k")
+    s = pytensor.shared(np.float64(me), name="s")
+    f = pytensor.shared(np.ones((2, 2), dtype=np.float32), name="f")
+    pm = SharedVarParamManager([k, s, f])
+    check(np.array_equal(k.get_value(), np.arange(4)) and k.get_value().dtype == np.int64, "k init")
+    check(s.get_value() == 0.0, "s init")
+    for _ in range(3):
+        k.set_value(k.get_value() + 1)
+        s.set_value(s.get_value() + 0.5)
+        f.set_value(f.get_value() * 1)              # no change
+        pm.sync_all_param()
+    mv.barrier()
+    pm.sync_all_param()
+    check(np.array_equal(k.get_value(), np.arange(4) + 3 * n), f"manager ints: {k.get_value()}")
+    check(s.get_value() == 1.5 * n, f"manager scalar: {s.get_value()}")
+    check(np.array_equal(f.get_value(), np.ones((2, 2))), "manager float32")
+    raises(TypeError, "needs PyTensor shared variables", SharedVarParamManager, [np.zeros(2)])
+
+
 SCENARIOS = {f.__name__: f for f in (tables, shapes, sync, stress, fault_raise, fault_kill,
-                                     fault_kill_master, fault_sync_get, fault_early_exit)}
+                                     fault_kill_master, fault_sync_get, fault_early_exit,
+                                     sharedvar)}
 
 
 def main():
