@@ -67,7 +67,7 @@ import pytensor.tensor as pt  # noqa: E402
 from synkhronos import runtime  # noqa: E402
 
 proc = runtime.session().proc
-assert proc.nccl is not None, "one process on one GPU should hold a one-rank NCCL communicator"
+assert proc.device.comm is not None, "one process on one GPU should hold a one-rank NCCL communicator"
 
 
 def timed(fn, n, warmup=5):
@@ -113,7 +113,7 @@ overhead = {
 
 nbytes = args.mib << 20
 count = nbytes // 4
-comm = proc.nccl._comm
+comm = proc.device.comm._comm
 stream = cupy.cuda.Stream(non_blocking=True)
 with stream:
     src = cupy.random.standard_normal(count, dtype=cupy.float32)
@@ -149,7 +149,7 @@ np.testing.assert_allclose(np.asarray(big.get_value(borrow=True))[:4], 1.0)  # s
 result = {
     "when": datetime.datetime.now().isoformat(timespec="seconds"),
     "host": platform.node(),
-    "device": proc.gpu.describe(),
+    "device": proc.device.state.describe(),
     "gpu_name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
     "versions": {"jax": jax.__version__, "cupy": cupy.__version__, "pytensor": pytensor.__version__,
                  "nccl": cupy.cuda.nccl.get_version(), "python": platform.python_version()},

@@ -23,12 +23,12 @@ __all__ = []
 class Process:
     """What one process (master or worker) of a fork holds."""
 
-    def __init__(self, prefix: str, rank: int, size: int, master_rank: int, device: str):
+    def __init__(self, prefix: str, rank: int, size: int, master_rank: int, device):
         self.prefix = prefix
         self.rank = rank
         self.size = size
         self.master_rank = master_rank
-        self.device = device
+        self.device = device  # devices.Device: every decision that depends on the device
         self.is_master = rank == master_rank
         self.master_pid = os.getpid() if self.is_master else os.getppid()
         self.control = None   # control.ControlBlock
@@ -36,9 +36,6 @@ class Process:
         self.functions = {}   # function id -> local executor
         self.shareds = {}     # shared-variable id -> this process's variable
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
-        self.gpu_plan = None  # gpu.GpuPlan on a GPU device
-        self.gpu = None       # gpu.GpuState once this process opened its GPU
-        self.nccl = None      # NcclCommunicator when every process has a GPU of its own
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
 
@@ -61,9 +58,7 @@ class Process:
         for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()
-        if self.nccl is not None:
-            self.nccl.close()
-            self.nccl = None
+        self.device.close()  # its communicator (NCCL), before the host one it talks through
         if self.comm is not None:
             self.comm.close()
         if self.control is not None:

@@ -8,7 +8,7 @@ import pickle
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context, gpu
+from . import context
 from .context import interruptible
 from .control import Command, handler
 
@@ -96,7 +96,7 @@ def distribute() -> None:
         s.shared_vars[sid] = var
         s.proc.shareds[sid] = var
     s.distributed.update(f._spec.fid for f in new)
-    gpu.place_shareds(s.proc)
+    s.proc.device.place_shareds(s.proc)
 
 
 @handler(Command.DISTRIBUTE)
@@ -111,4 +111,4 @@ def _receive(proc, blob: bytes) -> None:
         with interruptible:  # compiling may take long: the master may give it up
             local.compiled()
         proc.functions[spec.fid] = local
-    gpu.place_shareds(proc)
+    proc.device.place_shareds(proc)

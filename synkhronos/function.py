@@ -11,7 +11,7 @@ import pytensor
 from pytensor.graph.basic import Variable
 from pytensor.scalar import upcast
 
-from . import context, gpu
+from . import context
 from .arrays import concat
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import OUTPUT_OPS, cast_to, check_op, combine, result_dtype
@@ -108,10 +108,14 @@ class LocalFunction:
             spec = self.spec
             chosen = subset if subset is not None else tuple(range(len(spec.outputs)))
             ops = [spec.output_ops[i] for i in chosen]
-            comms = gpu.output_comms(proc, spec, chosen)
+            modes = spec.output_modes or spec.output_ops
+            # the device's communicator (NCCL), except for c_ ops and functions built with nccl=False
+            comms = [proc.device.comm_for(proc, cpu=not spec.nccl or (isinstance(modes[i], str)
+                                                                     and modes[i].startswith("c_")))
+                     for i in chosen]
             grouped: dict = {}
             for i, op in enumerate(ops):
-                grouped.setdefault((op, proc.comm if comms is None else comms[i]), []).append(i)
+                grouped.setdefault((op, comms[i]), []).append(i)
             plan = self._plans[subset] = (ops, [(op, comm, idx) for (op, comm), idx in grouped.items()])
         return plan
 
@@ -209,11 +213,11 @@ def execute_call(proc, call: CallSpec, own=None):
     if active and error is None:
         try:
             args = _local_inputs(proc, call, lo, hi, own)
-            gpu.keep_on_device(proc)
+            proc.device.keep_on_device(proc)
             with interruptible:  # a worker: the master may stop this when it abandons the call
                 outs = lf.run(args, call.subset, call.num_slices,
                               None if call.n_rows is None else hi - lo, ops, rows)
-            gpu.keep_on_device(proc)  # updates accumulated over slices come back to the host
+            proc.device.keep_on_device(proc)  # updates accumulated over slices come back to the host
         except Exception as exc:
             if as_interrupt(exc) is not exc:  # an interrupt, turned into SystemError by native code
                 raise as_interrupt(exc) from None
@@ -611,8 +615,7 @@ class Function:
             batch_ref = d._ref()
         call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s)
         results = s.run(Command.CALL, call.to_wire(), local=lambda proc, _: execute_call(proc, call, own))
-        if s.proc.gpu is not None:
-            results = gpu.convert_outputs(results, device_outputs, s.proc.gpu.jax_device)
+        results = s.proc.device.to_user(results, device_outputs)
         if subset is not None:
             return results
         return self._shape_result(results)
@@ -845,8 +848,8 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     nccl = pytensor_kwargs.pop("nccl", True)
     if not isinstance(nccl, bool):
         raise TypeError(f"nccl must be True or False, got {nccl!r}")
-    if s.proc.device == "gpu":
-        pytensor_kwargs.setdefault("mode", "JAX")  # the graph runs on this process's GPU
+    if s.proc.device.default_mode is not None:  # GPU: JAX, the graph runs on this process's GPU
+        pytensor_kwargs.setdefault("mode", s.proc.device.default_mode)
     fid = context.next_function_id()
     name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
     spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,

@@ -13,8 +13,7 @@ import warnings
 
 import numpy as np
 
-from . import context, gpu, signals
-from .collectives import ShmCommunicator
+from . import context, devices, signals
 from .context import Process, session  # session: runtime.session() is the running fork
 from .control import ChildWatch, Command, ControlBlock
 from .session import Session
@@ -95,14 +94,10 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise TypeError(f"{key} must be a positive int or None (it is ignored), got {limit!r}")
     profile_dir = _profile_dir(profile_workers)
-    n_gpus = gpu.require_gpu() if device == "gpu" else gpu.auto_gpus() if device == "auto" else 0
-    if use_gpu and not n_gpus:
-        warnings.warn(f"use_gpu=True, but {gpu.no_gpu_reason() or 'no GPU can be used'}: running on "
-                      "the CPU (device='gpu' makes this an error)", stacklevel=2)
-    device = "gpu" if n_gpus else "cpu"
+    device_cls, units = devices.choose(device, use_gpu)
     cores = available_cores()
     if n_parallel is None:
-        n_parallel = n_gpus or cores
+        n_parallel = units or cores
     if isinstance(n_parallel, bool) or not isinstance(n_parallel, int):
         raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
     if n_parallel < 1:
@@ -114,13 +109,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         raise TypeError(f"master_rank must be an int, got {master_rank!r}")
     if not 0 <= master_rank < n_parallel:
         raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
-    gpu_plan = None
-    if device == "gpu":
-        if n_parallel > n_gpus:
-            warnings.warn(f"n_parallel={n_parallel} is more than the {n_gpus} GPUs visible; processes "
-                          "will share GPUs and use the CPU (shared-memory) collectives", stacklevel=2)
-        gpu_plan = gpu.plan(n_gpus, n_parallel)
-        gpu_plan.saved_env = gpu.bind(gpu_plan, master_rank, n_parallel)
+    device = devices.create(device_cls, units, n_parallel, master_rank)  # binds the master to its unit
 
     stale = unlink_stale()
     if stale:
@@ -129,16 +118,14 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     prefix = lease.prefix
     proc = Process(prefix, master_rank, n_parallel, master_rank, device)
     proc.lease = lease
-    proc.gpu_plan = gpu_plan
     proc.profile_dir = profile_dir
     try:
         proc.control = ControlBlock(prefix, n_parallel, master_rank, create=True)
-        proc.comm = ShmCommunicator(prefix, master_rank, n_parallel, master_rank, create=True)
+        proc.comm = device.open_host_comm(proc, create=True)
     except BaseException:
         proc.close()
         unlink_prefix(prefix)
-        if gpu_plan is not None:
-            gpu.unbind(gpu_plan.saved_env)
+        device.unbind()
         raise
     threads = max(1, cores // n_parallel)
     groups = core_groups(n_parallel) if pin_cores is not False else None
@@ -146,7 +133,8 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
                       "one each: not pinning", stacklevel=2)
     keep_freed_memory()  # before forking: the workers inherit it
-    context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}  # the workers' rule
+    # the workers' rule: they die of a signal only where the master would
+    context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
@@ -170,12 +158,11 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     proc.comm.check = s.check
     atexit.register(_close_at_exit)
     log.debug("forked %d workers: %s", len(pids), pids)
-    if device == "gpu":
-        try:
-            gpu.start(s)  # every process opens its GPU; NCCL when each has its own
-        except BaseException:
-            close()
-            raise
+    try:
+        device.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
+    except BaseException:
+        close()
+        raise
     return n_parallel
 
 
@@ -229,18 +216,15 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         atexit._clear()
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
-        if master_proc.gpu_plan is not None:  # before anything touches CUDA
-            gpu.bind(master_proc.gpu_plan, rank)
+        master_proc.device.bind(rank)  # before anything touches the accelerator
         proc = Process(master_proc.prefix, rank, master_proc.size, master_proc.master_rank,
                        master_proc.device)
-        proc.gpu_plan = master_proc.gpu_plan
         proc.master_pid = os.getppid()
         if proc.master_pid != master_proc.master_pid:
             os._exit(1)
         proc.lease = Lease(proc.prefix)
         proc.control = ControlBlock(proc.prefix, proc.size, proc.master_rank, create=False)
-        proc.comm = ShmCommunicator(proc.prefix, rank, proc.size, proc.master_rank, create=False,
-                                    check=proc.check_master)
+        proc.comm = proc.device.open_host_comm(proc, create=False)
         context.interruptible.control = proc.control
         limit_threads(threads, worker=True)
         from .worker.loop import serve, serve_profiled
@@ -379,8 +363,7 @@ def _teardown(s: Session) -> None:
     step(s.thread_limit.restore)
     if s.saved_affinity is not None:
         step(pin, s.saved_affinity)
-    if proc.gpu_plan is not None:
-        step(gpu.unbind, proc.gpu_plan.saved_env)
+    step(proc.device.unbind)
     step(signals.restore_master_handlers, s.saved_handlers)
     step(atexit.unregister, _close_at_exit)
     if context.current() is s:

@@ -423,6 +423,23 @@ def get_shapes(shared_vars):
     return _ret(_send(s, CollectiveSpec("get_shapes", sids)), single)
 
 
+def on_device(shared_vars):
+    """Where every process keeps the values of shared variables (GPU device only).
+
+    Returns, per variable, a boolean array over ranks: True where that
+    process holds the value as a device (JAX) array, False where it is in
+    host memory. A single variable gives a single array.
+
+    Raises:
+        RuntimeError: not a GPU device.
+    """
+    s, _, sids, single = _resolve(shared_vars)
+    if not s.proc.device.keeps_values_on_device:
+        raise RuntimeError("on_device() needs a GPU device: synk.fork(device='gpu')")
+    got = _send(s, CollectiveSpec("placement", sids))
+    return got[0] if single else got
+
+
 def _store(var, value) -> None:
     # a reduction's float result lands in an integer variable rounded, never truncated
     var.set_value(cast_to(np.asarray(value), var.type.dtype), borrow=True)
@@ -548,11 +565,18 @@ def _receive(proc, wire: tuple):
 
 
 def _run(proc, spec: CollectiveSpec):
-    if getattr(proc, "gpu", None) is not None:  # a GPU device: NCCL, or the host path and back
-        from .gpu import run_shared_collective
+    if spec.kind == "placement":
+        return _placement(proc, spec)
+    # the device's collective (GPU: NCCL, or the host path and back), else the host path
+    return proc.device.shared_collective(proc, spec, _run_host)
 
-        return run_shared_collective(proc, spec, _run_host)
-    return _run_host(proc, spec)
+
+def _placement(proc, spec: CollectiveSpec):
+    """For the master, per variable, where every process keeps its value (True: on the device)."""
+    got = proc.comm.gather([proc.device.placement(proc, spec.sids)], root=proc.master_rank)
+    if got is None:
+        return None
+    return [np.array([per_rank[i] for per_rank in got[0]]) for i in range(len(spec.sids))]
 
 
 def _run_host(proc, spec: CollectiveSpec):

@@ -31,7 +31,7 @@ def _install_fake() -> None:
     sys.path.insert(0, fake)
     os.environ["PYTHONPATH"] = os.pathsep.join([fake] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from synkhronos import gpu
+    from synkhronos.devices import gpu as gpu_device
 
     def fake_state(self):
         import cupy
@@ -43,7 +43,7 @@ def _install_fake() -> None:
         self.cupy_device.use()
         self.placed = {}
 
-    gpu.GpuState.__init__ = fake_state
+    gpu_device.GpuState.__init__ = fake_state
 
 
 def _is_jax(x) -> bool:
@@ -86,8 +86,8 @@ def _fork(n):
         assert synk.fork(n, device="gpu") == n
     s = runtime.session()
     n_gpus = gpu.count_gpus()
-    assert s.proc.device == "gpu" and s.proc.gpu is not None
-    assert (s.proc.nccl is not None) == (n <= n_gpus), (n, n_gpus, s.proc.nccl)
+    assert s.proc.device.name == "gpu" and s.proc.device.state is not None
+    assert (s.proc.device.comm is not None) == (n <= n_gpus), (n, n_gpus, s.proc.device.comm)
     if n > n_gpus:
         assert any("share GPUs" in str(w.message) for w in caught), [str(w.message) for w in caught]
     return s
@@ -110,15 +110,15 @@ def outputs(n: int) -> dict:
     graph = [pt.mean(y, axis=0), pt.sum(y ** 2), pt.prod(pt.tanh(y) + 2, axis=0), pt.max(y, axis=0),
              pt.min(y), y, pt.sum(x)]
     outs = list(zip(graph, OPS))
-    facts = {"n": n, "nccl": s.proc.nccl is not None, "device": s.proc.gpu.describe()}
+    facts = {"n": n, "nccl": s.proc.device.comm is not None, "device": s.proc.device.state.describe()}
     f = synk.function([x], outs)
     f_c = synk.function([x], [(g, "c_" + op if op else None) for g, op in zip(graph, OPS)])
     f_off = synk.function([x], outs, nccl=False)
     f_int = synk.function([k], [(pt.sum(k), "sum"), (pt.mean(k), "avg"), (k, "gather"), (k.max(), "max")])
     assert f._spec.kwargs["mode"] == "JAX"
     counting = None
-    if s.proc.nccl is not None:
-        counting = s.proc.nccl._comm = _CountingNccl(s.proc.nccl._comm)
+    if s.proc.device.comm is not None:
+        counting = s.proc.device.comm._comm = _CountingNccl(s.proc.device.comm._comm)
     for rows in (7, 1, 2 * n + 1):  # uneven splits; fewer rows than processes
         data = rng.standard_normal((rows, 5))
         want = f.as_pytensor(data)
@@ -227,7 +227,7 @@ def shareds(n: int) -> dict:
     h = synk.function([], (pt.sum(a), "sum"))
     _close(h(), np.sum(np.arange(3.0 * 2 * n)), "function on scattered shared variable")
     resident("a call")
-    facts = {"n": n, "nccl": s.proc.nccl is not None}
+    facts = {"n": n, "nccl": s.proc.device.comm is not None}
     synk.close()
     return facts
 
@@ -263,7 +263,7 @@ def jax_cpu(n: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         synk.fork(n, device="cpu")
-    assert runtime.session().proc.device == "cpu"
+    assert runtime.session().proc.device.name == "cpu"
     rng = np.random.default_rng(1)
     x = pt.dmatrix("x")
     w = pytensor.shared(rng.standard_normal((5, 3)), name="w")

@@ -28,6 +28,7 @@ import pytest
 
 import synkhronos as synk
 from synkhronos import context, gpu, runtime
+from synkhronos.devices import gpu_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "gpu_scenarios.py"
@@ -133,7 +134,7 @@ def test_package_imports_without_cupy_or_jax(tmp_path):
     _shim(shims, "jax", "raise ImportError('shim: no jax here')")
     done = _run_python("""
         import sys
-        import synkhronos, synkhronos.gpu, synkhronos.collectives.nccl
+        import synkhronos, synkhronos.gpu, synkhronos.devices.gpu, synkhronos.collectives.nccl
         from synkhronos.collectives import BACKENDS
         assert 'cupy' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)
         assert sorted(BACKENDS) == ['nccl', 'shm']
@@ -174,7 +175,7 @@ def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
         except RuntimeError as err:
             print("ERROR:", err)
         n = synk.fork(2, device="auto")
-        print("AUTO:", runtime.session().proc.device, n)
+        print("AUTO:", runtime.session().proc.device.name, n)
         synk.close()
     """, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr
@@ -183,19 +184,19 @@ def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
 
 
 def test_missing_stack_in_this_process_is_named(monkeypatch):
-    monkeypatch.setattr(gpu, "stack_missing", lambda: ["cupy"])
+    monkeypatch.setattr(gpu_stack, "stack_missing", lambda: ["cupy"])
     with pytest.raises(RuntimeError, match=r"^device='gpu' needs cupy, which could not be imported: "
                                            r"pip install synkhronos\[gpu\]$"):
         synk.fork(2, device="gpu")
 
 
 def test_no_gpu_per_the_probe(monkeypatch):
-    monkeypatch.setattr(gpu, "stack_missing", lambda: [])
-    monkeypatch.setattr(gpu, "probe", lambda refresh=False: gpu.Probe(0, {}, "cudaErrorNoDevice"))
+    monkeypatch.setattr(gpu_stack, "stack_missing", lambda: [])
+    monkeypatch.setattr(gpu_stack, "probe", lambda refresh=False: gpu_stack.Probe(0, {}, "cudaErrorNoDevice"))
     with pytest.raises(RuntimeError, match=r"device='gpu' but no GPU is visible.*cudaErrorNoDevice"):
         synk.fork(2, device="gpu")
     assert synk.fork(2, device="auto") == 2
-    assert runtime.session().proc.device == "cpu" and runtime.session().proc.nccl is None
+    assert runtime.session().proc.device.name == "cpu" and runtime.session().proc.device.comm is None
     synk.close()
 
 
@@ -203,7 +204,7 @@ def test_no_gpu_per_the_probe(monkeypatch):
 def test_auto_falls_back_to_cpu_here():
     assert synk.fork(1, device="auto") == 1
     s = runtime.session()
-    assert s.proc.device == "cpu" and s.proc.gpu is None and s.proc.gpu_plan is None
+    assert s.proc.device.name == "cpu"
     synk.close()
 
 
@@ -216,11 +217,11 @@ def test_probing_does_not_import_the_stack_here():
 
 def test_plan_binds_rank_r_to_gpu_r_mod_n(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    p = gpu.plan(2, 3)
+    p = gpu_stack.plan(2, 3)
     assert p.visible == ("0", "1") and not p.nccl
     assert [p.gpu_of(r) for r in range(3)] == ["0", "1", "0"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    p = gpu.plan(2, 2)
+    p = gpu_stack.plan(2, 2)
     assert p.visible == ("3", "5") and p.nccl and p.gpu_of(1) == "5"
 
 
@@ -229,10 +230,10 @@ def test_bind_sets_and_unbind_restores_the_environment(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setattr(context, "bound_gpu", None)
-    saved = gpu.bind(gpu.plan(2, 2), 1)
+    saved = gpu_stack.bind(gpu_stack.plan(2, 2), 1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    gpu.unbind(saved)
+    gpu_stack.unbind(saved)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
 

@@ -8,7 +8,7 @@ import signal
 import time
 
 from ..data import forget
-from ..control import Command, handlers
+from ..control import Command, handler, handlers
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
 from ..shmem import unlink_prefix
 
@@ -33,10 +33,16 @@ def serve_profiled(proc, directory: str) -> int:
             log.warning("rank %d could not write its profile to %s: %s", proc.rank, path, exc)
 
 
+@handler(Command.INIT_DEVICE)
+def _open_device(proc, msg) -> None:
+    """INIT_DEVICE: this process opens its device (GPU: the GPU, then NCCL)."""
+    proc.device.open(proc, msg)
+
+
 def serve(proc) -> int:
     """Serve commands until CLOSE; returns the exit code."""
     # The feature modules register their worker-side handlers on import.
-    from .. import distribute, function, gpu, shareds  # noqa: F401
+    from .. import distribute, function, shareds  # noqa: F401
 
     ctl = proc.control
     epoch = ctl.epoch()
