@@ -91,3 +91,14 @@ def test_rank_ends_early_under_mpirun():
     r = run(["fault_early_exit", 0], mpi=3, timeout=120)
     failed(r)
     assert "worker 1 of 3 ended its script and will never reach it" in r.output
+
+
+def test_example_logistic_digits_under_mpirun():
+    """examples/mv_logistic_digits.py under mpirun -np 2 reaches at least 93%."""
+    from mv.runner import ROOT
+
+    r = run([], mpi=2, script=ROOT / "examples" / "mv_logistic_digits.py", timeout=150)
+    assert r.rc == 0, r.output[-3000:]
+    acc = [float(a) for a in re.findall(r"validation accuracy (\d\.\d+) \(2 workers\)", r.output)]
+    assert len(acc) == 15 and acc[-1] >= 0.93, r.output[-2000:]
+    assert r.stragglers == []

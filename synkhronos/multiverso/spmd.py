@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import fcntl
+import gc
 import os
 import pickle
 import signal
@@ -194,6 +195,9 @@ class ForkedWorld:
     def _become_child(self, rank: int, parent: int) -> None:
         self.rank = rank
         self.pids = {}
+        # what the parent made stays out of this child's collections: the final
+        # one (at interpreter exit) otherwise walked all of it, for seconds
+        gc.freeze()
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
