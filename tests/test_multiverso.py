@@ -9,6 +9,7 @@ the script's prefix, and no process of it may remain.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -115,6 +116,8 @@ def accuracies(output):
     return [float(a) for a in re.findall(r"validation accuracy (\d\.\d+)", output)]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                    reason="the example needs scikit-learn (pip install -e '.[demo]')")
 def test_example_logistic_digits_forked():
     """examples/mv_logistic_digits.py with 2 forked workers reaches at least 93%."""
     from mv.runner import ROOT

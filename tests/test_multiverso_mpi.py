@@ -93,6 +93,8 @@ def test_rank_ends_early_under_mpirun():
     assert "worker 1 of 3 ended its script and will never reach it" in r.output
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                    reason="the example needs scikit-learn (pip install -e '.[demo]')")
 def test_example_logistic_digits_under_mpirun():
     """examples/mv_logistic_digits.py under mpirun -np 2 reaches at least 93%."""
     from mv.runner import ROOT

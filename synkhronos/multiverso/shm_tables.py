@@ -21,7 +21,7 @@ from .. import shmem
 __all__ = ["ShmStore"]
 
 #: Bytes per stripe (one lock each).
-STRIPE_BYTES = 64 * 1024
+STRIPE_BYTES = 256 * 1024
 
 
 class ShmStore:
