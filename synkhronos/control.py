@@ -50,21 +50,6 @@ class Command(enum.IntEnum):
     INIT_DEVICE = 6
 
 
-#: Worker-side handlers, filled in by the feature modules:
-#: ``handlers[Command.X](ctx, payload)``.
-handlers: dict[Command, Callable] = {}
-
-
-def handler(cmd: Command):
-    """Register the worker-side half of a feature for ``cmd``."""
-
-    def deco(fn):
-        handlers[cmd] = fn
-        return fn
-
-    return deco
-
-
 def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
     """Take ``sem``, polling briefly, then sleeping in slices; ``check()`` between slices."""
     try:

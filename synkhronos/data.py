@@ -245,6 +245,49 @@ class Data:
         self._drop_segment()
 
 
+# -- for the other modules: Data keeps these private, its public API unchanged --
+
+
+def ref(d: Data):
+    """What a worker needs to map ``d``: (uid, segment name, dtype, shape)."""
+    return d._ref()
+
+
+def check_alive(d: Data) -> None:
+    """RuntimeError if ``d`` belongs to a fork that was closed."""
+    d._check_alive()
+
+
+def label(d: Data) -> str:
+    """How error messages name ``d``."""
+    return d._label()
+
+
+def fit_scratch(pool: dict, key, dtype, shape, name: str) -> Data:
+    """The staging Data of ``key`` in ``pool`` (a dict), made to hold ``shape``
+    elements of ``dtype``: kept and reused call after call, grown as needed and
+    shrunk after a much larger call; a new one if the dtype or the number of
+    dimensions changed."""
+    dtype, shape = np.dtype(dtype), tuple(shape)
+    d = pool.get(key)
+    if d is None or d.dtype != dtype or d.ndim != len(shape):
+        if d is not None:
+            d._release()
+        d = pool[key] = Data(dtype, len(shape), name=name, oversize=1.25)
+    d._fit(shape)
+    return d
+
+
+def release_scratch(pool: dict, keys, min_bytes: int = 0) -> None:
+    """Give back the memory of the staging Data of ``keys`` in ``pool`` that hold
+    ``min_bytes`` or more, and forget them."""
+    for key in keys:
+        d = pool.get(key)
+        if d is not None and d.size * d.dtype.itemsize >= min_bytes:
+            d._release()
+            del pool[key]
+
+
 def attach(proc, ref) -> np.ndarray:
     """In any process: the array a Data ref points to (cached mapping and view, no copy)."""
     uid, segname, dtype, shape = ref

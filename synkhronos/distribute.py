@@ -10,7 +10,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from . import context
 from .context import interruptible
-from .control import Command, handler
+from .control import Command
 
 __all__ = ["distribute"]
 
@@ -42,11 +42,11 @@ class _Unpickler(pickle.Unpickler):
         return self._shareds[sid]
 
 
-def shared_variables(fn) -> list:
-    """The shared variables a compiled function reads or updates, in a stable order."""
-    compiled = fn._local.compiled()
+def shared_variables(lf) -> list:
+    """The shared variables a function (its LocalFunction) reads or updates, in a stable order."""
+    compiled = lf.compiled()
     out = [inp.variable for inp in compiled.maker.inputs if inp.shared]
-    for var in fn._spec.sliceable:
+    for var in lf.spec.sliceable:
         if all(v is not var for v in out):
             out.append(var)
     return out
@@ -75,39 +75,39 @@ def distribute() -> None:
     """
     s = context.session()
     s.usable()
-    new = [f for f in s.functions if f._spec.fid not in s.distributed]
+    # the master's LocalFunctions, in creation order
+    new = [lf for lf in s.proc.functions.values() if lf.spec.fid not in s.distributed]
     if not new:
         return
     known = dict(s.shared_ids)
     fresh = []
-    for fn in new:
-        for var in shared_variables(fn):
+    for lf in new:
+        for var in shared_variables(lf):
             if id(var) not in known and all(v is not var for _, v in fresh):
                 fresh.append((len(s.shared_vars) + len(fresh) + 1, var))
     buf = io.BytesIO()
     try:
-        _Pickler(buf, known).dump(([f._spec for f in new], fresh))
+        _Pickler(buf, known).dump(([lf.spec for lf in new], fresh))
     except Exception as err:
-        names = ", ".join(repr(f.name) for f in new)
+        names = ", ".join(repr(lf.spec.name) for lf in new)
         raise TypeError(f"could not pickle functions {names} for the workers: {err}") from err
     s.run(Command.DISTRIBUTE, buf.getvalue())
     for sid, var in fresh:
         s.shared_ids[id(var)] = sid
         s.shared_vars[sid] = var
         s.proc.shareds[sid] = var
-    s.distributed.update(f._spec.fid for f in new)
+    s.distributed.update(lf.spec.fid for lf in new)
     s.proc.device.place_shareds(s.proc)
 
 
-@handler(Command.DISTRIBUTE)
-def _receive(proc, blob: bytes) -> None:
-    from .function import LocalFunction
-
+def receive(proc, blob: bytes, make_local) -> None:
+    """DISTRIBUTE in a worker: unpickle the functions and shared variables,
+    compile each function with ``make_local(spec)`` (function.LocalFunction)."""
     specs, fresh = _Unpickler(io.BytesIO(blob), proc.shareds).load()
     for sid, var in fresh:
         proc.shareds[sid] = var
     for spec in specs:
-        local = LocalFunction(spec)
+        local = make_local(spec)
         with interruptible:  # compiling may take long: the master may give it up
             local.compiled()
         proc.functions[spec.fid] = local

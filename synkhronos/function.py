@@ -16,8 +16,11 @@ from .arrays import concat
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import OUTPUT_OPS, cast_to, check_op, combine, result_dtype
 from .context import interruptible
-from .control import Command, handler
-from .data import Data, attach
+from .control import Command
+from .data import Data, attach, fit_scratch
+from .data import data as make_data
+from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
+from .distribute import distribute
 from .errors import PeerFailed, SynkError, as_interrupt, short_repr, user_stacklevel
 
 __all__ = ["Function", "function"]
@@ -332,8 +335,7 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
     return results if proc.is_master else None
 
 
-@handler(Command.CALL)
-def _worker_call(proc, wire: tuple) -> None:
+def worker_call(proc, wire: tuple) -> None:
     execute_call(proc, CallSpec(*wire))
 
 
@@ -432,8 +434,6 @@ class Function:
         if len(flags) != n:
             raise ValueError(f"minibatch has {len(flags)} entries for the {n} inputs of function "
                              f"{self.name!r}")
-        from .data import data as make_data
-
         out = []
         for var, value, flag in zip(self._spec.inputs, values, flags):
             out.append(make_data(value, var=var, force_cast=force_cast, oversize=oversize,
@@ -469,7 +469,7 @@ class Function:
         label = f"input {var.name or i!r} of function {self.name!r}"
         # wrong ndim or dtype is a TypeError, as in PyTensor's own functions
         if isinstance(value, Data):
-            value._check_alive()
+            check_data_alive(value)
             if value.ndim != var.type.ndim:
                 raise TypeError(f"{label} expects ndim={var.type.ndim}, got synk.data with ndim={value.ndim}")
             if value.dtype != np.dtype(var.type.dtype):
@@ -492,13 +492,13 @@ class Function:
         its dtype: one copy per call, into shared memory, and a warning the first time."""
         downcast = self._spec.kwargs.get("allow_input_downcast")
         if not (downcast or upcast(want.name, value.dtype.name) == want.name):
-            raise TypeError(f"{label} expects dtype {want}, got synk.data {value._label()} of dtype "
+            raise TypeError(f"{label} expects dtype {want}, got synk.data {data_label(value)} of dtype "
                             f"{value.dtype}, which would lose precision: create it with "
                             f"synk.data(value, dtype={want.name!r}) (or var=the input), or pass "
                             "allow_input_downcast=True to synk.function")
         if (i, value.dtype) not in self._cast_warned:
             self._cast_warned.add((i, value.dtype))
-            warnings.warn(f"{label} expects dtype {want}, got synk.data {value._label()} of dtype "
+            warnings.warn(f"{label} expects dtype {want}, got synk.data {data_label(value)} of dtype "
                           f"{value.dtype}: every call casts a copy of it ({value.size * want.itemsize} "
                           f"bytes now) into shared memory; create it with synk.data(value, "
                           f"dtype={want.name!r}) to pass it without a copy",
@@ -510,12 +510,7 @@ class Function:
         return d
 
     def _scratch_data(self, key, dtype, shape):
-        d = self._scratch.get(key)
-        if d is None:
-            d = Data(dtype, len(shape), name=f"{self.name}:{key}", oversize=1.25)
-            self._scratch[key] = d
-        d._fit(shape)  # shrinks after a much larger call
-        return d
+        return fit_scratch(self._scratch, key, dtype, shape, f"{self.name}:{key}")
 
     # -- the call ----------------------------------------------------------
 
@@ -590,8 +585,6 @@ class Function:
         elif batch is not None:
             raise ValueError(f"batch={batch!r} given, but function {self.name!r} has no scattered inputs")
         if self._spec.fid not in s.distributed:
-            from .distribute import distribute
-
             distribute()
         own: dict = {}
         refs = []
@@ -599,12 +592,12 @@ class Function:
         for i, value in enumerate(values):
             if spec.bcast[i]:
                 if isinstance(value, Data):
-                    refs.append(("b", value._ref()))
+                    refs.append(("b", data_ref(value)))
                 else:
                     own[i] = value
                     refs.append(("b", self._scratch_fill_whole(i, value)))
             elif isinstance(value, Data):
-                refs.append(("m" if value.minibatch else "s", value._ref()))
+                refs.append(("m" if value.minibatch else "s", data_ref(value)))
             else:
                 own[i], ref = self._scatter_numpy(i, value, norm_batch, n_rows, me, s.n_parallel)
                 refs.append(("m", ref))
@@ -612,7 +605,7 @@ class Function:
         if isinstance(norm_batch, np.ndarray):
             d = self._scratch_data("batch", np.int64, norm_batch.shape)
             d.data[...] = norm_batch
-            batch_ref = d._ref()
+            batch_ref = data_ref(d)
         call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s)
         results = s.run(Command.CALL, call.to_wire(), local=lambda proc, _: execute_call(proc, call, own))
         results = s.proc.device.to_user(results, device_outputs)
@@ -626,7 +619,7 @@ class Function:
         d = self._scratch_data(i, value.dtype, value.shape)
         if value.size:
             np.copyto(d.data, value)
-        return d._ref()
+        return data_ref(d)
 
     def _scatter_numpy(self, i, value, batch, n_rows, me, n):
         """Copy the other processes' rows of a numpy input to shared memory; keep ours."""
@@ -642,7 +635,7 @@ class Function:
                     dst[lo:hi] = value[sel]
                 else:
                     np.take(value, sel, axis=0, out=dst[lo:hi])
-        return value[sub_batch(batch, my_lo, my_hi)], d._ref()
+        return value[sub_batch(batch, my_lo, my_hi)], data_ref(d)
 
     def _check_batch_s(self, batch_s, n):
         """None, or one selection per rank (each None, a slice or an int64 array)."""
@@ -709,11 +702,6 @@ class Function:
         if self._spec.returns_list:
             return list(results)
         return results[0]
-
-    def _release(self) -> None:
-        for d in self._scratch.values():
-            d._release()
-        self._scratch.clear()
 
 
 _MISSING = object()
@@ -859,6 +847,5 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     local.compiled()  # compile now, as pytensor.function does: errors show here
     fn = Function(spec, local)
     fn._owner = s
-    s.functions.append(fn)
     s.proc.functions[fid] = local
     return fn

@@ -13,12 +13,13 @@ import warnings
 
 import numpy as np
 
-from . import context, devices, signals
+from . import context, devices, shareds, signals
 from .context import Process, session  # session: runtime.session() is the running fork
 from .control import ChildWatch, Command, ControlBlock
 from .session import Session
 from .shmem import Lease, disown, unlink_prefix, unlink_stale
 from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
+from .worker.loop import serve, serve_profiled
 
 __all__ = ["fork", "close"]
 
@@ -227,8 +228,6 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         proc.comm = proc.device.open_host_comm(proc, create=False)
         context.interruptible.control = proc.control
         limit_threads(threads, worker=True)
-        from .worker.loop import serve, serve_profiled
-
         if master_proc.profile_dir is None:
             code = serve(proc)
         else:
@@ -334,19 +333,14 @@ def _teardown(s: Session) -> None:
             interrupts.append(err)
 
     def release_memory():
-        for fn in s.functions:
-            fn._release()
-        for d in s.collective_scratch.values():
-            d._release()
+        # every Data (function and collective scratch included) registered its memory here
         for mem in list(s.data_memory.values()):  # Data objects still alive: their arrays stay valid
             mem.release()
         s.data_memory.clear()
 
     def leave_homes():
-        from .shareds import leave_homes
-
         try:
-            leave_homes(proc)
+            shareds.leave_homes(proc)
         except Exception:  # the values stay where they are, valid; only their memory lingers
             log.exception("synkhronos: could not copy shared variables out of shared memory")
 

@@ -38,7 +38,6 @@ class Session:
         self.watch = ChildWatch(pids)
         self.thread_limit = thread_limit
         self.broken: BaseException | None = None
-        self.functions = []          # Function objects, in creation order
         self.distributed = set()     # ids of functions the workers hold
         self.shared_ids = {}         # id(shared variable) -> sid
         self.shared_vars = {}        # sid -> shared variable (keeps them alive)

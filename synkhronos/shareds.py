@@ -18,10 +18,11 @@ from . import context
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import cast_to, parse_op
-from .control import Command, handler
+from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
-from .data import Data, attach, forget
+from .data import Data, attach, fit_scratch, forget, ref, release_scratch
+from .distribute import distribute
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
@@ -60,9 +61,7 @@ def _resolve(shared_vars):
     for v in items:
         if not isinstance(v, SharedVariable):
             raise TypeError(f"expected PyTensor shared variables, got {v!r}")
-    if any(f._spec.fid not in s.distributed for f in s.functions):
-        from .distribute import distribute
-
+    if any(fid not in s.distributed for fid in s.proc.functions):
         distribute()
     sids = []
     for v in items:
@@ -111,28 +110,17 @@ def _stage(fn_key, arrays):
     s = context.session()
     refs = []
     for i, arr in enumerate(arrays):
-        key = (fn_key, i)
-        d = s.collective_scratch.get(key)
-        if d is None or d.dtype != arr.dtype or d.ndim != arr.ndim:
-            if d is not None:
-                d._release()
-            d = Data(arr.dtype, arr.ndim, name=f"collective:{fn_key}:{i}", oversize=1.25)
-            s.collective_scratch[key] = d
-        d._fit(arr.shape)
+        d = fit_scratch(s.collective_scratch, (fn_key, i), arr.dtype, arr.shape, f"collective:{fn_key}:{i}")
         if arr.size:
             np.copyto(d.data, arr)
-        refs.append(d._ref())
+        refs.append(ref(d))
     return refs
 
 
 def _unstage(s, fn_key, n) -> None:
     """Release staged values of ``SHRINK_BYTES`` or more once the collective is over
     (the workers drop their mappings as soon as they copied them, see :func:`_run_host`)."""
-    for i in range(n):
-        d = s.collective_scratch.get((fn_key, i))
-        if d is not None and d.size * d.dtype.itemsize >= SHRINK_BYTES:
-            d._release()
-            del s.collective_scratch[(fn_key, i)]
+    release_scratch(s.collective_scratch, [(fn_key, i) for i in range(n)], min_bytes=SHRINK_BYTES)
 
 
 def _ret(results, single):
@@ -559,8 +547,7 @@ def _send(s, spec: CollectiveSpec):
     return s.run(Command.COLLECTIVE, wire, lambda proc, _: _run(proc, spec))
 
 
-@handler(Command.COLLECTIVE)
-def _receive(proc, wire: tuple):
+def worker_collective(proc, wire: tuple):
     return _run(proc, CollectiveSpec(*wire))
 
 

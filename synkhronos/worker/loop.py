@@ -6,9 +6,13 @@ import logging
 import os
 import signal
 import time
+from functools import partial
 
+from ..control import Command
 from ..data import forget
-from ..control import Command, handler, handlers
+from ..distribute import receive as receive_functions
+from ..function import LocalFunction, worker_call
+from ..shareds import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
 from ..shmem import unlink_prefix
 
@@ -33,17 +37,22 @@ def serve_profiled(proc, directory: str) -> int:
             log.warning("rank %d could not write its profile to %s: %s", proc.rank, path, exc)
 
 
-@handler(Command.INIT_DEVICE)
 def _open_device(proc, msg) -> None:
     """INIT_DEVICE: this process opens its device (GPU: the GPU, then NCCL)."""
     proc.device.open(proc, msg)
 
 
+#: The worker half of every command: ``HANDLERS[cmd](proc, payload)``.
+HANDLERS = {
+    Command.DISTRIBUTE: partial(receive_functions, make_local=LocalFunction),
+    Command.CALL: worker_call,
+    Command.COLLECTIVE: worker_collective,
+    Command.INIT_DEVICE: _open_device,
+}
+
+
 def serve(proc) -> int:
     """Serve commands until CLOSE; returns the exit code."""
-    # The feature modules register their worker-side handlers on import.
-    from .. import distribute, function, shareds  # noqa: F401
-
     ctl = proc.control
     epoch = ctl.epoch()
     try:
@@ -58,7 +67,7 @@ def serve(proc) -> int:
                 proc.comm.local_reset()
             error = None
             try:
-                handlers[cmd](proc, payload)
+                HANDLERS[cmd](proc, payload)
             except MasterGone:
                 raise
             except BaseException as exc:
