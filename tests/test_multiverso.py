@@ -127,3 +127,49 @@ def test_example_logistic_digits_forked():
     acc = accuracies(r.output)
     assert len(acc) == 15 and acc[-1] >= 0.93, r.output[-2000:]
     clean(r)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+def test_pytorch_tensors_and_array_likes_as_data():
+    passed(run(["arraylike", 2]), "arraylike", 2)
+
+
+def test_data_is_copied_only_when_needed():
+    """What add() hands to the table is the caller's memory unless a cast or a gather is needed."""
+    import numpy as np
+
+    from synkhronos.multiverso.tables import _values
+
+    a = np.arange(6, dtype=np.float32)
+    assert np.shares_memory(_values(a, np.float32, 6, "add", ""), a)
+    assert np.shares_memory(_values(a.reshape(2, 3), np.float32, 6, "add", ""), a)
+    cast = _values(np.arange(6.0), np.float32, 6, "add", "")
+    assert cast.dtype == np.float32 and np.array_equal(cast, a)
+    strided = np.arange(12, dtype=np.float32)[::2]
+    assert np.array_equal(_values(strided, np.float32, 6, "add", ""), strided)
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float32)
+    assert np.shares_memory(_values(t, np.float32, 6, "add", ""), t.numpy())
+
+
+def test_launcher_detection(monkeypatch):
+    from synkhronos.multiverso import under_launcher
+    from synkhronos.multiverso.api import LAUNCHER_VARS
+
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert not under_launcher()
+    for var in LAUNCHER_VARS:
+        monkeypatch.setenv(var, "2")
+        assert under_launcher()
+        monkeypatch.delenv(var)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mismatched_calls_raise_instead_of_hanging(n):
+    """Sync server, workers in different calls (get of one table, barrier, get of another):
+    Multiverso hung; here every worker raises, naming what each one waits in."""
+    r = run(["deadlock", n])
+    failed(r)
+    assert "deadlock in" in r.output and "worker 0 in get() number 2 of table 0" in r.output
+    assert "worker 1 in barrier()" in r.output

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import shmem
+from .spmd import IN_SYNC_ADD, IN_SYNC_GET
 
 __all__ = ["ShmStore"]
 
@@ -67,8 +68,8 @@ class ShmStore:
         if self.seg is None:
             self.seg = shmem.Segment(name)
         self.data = self.seg.array(self.dtype, self.shape, self._head)
-        self._arrived = self.seg.array(np.int64, (n,), 0)
-        self._copied = self.seg.array(np.int64, (n,), 8 * n)
+        self.arrived = self.seg.array(np.int64, (n,), 0)
+        self.copied = self.seg.array(np.int64, (n,), 8 * n)
         row_bytes = max(1, num_col * self.dtype.itemsize)
         self.rows_per_stripe = max(1, STRIPE_BYTES // row_bytes)
         self.num_stripes = max(1, -(-num_row // self.rows_per_stripe))
@@ -131,25 +132,27 @@ class ShmStore:
     def before_get(self, count: int) -> None:
         """Sync server: wait until every worker still working issued its ``count``-th get."""
         world = self.world
-        self._arrived[world.rank] = count
-        world.wait_until(lambda: all(self._arrived[s] >= count or world.finished(s)
-                                     for s in range(world.size)), "get() (sync server)")
+        self.arrived[world.rank] = count
+        world.wait_until(lambda: all(self.arrived[s] >= count or world.finished(s)
+                                     for s in range(world.size)), "get() (sync server)",
+                         (IN_SYNC_GET, (self.index << 32) | count))
 
     def after_get(self, count: int) -> None:
-        self._copied[self.world.rank] = count
+        self.copied[self.world.rank] = count
 
     def before_add(self, count: int) -> None:
         """Sync server: an add after this worker's ``count``-th get waits until every
         worker has taken its ``count``-th value, so that value never includes it."""
         world = self.world
-        world.wait_until(lambda: all(self._copied[s] >= count or world.finished(s)
-                                     for s in range(world.size)), "add() (sync server)")
+        world.wait_until(lambda: all(self.copied[s] >= count or world.finished(s)
+                                     for s in range(world.size)), "add() (sync server)",
+                         (IN_SYNC_ADD, (self.index << 32) | count))
 
     def flush(self) -> None:
         """Every add is applied before it returns: nothing to wait for."""
 
     def close(self) -> None:
-        self.data = self._arrived = self._copied = None
+        self.data = self.arrived = self.copied = None
         if self.seg is not None:
             self.seg.close()  # rank 0 created it and unlinks it; the others only unmap
             self.seg = None

@@ -71,8 +71,13 @@ _STATE_TEXT = {RUNNING: "running", SHUTDOWN: "called shutdown()", EXITED: "ended
 # control block (int64 words)
 _FIRST_FAILED, _BAR_COUNT, _BAR_GEN, _STARTED = 0, 1, 2, 3
 _HEADER = 8
-_PER_RANK = 12  # state, exitcode, meta[4] for even barriers, meta[4] for odd ones, spare[2]
-_STATE, _EXIT, _META = 0, 1, 2
+_PER_RANK = 12  # state, exitcode, meta[4] for even barriers, meta[4] for odd ones, wait[2]
+_STATE, _EXIT, _META, _WAIT = 0, 1, 2, 10
+# what a rank waits in (its _WAIT word; the next word says for what)
+NOT_WAITING, IN_BARRIER, IN_SYNC_GET, IN_SYNC_ADD = 0, 1, 2, 3
+#: Seconds every working rank must have waited, with nothing changing, before
+#: the ranks are declared deadlocked (they called different things).
+DEADLOCK_AFTER = 0.5
 
 _PR_SET_PDEATHSIG = 1
 #: struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid (64-bit off_t).
@@ -146,6 +151,7 @@ class ForkedWorld:
         self.rank = 0
         self.prefix = shmem.new_prefix()
         self.pids: dict[int, int] = {}
+        self.stores: dict = {}
         self.closed = False
         self._probing = False
         self._exit_codes: dict[int, int] = {}
@@ -337,10 +343,72 @@ class ForkedWorld:
         return WorkerFailedError(rank, f"worker {rank} of {self.size} died ({describe_exit(known)}) "
                                        f"(seen by worker {self.rank} in {what})", exitcode=known)
 
-    def wait_until(self, pred, what: str) -> None:
-        """Poll ``pred`` until it holds, raising when a peer fails meanwhile."""
+    def wait_until(self, pred, what: str, waiting=None, also=None) -> None:
+        """Poll ``pred`` until it holds, raising when a peer fails meanwhile.
+
+        ``waiting`` (kind, argument) is published for the deadlock check: when
+        every working rank waits and none of their waits can ever end (they
+        called different things), each raises instead of hanging. ``also(what)``
+        runs with each liveness check.
+        """
         self.check(what)
-        _wait_until(pred, self.check, what)
+        if pred():
+            return
+        if waiting is None:
+            _wait_until(pred, self.check, what)
+            return
+        base = self._slot(self.rank, _WAIT)
+        self._ctl[base + 1] = waiting[1]
+        self._ctl[base] = waiting[0]
+        stuck = {"since": None, "seen": None}
+
+        def check(w):
+            self.check(w)
+            if also is not None:
+                also(w)
+            self._deadlock(w, stuck)
+
+        try:
+            _wait_until(pred, check, what)
+        finally:
+            self._ctl[base] = NOT_WAITING
+
+    def _can_end(self, kind: int, arg: int):
+        """Whether a wait of ``kind`` for ``arg`` can end now (None: cannot tell)."""
+        if kind == IN_BARRIER:
+            return int(self._ctl[_BAR_GEN]) != arg
+        store = self.stores.get(arg >> 32)
+        if store is None or store.arrived is None:
+            return None
+        count = arg & 0xFFFFFFFF
+        marks = store.arrived if kind == IN_SYNC_GET else store.copied
+        return all(marks[s] >= count or self.finished(s) for s in range(self.size))
+
+    def _deadlock(self, what: str, stuck: dict) -> None:
+        waits = []
+        for r in range(self.size):
+            if self.finished(r):
+                continue
+            kind = int(self._ctl[self._slot(r, _WAIT)])
+            arg = int(self._ctl[self._slot(r, _WAIT) + 1])
+            if kind == NOT_WAITING or self._can_end(kind, arg) is not False:
+                stuck["since"] = None
+                return
+            waits.append((r, kind, arg))
+        now = time.monotonic()
+        if stuck["seen"] != waits or stuck["since"] is None:
+            stuck["seen"], stuck["since"] = waits, now
+            return
+        if now - stuck["since"] < DEADLOCK_AFTER:
+            return
+        text = {IN_BARRIER: lambda a: "barrier()",
+                IN_SYNC_GET: lambda a: f"get() number {a & 0xFFFFFFFF} of table {a >> 32}",
+                IN_SYNC_ADD: lambda a: f"an add() after get() number {a & 0xFFFFFFFF} of table "
+                                       f"{a >> 32}"}
+        where = ", ".join(f"worker {r} in {text[k](a)}" for r, k, a in waits)
+        raise SynkError(f"deadlock in {what}: every worker waits for the others ({where}); with a "
+                        "sync server every worker must call add() and get() on each table, and "
+                        "barrier(), in the same order and the same number of times")
 
     # -- collective steps ------------------------------------------------------
 
@@ -371,13 +439,12 @@ class ForkedWorld:
         def passed():
             return int(self._ctl[_BAR_GEN]) != gen
 
-        def check(w):
-            self.check(w)
+        def gone(w):
             if not passed():
                 self._gone(w)
 
-        check(what)
-        _wait_until(passed, check, what)
+        gone(what)
+        self.wait_until(passed, what, (IN_BARRIER, gen), also=gone)
         if meta is None:
             return None
         return [tuple(int(v) for v in self._ctl[self._slot(r, where):self._slot(r, where) + 4])
@@ -387,7 +454,9 @@ class ForkedWorld:
         """The storage of a new table (collective): one copy in shared memory."""
         from .shm_tables import ShmStore
 
-        return ShmStore(self, index, num_row, num_col, dtype, init_value)
+        store = ShmStore(self, index, num_row, num_col, dtype, init_value)
+        self.stores[index] = store
+        return store
 
     def finished(self, rank: int) -> bool:
         """True when ``rank`` will make no more table calls (shutdown or ended)."""

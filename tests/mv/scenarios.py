@@ -142,6 +142,32 @@ def shapes():
     mv.ArrayTableHandler(5 + mv.worker_id())
 
 
+def arraylike():
+    """PyTorch tensors (plain, needing grad) and objects with __array__ (as JAX arrays) as data."""
+    import torch
+
+    n = mv.workers_num()
+
+    class Jaxish:  # what JAX arrays offer numpy
+        def __array__(self, dtype=None, copy=None):
+            return np.full(4, 2.0, dtype=dtype or np.float32)
+
+    t = mv.ArrayTableHandler(4)
+    m = mv.MatrixTableHandler(3, 4, dtype=np.float64)
+    mv.barrier()
+    t.add(torch.ones(4))
+    t.add(torch.ones(2, 2, dtype=torch.float64, requires_grad=True))
+    t.add(Jaxish())
+    m.add(torch.arange(12.0).reshape(3, 4))
+    m.add(torch.ones(1, 4), row_ids=torch.tensor([2]))
+    mv.barrier()
+    check(np.array_equal(t.get(), np.full(4, 4.0 * n)), f"tensors: {t.get()}")
+    exp = np.arange(12.0).reshape(3, 4) * n
+    exp[2] += n
+    check(np.array_equal(m.get(), exp), f"matrix tensors: {m.get()}")
+    mv.barrier()
+
+
 # -- sync server -------------------------------------------------------------------------
 
 def sync():
@@ -234,6 +260,21 @@ def fault_sync_get():
     raise AssertionError("a sync get returned without worker 1")
 
 
+def deadlock():
+    """Sync server, workers calling different things: every one raises, none hangs."""
+    a = mv.ArrayTableHandler(3)
+    b = mv.ArrayTableHandler(3)
+    a.add(np.ones(3))
+    a.get()
+    if mv.worker_id() == 0:
+        a.get()          # waits for the others' second get of a
+    elif mv.worker_id() == 1:
+        mv.barrier()     # waits for the others in a barrier
+    else:
+        b.get()
+    raise AssertionError("a deadlocked call returned")
+
+
 def fault_early_exit():
     """A worker ends its script without shutdown() while the others wait in a barrier."""
     mv.barrier()
@@ -310,7 +351,7 @@ def sharedvar(rounds=100):
 
 SCENARIOS = {f.__name__: f for f in (tables, shapes, sync, stress, fault_raise, fault_kill,
                                      fault_kill_master, fault_sync_get, fault_early_exit,
-                                     sharedvar)}
+                                     sharedvar, arraylike, deadlock)}
 
 
 def main():
@@ -319,7 +360,7 @@ def main():
         not_initialised()
         print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
         return
-    mv.init(sync=name in ("sync", "fault_sync_get"), num_workers=n or None)
+    mv.init(sync=name in ("sync", "fault_sync_get", "deadlock"), num_workers=n or None)
     SCENARIOS[name]()
     print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
     if name != "sync":
