@@ -566,24 +566,7 @@ class Function:
         if num_slices > 1:
             self._check_sliceable_outputs(subset)
         values = [self._check_value(i, v) for i, v in enumerate(self._bind(args, kwargs))]
-        scattered = [i for i, b in enumerate(spec.bcast) if not b]
-        n_rows, norm_batch = None, None
-        if scattered:
-            full = [len(values[i]) if not _is_minibatch(values[i]) else None for i in scattered]
-            lengths = [n for n in full if n is not None]
-            if batch is None and len(set(lengths)) > 1:
-                names = [self._input_names[i] for i in scattered]
-                raise ValueError(f"scattered inputs of function {self.name!r} differ in length: "
-                                 f"{dict(zip(names, full))}")
-            ref_len = min(lengths) if lengths else min(len(values[i]) for i in scattered)
-            norm_batch = check_batch(batch, ref_len)
-            n_rows = batch_length(norm_batch, ref_len)
-            short = [self._input_names[i] for i in scattered
-                     if _is_minibatch(values[i]) and len(values[i]) < n_rows]
-            if short:
-                raise ValueError(f"minibatch inputs {short} hold fewer rows than the {n_rows} asked for")
-        elif batch is not None:
-            raise ValueError(f"batch={batch!r} given, but function {self.name!r} has no scattered inputs")
+        n_rows, norm_batch = self._rows(values, batch)
         if self._spec.fid not in s.distributed:
             distribute()
         own: dict = {}
@@ -612,6 +595,29 @@ class Function:
         if subset is not None:
             return results
         return self._shape_result(results)
+
+    def _rows(self, values, batch) -> tuple:
+        """``(n_rows, norm_batch)`` of a call: the rows the scattered inputs give
+        (None without scattered inputs) and ``batch`` normalised."""
+        scattered = [i for i, b in enumerate(self._spec.bcast) if not b]
+        n_rows, norm_batch = None, None
+        if scattered:
+            full = [len(values[i]) if not _is_minibatch(values[i]) else None for i in scattered]
+            lengths = [n for n in full if n is not None]
+            if batch is None and len(set(lengths)) > 1:
+                names = [self._input_names[i] for i in scattered]
+                raise ValueError(f"scattered inputs of function {self.name!r} differ in length: "
+                                 f"{dict(zip(names, full))}")
+            ref_len = min(lengths) if lengths else min(len(values[i]) for i in scattered)
+            norm_batch = check_batch(batch, ref_len)
+            n_rows = batch_length(norm_batch, ref_len)
+            short = [self._input_names[i] for i in scattered
+                     if _is_minibatch(values[i]) and len(values[i]) < n_rows]
+            if short:
+                raise ValueError(f"minibatch inputs {short} hold fewer rows than the {n_rows} asked for")
+        elif batch is not None:
+            raise ValueError(f"batch={batch!r} given, but function {self.name!r} has no scattered inputs")
+        return n_rows, norm_batch
 
     def _scratch_fill_whole(self, i, value):
         if context.session().n_parallel == 1:
@@ -747,6 +753,32 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     """
     s = context.session()
     s.usable()
+    inputs = _check_inputs(inputs, pytensor_kwargs)
+    outs, ops, given_ops, returns_list = _parse_outputs(outputs, reduce_ops)
+    upd_pairs, upd_ops = _parse_updates(updates)
+    inputs, bcast = _parse_bcast(inputs, bcast_inputs, broadcast_inputs)
+    sliceable = _parse_sliceable(sliceable_shareds)
+
+    nccl = pytensor_kwargs.pop("nccl", True)
+    if not isinstance(nccl, bool):
+        raise TypeError(f"nccl must be True or False, got {nccl!r}")
+    if s.proc.device.default_mode is not None:  # GPU: JAX, the graph runs on this process's GPU
+        pytensor_kwargs.setdefault("mode", s.proc.device.default_mode)
+    fid = context.next_function_id()
+    name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
+    spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
+                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops,
+                        nccl=nccl)
+    local = LocalFunction(spec)
+    local.compiled()  # compile now, as pytensor.function does: errors show here
+    fn = Function(spec, local)
+    fn._owner = s
+    s.proc.functions[fid] = local
+    return fn
+
+
+def _check_inputs(inputs, pytensor_kwargs) -> list:
+    """function()'s inputs as a list; call keywords given to function() refused."""
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of PyTensor variables, got {inputs!r}")
     bad = [item for item in inputs if not isinstance(item, Variable)]
@@ -756,6 +788,12 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     for key in ("outputs_subset", "output_subset"):
         if key in pytensor_kwargs:
             raise TypeError(f"{key} is a call keyword, not a function keyword")
+    return inputs
+
+
+def _parse_outputs(outputs, reduce_ops) -> tuple:
+    """``(outs, ops, given_ops, returns_list)``: the output variables, their ops
+    (checked, without ``c_``), the ops as given, and whether a call returns a list."""
     returns_list = isinstance(outputs, (list, tuple))
     if outputs is None:
         out_items = []
@@ -788,7 +826,11 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             ops = [reduce_ops] * len(outs)
     given_ops = list(ops)
     ops = [None if op is None else check_op(op, OUTPUT_OPS, "output op") for op in ops]
+    return outs, ops, given_ops, returns_list
 
+
+def _parse_updates(updates) -> tuple:
+    """``(pairs, ops)``: ``(shared, expression)`` pairs and their ops (checked)."""
     upd_pairs, upd_ops = [], []
     if updates is not None:
         items = list(updates.items()) if isinstance(updates, dict) else list(updates)
@@ -801,7 +843,12 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
                 raise TypeError(f"update target must be a shared variable, got {var!r}")
             upd_pairs.append((var, expr))
             upd_ops.append(check_op(op, what="update op"))
+    return upd_pairs, upd_ops
 
+
+def _parse_bcast(inputs, bcast_inputs, broadcast_inputs) -> tuple:
+    """``(inputs, bcast)``: the inputs (a broadcast variable not among them appended)
+    and, per input, whether every process gets it whole."""
     if broadcast_inputs is not None:
         if bcast_inputs is not None:
             raise TypeError("give bcast_inputs or its alias broadcast_inputs, not both")
@@ -825,6 +872,11 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     for i, v in enumerate(inputs):
         if not bcast[i] and v.type.ndim == 0:
             raise ValueError(f"input {v.name or i!r} is 0-d and cannot be scattered; list it in bcast_inputs")
+    return inputs, bcast
+
+
+def _parse_sliceable(sliceable_shareds) -> list:
+    """The shared variables whose rows ``batch_s`` may select."""
     sliceable = []
     for var in sliceable_shareds or ():
         if not hasattr(var, "get_value") or not isinstance(var, Variable):
@@ -832,20 +884,4 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         if var.type.ndim == 0:
             raise ValueError(f"sliceable shared variable {var.name or var!r} is 0-d; it has no rows")
         sliceable.append(var)
-
-    nccl = pytensor_kwargs.pop("nccl", True)
-    if not isinstance(nccl, bool):
-        raise TypeError(f"nccl must be True or False, got {nccl!r}")
-    if s.proc.device.default_mode is not None:  # GPU: JAX, the graph runs on this process's GPU
-        pytensor_kwargs.setdefault("mode", s.proc.device.default_mode)
-    fid = context.next_function_id()
-    name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
-    spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
-                        dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops,
-                        nccl=nccl)
-    local = LocalFunction(spec)
-    local.compiled()  # compile now, as pytensor.function does: errors show here
-    fn = Function(spec, local)
-    fn._owner = s
-    s.proc.functions[fid] = local
-    return fn
+    return sliceable

@@ -16,6 +16,7 @@ import numpy as np
 from . import context, devices, shareds, signals
 from .context import Process, session  # session: runtime.session() is the running fork
 from .control import ChildWatch, Command, ControlBlock
+from .errors import user_stacklevel
 from .session import Session
 from .shmem import Lease, disown, unlink_prefix, unlink_stale
 from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
@@ -97,57 +98,16 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     profile_dir = _profile_dir(profile_workers)
     device_cls, units = devices.choose(device, use_gpu)
     cores = available_cores()
-    if n_parallel is None:
-        n_parallel = units or cores
-    if isinstance(n_parallel, bool) or not isinstance(n_parallel, int):
-        raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
-    if n_parallel < 1:
-        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
-    if n_parallel > cores:
-        warnings.warn(f"n_parallel={n_parallel} is more than the {cores} cores available; "
-                      "processes will share cores", stacklevel=2)
-    if isinstance(master_rank, bool) or not isinstance(master_rank, int):
-        raise TypeError(f"master_rank must be an int, got {master_rank!r}")
-    if not 0 <= master_rank < n_parallel:
-        raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
+    n_parallel = _check_parallel(n_parallel, units or cores, cores, master_rank)
     device = devices.create(device_cls, units, n_parallel, master_rank)  # binds the master to its unit
-
-    stale = unlink_stale()
-    if stale:
-        log.info("removed %d shared-memory objects left by synkhronos forks no longer alive", len(stale))
-    lease = Lease.new()  # the fork's lock file: created first, unlinked last
-    prefix = lease.prefix
-    proc = Process(prefix, master_rank, n_parallel, master_rank, device)
-    proc.lease = lease
-    proc.profile_dir = profile_dir
-    try:
-        proc.control = ControlBlock(prefix, n_parallel, master_rank, create=True)
-        proc.comm = device.open_host_comm(proc, create=True)
-    except BaseException:
-        proc.close()
-        unlink_prefix(prefix)
-        device.unbind()
-        raise
+    proc = _open_master(device, n_parallel, master_rank, profile_dir)
     threads = max(1, cores // n_parallel)
     groups = core_groups(n_parallel) if pin_cores is not False else None
     if pin_cores and groups is None:
         warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
-                      "one each: not pinning", stacklevel=2)
+                      "one each: not pinning", stacklevel=user_stacklevel())
     keep_freed_memory()  # before forking: the workers inherit it
-    # the workers' rule: they die of a signal only where the master would
-    context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids = {}
-    for rank in range(n_parallel):
-        if rank == master_rank:
-            continue
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child, which never returns
-            if groups is not None:
-                pin(groups[rank])
-            _become_worker(proc, rank, threads)
-        pids[rank] = pid
+    pids = _spawn_workers(proc, groups, threads)
     thread_limit = limit_threads(threads)
     s = Session(proc, pids, thread_limit, close)
     context.set_current(s)
@@ -165,6 +125,66 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         close()
         raise
     return n_parallel
+
+
+def _check_parallel(n_parallel, default: int, cores: int, master_rank) -> int:
+    """fork()'s ``n_parallel`` (``default`` for None) and ``master_rank``, checked."""
+    if n_parallel is None:
+        n_parallel = default
+    if isinstance(n_parallel, bool) or not isinstance(n_parallel, int):
+        raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
+    if n_parallel < 1:
+        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
+    if n_parallel > cores:
+        warnings.warn(f"n_parallel={n_parallel} is more than the {cores} cores available; "
+                      "processes will share cores", stacklevel=user_stacklevel())
+    if isinstance(master_rank, bool) or not isinstance(master_rank, int):
+        raise TypeError(f"master_rank must be an int, got {master_rank!r}")
+    if not 0 <= master_rank < n_parallel:
+        raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
+    return n_parallel
+
+
+def _open_master(device, n_parallel: int, master_rank: int, profile_dir) -> Process:
+    """The master's Process: its lock file, control block and host communicator
+    (all undone if one of them fails)."""
+    stale = unlink_stale()
+    if stale:
+        log.info("removed %d shared-memory objects left by synkhronos forks no longer alive", len(stale))
+    lease = Lease.new()  # the fork's lock file: created first, unlinked last
+    prefix = lease.prefix
+    proc = Process(prefix, master_rank, n_parallel, master_rank, device)
+    proc.lease = lease
+    proc.profile_dir = profile_dir
+    try:
+        proc.control = ControlBlock(prefix, n_parallel, master_rank, create=True)
+        proc.comm = device.open_host_comm(proc, create=True)
+    except BaseException:
+        proc.close()
+        unlink_prefix(prefix)
+        device.unbind()
+        raise
+    return proc
+
+
+def _spawn_workers(proc: Process, groups, threads: int) -> dict:
+    """Fork the workers; returns rank -> pid. Each child pins itself to its cores
+    and becomes a worker, never returning here."""
+    # the workers' rule: they die of a signal only where the master would
+    context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = {}
+    for rank in range(proc.size):
+        if rank == proc.master_rank:
+            continue
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child, which never returns
+            if groups is not None:
+                pin(groups[rank])
+            _become_worker(proc, rank, threads)
+        pids[rank] = pid
+    return pids
 
 
 def _check_timeout(timeout) -> float | None:

@@ -428,7 +428,7 @@ def on_device(shared_vars):
     return got[0] if single else got
 
 
-def _store(var, value) -> None:
+def _assign(var, value) -> None:
     # a reduction's float result lands in an integer variable rounded, never truncated
     var.set_value(cast_to(np.asarray(value), var.type.dtype), borrow=True)
 
@@ -519,7 +519,7 @@ def _receive_into(proc, sid, var, src) -> np.ndarray:
     """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
     value (memory allocated once, not at every broadcast)."""
     if not proc.comm.supports_resident or np.dtype(src.dtype) != np.dtype(var.type.dtype):
-        _store(var, np.array(src, copy=True))
+        _assign(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
     view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}),
                  current=var.get_value(borrow=True))
@@ -579,19 +579,7 @@ def _run_host(proc, spec: CollectiveSpec):
             comm.broadcast(None, root=root, receive=lambda i, src: _receive_into(
                 proc, spec.sids[i], vars_[i], src))
     elif kind in ("scatter", "set_value"):
-        if kind == "set_value" and proc.rank != spec.rank:
-            return None
-        for v, ref, batch in zip(vars_, spec.refs, spec.batch):
-            arr = attach(proc, ref)
-            if kind == "scatter":
-                lo, hi = split(batch_length(batch, len(arr)), proc.size, proc.rank)
-                arr = arr[sub_batch(batch, lo, hi)]
-            elif batch is not None:
-                arr = arr[batch]
-            _store(v, np.array(arr, copy=True))
-        # large staged values are used once: drop the mapping now (the master frees them)
-        forget(proc, [ref[0] for ref in spec.refs
-                      if math.prod(ref[3]) * np.dtype(ref[2]).itemsize >= SHRINK_BYTES])
+        _host_scatter(proc, spec, vars_)
     elif kind == "gather":
         return comm.gather(_resident(proc, spec.sids, vars_), root=root,
                            join=lambda i, parts: join(parts, spec.nd_up, vars_[i]))
@@ -600,7 +588,7 @@ def _run_host(proc, spec: CollectiveSpec):
         out = []
         for v, parts in zip(vars_, got):
             joined = np.concatenate(parts, axis=0)
-            _store(v, joined)
+            _assign(v, joined)
             out.append(joined)
         return out if proc.is_master else None
     elif kind == "reduce":
@@ -609,14 +597,14 @@ def _run_host(proc, spec: CollectiveSpec):
             got = [cast_to(np.asarray(g), v.type.dtype) for g, v in zip(got, vars_)]
             if spec.in_place:
                 for v, g in zip(vars_, got):
-                    _store(v, g)
+                    _assign(v, g)
             return got
     elif kind == "all_reduce":
         arrays = _resident(proc, spec.sids, vars_)
         got = comm.all_reduce(arrays, spec.op, in_place=True)
         for v, g in zip(vars_, got):
             if v.get_value(borrow=True) is not g:
-                _store(v, g)
+                _assign(v, g)
     elif kind == "get_value":
         got = comm.gather(mine() if proc.rank == spec.rank else None, root=root)
         if got is not None:
@@ -629,3 +617,21 @@ def _run_host(proc, spec: CollectiveSpec):
     else:
         raise ValueError(f"unknown collective {kind!r}")
     return None
+
+
+def _host_scatter(proc, spec: CollectiveSpec, vars_) -> None:
+    """scatter (each process its rows of the staged values) and set_value (one
+    process takes them whole, or the rows of its ``batch``)."""
+    if spec.kind == "set_value" and proc.rank != spec.rank:
+        return
+    for v, ref, batch in zip(vars_, spec.refs, spec.batch):
+        arr = attach(proc, ref)
+        if spec.kind == "scatter":
+            lo, hi = split(batch_length(batch, len(arr)), proc.size, proc.rank)
+            arr = arr[sub_batch(batch, lo, hi)]
+        elif batch is not None:
+            arr = arr[batch]
+        _assign(v, np.array(arr, copy=True))
+    # large staged values are used once: drop the mapping now (the master frees them)
+    forget(proc, [ref[0] for ref in spec.refs
+                  if math.prod(ref[3]) * np.dtype(ref[2]).itemsize >= SHRINK_BYTES])
