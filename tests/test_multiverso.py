@@ -173,3 +173,17 @@ def test_mismatched_calls_raise_instead_of_hanging(n):
     failed(r)
     assert "deadlock in" in r.output and "worker 0 in get() number 2 of table 0" in r.output
     assert "worker 1 in barrier()" in r.output
+
+
+def test_default_number_of_workers(monkeypatch):
+    """One per visible GPU when there are GPUs, else one per core."""
+    import os
+
+    from synkhronos.multiverso import api
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert api._default_workers() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert api._default_workers() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert api._default_workers() == len(os.sched_getaffinity(0))

@@ -34,11 +34,28 @@ def under_launcher() -> bool:
     return any(v in os.environ for v in LAUNCHER_VARS)
 
 
-def _default_workers() -> int:
+def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _gpus() -> int:
+    """Visible NVIDIA GPUs, without importing a GPU stack: ``CUDA_VISIBLE_DEVICES``
+    when set, else the GPUs the driver lists (0 without a driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _default_workers() -> int:
+    """One worker per visible GPU when there are GPUs, else one per core."""
+    return _gpus() or _cores()
 
 
 def _make_world(num_workers):
@@ -75,8 +92,9 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
             every worker returns the same values); False (the default) for an
             async server (adds are applied as they arrive; ``barrier()``
             flushes).
-        num_workers: the number of workers to fork; default one per CPU core
-            this process may run on. Under a launcher, leave it out (or give
+        num_workers: the number of workers to fork; default one per visible
+            GPU (``CUDA_VISIBLE_DEVICES``, else the NVIDIA driver's list), or
+            one per CPU core this process may run on when there is no GPU. Under a launcher, leave it out (or give
             the launcher's number of processes).
 
     Raises:
@@ -101,7 +119,7 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
     if world.size > 1 and world.kind == "fork":
         from threadpoolctl import threadpool_limits  # each worker gets its share of the cores
 
-        state.limiter = threadpool_limits(max(1, _default_workers() // world.size))
+        state.limiter = threadpool_limits(max(1, _cores() // world.size))
     _state = state
 
 
