@@ -44,6 +44,10 @@ __all__ = ["MpiWorld", "MpiStore"]
 #: Largest failure notice (bytes); longer tracebacks are cut.
 NOTICE_BYTES = 16384
 _NOTICE_TAG = 77
+_ACK_TAG = 78
+#: Seconds a rank that failed waits for the others to report its failure before
+#: it exits (its exit makes mpirun stop the job, maybe before they printed).
+ACK_WAIT = 5.0
 _STATE_TEXT = {SHUTDOWN: "called shutdown()", EXITED: "ended its script"}
 
 
@@ -102,6 +106,10 @@ class MpiWorld:
                 self.record_failure(value)
             self.failed = True
             _previous(tp, value, tb)
+            if isinstance(value, WorkerFailedError) and not self.closed:
+                self._acknowledge(value.rank)
+            elif not self.closed:
+                self._await_acks()
 
         sys.excepthook = excepthook
         atexit.register(self._at_exit)
@@ -123,8 +131,28 @@ class MpiWorld:
                 except Exception:  # noqa: BLE001 - a rank already gone needs no notice
                     pass
         self._sent.append((buf, reqs))
-        end = time.monotonic() + 2.0  # let them arrive before mpirun stops the job
+
+    def _await_acks(self) -> None:
+        """The failed rank: wait (a while) until every other rank has printed its report."""
+        acks = [np.zeros(1, dtype=np.int8) for _ in range(self.size)]
+        reqs = [self._ctl.Irecv([acks[r], self.MPI.BYTE], source=r, tag=_ACK_TAG)
+                for r in range(self.size) if r != self.rank]
+        self._sent.append((acks, reqs))
+        end = time.monotonic() + ACK_WAIT
         while reqs and time.monotonic() < end and not self.MPI.Request.Testall(reqs):
+            time.sleep(0.002)
+
+    def _acknowledge(self, rank: int) -> None:
+        """Tell the failed rank that this one has reported its failure."""
+        sys.stderr.flush()
+        buf = np.ones(1, dtype=np.int8)
+        try:
+            req = self._ctl.Isend([buf, self.MPI.BYTE], dest=rank, tag=_ACK_TAG)
+        except Exception:  # noqa: BLE001 - it may be gone already
+            return
+        self._sent.append((buf, [req]))
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not req.Test():
             time.sleep(0.001)
 
     def check(self, what: str = "this call") -> None:

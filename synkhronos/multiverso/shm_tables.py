@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import shmem
-from .spmd import IN_SYNC_ADD, IN_SYNC_GET
+from .spmd import IN_SYNC_ADD, IN_SYNC_GET, round_up
 
 __all__ = ["ShmStore"]
 
@@ -44,7 +44,7 @@ class ShmStore:
         self.shape = (num_row, num_col)
         self.dtype = np.dtype(dtype)
         n = world.size
-        self._head = shmem.round_up(16 * n)
+        self._head = round_up(16 * n)
         nbytes = self._head + num_row * num_col * self.dtype.itemsize
         name = f"{world.prefix}t{index}"
         self.seg = None

@@ -103,6 +103,15 @@ class WorkerFailedError(SynkError):
         return (WorkerFailedError, (self.rank, self.args[0], self.remote_traceback, self.exitcode))
 
 
+def round_up(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+def _new_lock(name: str) -> posix_ipc.Semaphore:
+    """A new semaphore at 1, used as a lock (unlinked with the prefix by unlink_prefix)."""
+    return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
+
+
 def describe_exit(code) -> str:
     if code is None:
         return "exit status unknown"
@@ -154,9 +163,10 @@ class ForkedWorld:
         self.stores: dict = {}
         self.closed = False
         self._probing = False
+        self._next_probe = 0.0
         self._exit_codes: dict[int, int] = {}
         ints = _HEADER + _PER_RANK * size
-        self._ctl_bytes = shmem.round_up(ints * 8)
+        self._ctl_bytes = round_up(ints * 8)
         made = []
         try:
             self._seg = shmem.Segment(self.prefix + "ctl", self._ctl_bytes + ERROR_SLOT * size,
@@ -164,8 +174,8 @@ class ForkedWorld:
             made.append(self._seg)
             self._ctl = self._seg.array(np.int64, (ints,))
             self._ctl[_FIRST_FAILED] = -1
-            self._lock = shmem.create_semaphore(self.prefix + "lock.ctl", 1)
-            self.stripe_locks = [shmem.create_semaphore(f"{self.prefix}lock.{i}", 1)
+            self._lock = _new_lock(self.prefix + "lock.ctl")
+            self.stripe_locks = [_new_lock(f"{self.prefix}lock.{i}")
                                  for i in range(NUM_STRIPE_LOCKS)]
             self._live_path = os.path.join("/dev/shm", self.prefix + "live")
             self._live_fd = os.open(self._live_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
@@ -311,7 +321,9 @@ class ForkedWorld:
         """
         if record and self.rank == 0 and self.pids:
             self._reap()
-        if self._probing and self._ctl[_FIRST_FAILED] < 0:
+        now = time.monotonic()
+        if self._probing and self._ctl[_FIRST_FAILED] < 0 and now >= self._next_probe:
+            self._next_probe = now + CHECK_EVERY / 2  # cheap enough for every add and get
             for r in range(self.size):
                 if r != self.rank and self.state(r) in (RUNNING, SHUTDOWN) and not self._alive(r):
                     # it may have ended cleanly between the two reads

@@ -111,9 +111,10 @@ class TableHandler:
         return self._dtype
 
     def _live(self, what: str):
-        api.current(what)
+        state = api.current(what)
         if self._store is None:
             raise api.SynkError(f"{what}: the table was freed by shutdown()")
+        state.world.check(what)  # a failed worker shows in every add and get, not only in waits
         return self._store
 
     def _add(self, flat: np.ndarray, rows, sync: bool) -> None:
