@@ -33,10 +33,11 @@ def passed(r, name, n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_tables_under_mpirun(n):
-    """Multiverso's array and matrix tests, size 1, fewer values than ranks, init values,
-    float64, out=, duplicate row ids and bad inputs, over MPI windows."""
-    passed(run(["tables", 0], mpi=n, timeout=120), "tables", n)
+def test_tables_stress_and_mv_shared_under_mpirun(n):
+    """In one job: Multiverso's array and matrix tests, size 1, fewer values than ranks, init
+    values, float64, out=, duplicate row ids and bad inputs; concurrent adds without barriers
+    (no update lost); Multiverso's 200 x 200 mv_shared test and the param managers."""
+    passed(run(["async_all", 0], mpi=n, timeout=150), "async_all", n)
 
 
 def test_tables_under_mpirun_over_tcp():
@@ -47,15 +48,6 @@ def test_tables_under_mpirun_over_tcp():
 @pytest.mark.parametrize("n", [2, 3])
 def test_sync_server_under_mpirun(n):
     passed(run(["sync", 0], mpi=n, timeout=120), "sync", n)
-
-
-def test_concurrent_adds_under_mpirun():
-    passed(run(["stress", 0], mpi=3, timeout=120), "stress", 3)
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_mv_shared_under_mpirun(n):
-    passed(run(["sharedvar", 0], mpi=n, timeout=120), "sharedvar", n)
 
 
 def failed(r):

@@ -349,7 +349,14 @@ def sharedvar(rounds=100):
     raises(TypeError, "needs PyTensor shared variables", SharedVarParamManager, [np.zeros(2)])
 
 
-SCENARIOS = {f.__name__: f for f in (tables, shapes, sync, stress, fault_raise, fault_kill,
+def async_all():
+    """tables, stress and sharedvar in one run (one mpirun start instead of three)."""
+    tables()
+    stress()
+    sharedvar()
+
+
+SCENARIOS = {f.__name__: f for f in (async_all, tables, shapes, sync, stress, fault_raise, fault_kill,
                                      fault_kill_master, fault_sync_get, fault_early_exit,
                                      sharedvar, arraylike, deadlock)}
 
@@ -360,6 +367,8 @@ def main():
         not_initialised()
         print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
         return
+    if name == "arraylike":
+        import torch  # noqa: F401 - once, before the fork, not in every worker
     mv.init(sync=name in ("sync", "fault_sync_get", "deadlock"), num_workers=n or None)
     SCENARIOS[name]()
     print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
