@@ -130,8 +130,10 @@ def test_example_logistic_digits_forked():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
-def test_pytorch_tensors_and_array_likes_as_data():
-    passed(run(["arraylike", 2]), "arraylike", 2)
+def test_pytorch_tensors_as_data_and_torch_param_manager():
+    """PyTorch tensors (plain, needing grad, as row ids) and __array__ objects as data; the
+    TorchParamManager starts every worker from the master's weights and sums their changes."""
+    passed(run(["torch_all", 2]), "torch_all", 2)
 
 
 def test_data_is_copied_only_when_needed():

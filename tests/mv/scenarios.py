@@ -168,6 +168,37 @@ def arraylike():
     mv.barrier()
 
 
+def torch_manager():
+    """TorchParamManager: the master's initial weights everywhere, then summed changes."""
+    import torch
+
+    from synkhronos.multiverso.torch_ext import TorchParamManager
+
+    n, me = mv.workers_num(), mv.worker_id()
+    torch.manual_seed(me)                            # different initial weights per worker
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    pm = TorchParamManager(model, buffers=True)
+    start = [p.detach().clone() for p in model.parameters()]
+    first = torch.tensor(pm.all_param_list[:6]).reshape(2, 3)
+    check(torch.equal(model[0].weight.detach(), first), "weights set from the table")
+    mv.barrier()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    pm.sync_all_param()
+    mv.barrier()
+    pm.sync_all_param()
+    for p, s0 in zip(model.parameters(), start):
+        check(torch.allclose(p.detach(), s0 + n), "every worker's +1 summed")
+    # every worker holds the master's start: compare with worker 0's through a table
+    t = mv.ArrayTableHandler(6)
+    if me == 0:
+        t.add(model[0].weight.detach().reshape(-1))
+    mv.barrier()
+    check(np.allclose(t.get(), model[0].weight.detach().reshape(-1).numpy()), "same weights")
+    raises(TypeError, "needs a torch.nn.Module", TorchParamManager, [1, 2])
+
+
 # -- sync server -------------------------------------------------------------------------
 
 def sync():
@@ -356,9 +387,15 @@ def async_all():
     sharedvar()
 
 
-SCENARIOS = {f.__name__: f for f in (async_all, tables, shapes, sync, stress, fault_raise, fault_kill,
+def torch_all():
+    arraylike()
+    torch_manager()
+
+
+SCENARIOS = {f.__name__: f for f in (async_all, torch_all, tables, shapes, sync, stress, fault_raise, fault_kill,
                                      fault_kill_master, fault_sync_get, fault_early_exit,
-                                     sharedvar, arraylike, deadlock)}
+                                     sharedvar, arraylike, deadlock,
+                                     torch_manager)}
 
 
 def main():
@@ -367,7 +404,7 @@ def main():
         not_initialised()
         print(f"PASS {name} rank {mv.worker_id()} of {mv.workers_num()}", flush=True)
         return
-    if name == "arraylike":
+    if name in ("arraylike", "torch_manager", "torch_all"):
         import torch  # noqa: F401 - once, before the fork, not in every worker
     mv.init(sync=name in ("sync", "fault_sync_get", "deadlock"), num_workers=n or None)
     SCENARIOS[name]()
