@@ -196,12 +196,14 @@ def shareds(n: int) -> dict:
             reset()
             got = synk.reduce(both, op=prefix + op, in_place=False)
             _close(got[0], fn(per), f"reduce {prefix}{op}")
-            _close(got[1], fn(per_b).astype(np.int32), f"reduce {prefix}{op} int32")
+            # an avg of integers is rounded into an integer variable, never truncated (as cast_to)
+            _close(got[1], np.rint(fn(per_b)).astype(np.int32), f"reduce {prefix}{op} int32")
             synk.all_reduce(both, op=prefix + op)
             resident(f"all_reduce {prefix}{op}")
             for r in range(n):
                 _close(synk.get_value(r, a), fn(per), f"all_reduce {prefix}{op} rank {r}")
-                _close(synk.get_value(r, b), fn(per_b).astype(np.int32), f"all_reduce {prefix}{op} b")
+                _close(synk.get_value(r, b), np.rint(fn(per_b)).astype(np.int32),
+                       f"all_reduce {prefix}{op} b")
     reset()
     _close(synk.gather(a), np.stack(per), "gather nd_up=1")
     _close(synk.gather(a, nd_up=0), np.concatenate(per), "gather nd_up=0")

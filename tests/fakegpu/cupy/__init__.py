@@ -52,6 +52,11 @@ class ndarray:
     def astype(self, dtype, copy=True):
         return ndarray(self._a.astype(dtype, copy=copy))
 
+    real = property(lambda self: ndarray(self._a.real))
+
+    def round(self, decimals=0):
+        return ndarray(self._a.round(decimals))
+
     def view(self, dtype):
         return ndarray(self._a.view(dtype))
 
