@@ -94,8 +94,9 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
             flushes).
         num_workers: the number of workers to fork; default one per visible
             GPU (``CUDA_VISIBLE_DEVICES``, else the NVIDIA driver's list), or
-            one per CPU core this process may run on when there is no GPU. Under a launcher, leave it out (or give
-            the launcher's number of processes).
+            one per CPU core this process may run on when there is no GPU.
+            Under a launcher, leave it out (or give the launcher's number of
+            processes).
 
     Raises:
         SynkError: ``init`` was already called in this process.

@@ -237,7 +237,6 @@ def stress():
         ids = rng.integers(0, 500, size=40)
         mat.add(np.ones((40, 64)), row_ids=ids)
         np.add.at(rows_added, ids, 1)
-    total = np.zeros(500)
     done = mv.ArrayTableHandler(500, dtype=np.float64)          # each worker's row counts, summed
     done.add(rows_added)
     mv.barrier()
@@ -392,10 +391,9 @@ def torch_all():
     torch_manager()
 
 
-SCENARIOS = {f.__name__: f for f in (async_all, torch_all, tables, shapes, sync, stress, fault_raise, fault_kill,
-                                     fault_kill_master, fault_sync_get, fault_early_exit,
-                                     sharedvar, arraylike, deadlock,
-                                     torch_manager)}
+SCENARIOS = {f.__name__: f for f in (
+    tables, stress, sharedvar, async_all, sync, shapes, deadlock, arraylike, torch_manager,
+    torch_all, fault_raise, fault_kill, fault_kill_master, fault_sync_get, fault_early_exit)}
 
 
 def main():
