@@ -96,3 +96,11 @@ def test_example_logistic_digits_under_mpirun():
     acc = [float(a) for a in re.findall(r"validation accuracy (\d\.\d+) \(2 workers\)", r.output)]
     assert len(acc) == 15 and acc[-1] >= 0.93, r.output[-2000:]
     assert r.stragglers == []
+
+
+def test_mismatched_calls_raise_under_mpirun():
+    """Sync server, ranks in a get of one table, a barrier and a get of another: each raises."""
+    r = run(["deadlock", 0], mpi=3, timeout=120)
+    failed(r)
+    assert "deadlock in" in r.output and "worker 0 in get() number 2 of table 0" in r.output
+    assert "worker 1 in barrier()" in r.output and "worker 2 in get() number 1 of table 1" in r.output

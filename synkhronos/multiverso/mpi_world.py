@@ -37,7 +37,9 @@ import traceback
 import numpy as np
 
 from ..errors import RemoteTraceback, SynkError
-from .spmd import CHECK_EVERY, EXITED, MAX_SLEEP, RUNNING, SHUTDOWN, SPIN, WorkerFailedError
+from .spmd import (CHECK_EVERY, DEADLOCK_AFTER, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET,
+                   MAX_SLEEP, NOT_WAITING, RUNNING, SHUTDOWN, SPIN, WorkerFailedError,
+                   deadlock_error)
 
 __all__ = ["MpiWorld", "MpiStore"]
 
@@ -49,6 +51,8 @@ _ACK_TAG = 78
 #: it exits (its exit makes mpirun stop the job, maybe before they printed).
 ACK_WAIT = 5.0
 _STATE_TEXT = {SHUTDOWN: "called shutdown()", EXITED: "ended its script"}
+#: What a rank in a collective step waits in (the argument of its IN_BARRIER wait).
+_COLLECTIVES = ("barrier()", "the construction of a table")
 
 
 def _mpi():
@@ -81,18 +85,22 @@ class MpiWorld:
         self.prefix = ""
         self.closed = False
         self.failed = False
-        self.stores: list = []
+        self.stores: dict = {}
         self._sent: list = []
         self._notice_buf = np.zeros(NOTICE_BYTES, dtype=np.uint8)
         self._notice = self._ctl.Irecv([self._notice_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
                                        tag=_NOTICE_TAG)
-        self._state_win = MPI.Win.Allocate(8 * self.size if self.rank == 0 else 0, disp_unit=1,
+        # on rank 0: every rank's state, what it waits in, and for what (3 x size words)
+        self._state_win = MPI.Win.Allocate(24 * self.size if self.rank == 0 else 0, disp_unit=1,
                                            comm=self.comm)
         if self.rank == 0:
             self._state_win.Lock(0, MPI.LOCK_EXCLUSIVE)
-            np.frombuffer(self._state_win.tomemory(), dtype=np.int64)[:] = RUNNING
+            words = np.frombuffer(self._state_win.tomemory(), dtype=np.int64)
+            words[:] = NOT_WAITING
+            words[:self.size] = RUNNING
             self._state_win.Unlock(0)
-        self._states = np.zeros(self.size, dtype=np.int64)
+        self._words = np.zeros(3 * self.size, dtype=np.int64)
+        self._states = self._words[:self.size]
         self._install_hooks()
         self._poll([self.comm.Ibarrier()], "init()")
 
@@ -170,54 +178,93 @@ class MpiWorld:
             err.__cause__ = RemoteTraceback(f'\n"""\nTraceback from worker {rank}:\n{tb}"""')
             raise err
 
-    def _poll(self, reqs, what: str, also=None) -> None:
+    def _poll(self, reqs, what: str, also=None, waiting=None) -> None:
         """Until every request completes; ``check`` (and ``also``) between slices."""
         Testall = self.MPI.Request.Testall
-        if Testall(reqs):
-            return
-        start = time.monotonic()
-        next_check = start
-        sleep = 50e-6
-        while True:
-            now = time.monotonic()
-            if now >= next_check:
-                self.check(what)
-                if also is not None:
-                    also(what)
-                next_check = now + CHECK_EVERY
-            if Testall(reqs):
-                return
-            if now - start < SPIN:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, MAX_SLEEP)
+        self.wait_until(lambda: Testall(reqs), what, waiting, also)
 
-    def wait_until(self, pred, what: str) -> None:
-        """Poll ``pred`` until it holds, raising when a peer fails meanwhile."""
+    def wait_until(self, pred, what: str, waiting=None, also=None) -> None:
+        """Poll ``pred`` until it holds, raising when a peer fails meanwhile.
+
+        ``waiting`` (kind, argument) is published on rank 0 for the deadlock
+        check, as on one machine (see :meth:`.ForkedWorld.wait_until`).
+        """
         self.check(what)
-        start = time.monotonic()
-        next_check = start
-        sleep = 50e-6
-        while not pred():
-            now = time.monotonic()
-            if now >= next_check:
-                self.check(what)
-                next_check = now + CHECK_EVERY
-            if now - start < SPIN:
-                os.sched_yield()
+        if pred():
+            return
+        if waiting is not None:
+            self._publish(*waiting)
+        stuck = {"since": None, "seen": None}
+        try:
+            start = time.monotonic()
+            next_check = start
+            sleep = 50e-6
+            while not pred():
+                now = time.monotonic()
+                if now >= next_check:
+                    self.check(what)
+                    if also is not None:
+                        also(what)
+                    if waiting is not None:
+                        self._deadlock(what, stuck)
+                    next_check = now + CHECK_EVERY
+                if now - start < SPIN:
+                    os.sched_yield()
+                else:
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, MAX_SLEEP)
+        finally:
+            if waiting is not None and not self.closed:
+                self._publish(NOT_WAITING, 0)
+
+    def _publish(self, kind: int, arg: int) -> None:
+        MPI, win, n = self.MPI, self._state_win, self.size
+        pair = np.array([kind, arg], dtype=np.int64)
+        win.Lock(0, MPI.LOCK_SHARED)  # every rank writes only its own words
+        win.Put([pair[:1], MPI.INT64_T], 0, target=(8 * (n + self.rank), 1, MPI.INT64_T))
+        win.Put([pair[1:], MPI.INT64_T], 0, target=(8 * (2 * n + self.rank), 1, MPI.INT64_T))
+        win.Unlock(0)
+
+    def _deadlock(self, what: str, stuck: dict) -> None:
+        """Raise when every working rank waits, and none of the waits can ever end."""
+        n = self.size
+        words = self.states().copy()
+        waits, collectives = [], set()
+        for r in range(n):
+            if int(words[r]) in (SHUTDOWN, EXITED):
+                continue
+            kind, arg = int(words[n + r]), int(words[2 * n + r])
+            if kind == NOT_WAITING:
+                stuck["since"] = None
+                return
+            if kind == IN_BARRIER:
+                collectives.add(arg)
             else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, MAX_SLEEP)
+                store = self.stores.get(arg >> 32)
+                if store is None or store.win is None or store._all_reached(
+                        0 if kind == IN_SYNC_GET else 1, arg & 0xFFFFFFFF):
+                    stuck["since"] = None
+                    return
+            waits.append((r, kind, arg))
+        if len(collectives) == 1 and all(k == IN_BARRIER for _, k, _ in waits):
+            stuck["since"] = None  # everybody in the same collective: it will complete
+            return
+        now = time.monotonic()
+        if stuck["seen"] != waits or stuck["since"] is None:
+            stuck["seen"], stuck["since"] = waits, now
+            return
+        if now - stuck["since"] >= DEADLOCK_AFTER:
+            raise deadlock_error(what, [(r, k, _COLLECTIVES[a] if k == IN_BARRIER else a)
+                                        for r, k, a in waits])
 
     # -- states ----------------------------------------------------------------------
 
     def states(self) -> np.ndarray:
         MPI, win = self.MPI, self._state_win
         win.Lock(0, MPI.LOCK_SHARED)
-        win.Get([self._states, MPI.INT64_T], 0, target=(0, self.size, MPI.INT64_T))
+        win.Get([self._words, MPI.INT64_T], 0, target=(0, 3 * self.size, MPI.INT64_T))
         win.Unlock(0)
-        return self._states
+        return self._words
 
     def finished(self, rank: int) -> bool:
         """True when ``rank`` will make no more table calls (shutdown or ended)."""
@@ -245,13 +292,13 @@ class MpiWorld:
         self.check(what)
         MPI = self.MPI
         if meta is None:
-            self._poll([self.comm.Ibarrier()], what, self._gone)
+            self._poll([self.comm.Ibarrier()], what, self._gone, (IN_BARRIER, 0))
             return None
         mine = np.array(meta, dtype=np.int64)
         every = np.zeros((self.size, 4), dtype=np.int64)
         req = self.comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
         self._keep = (mine, every)
-        self._poll([req], what, self._gone)
+        self._poll([req], what, self._gone, (IN_BARRIER, 1))
         return [tuple(int(v) for v in row) for row in every]
 
     def bcast(self, array: np.ndarray, what: str) -> None:
@@ -261,7 +308,7 @@ class MpiWorld:
     def new_store(self, index: int, num_row: int, num_col: int, dtype, init_value):
         """The storage of a new table (collective): a slice of rows on every rank."""
         store = MpiStore(self, index, num_row, num_col, dtype, init_value)
-        self.stores.append(store)
+        self.stores[index] = store
         return store
 
     def shutdown(self) -> None:
@@ -279,7 +326,7 @@ class MpiWorld:
         if self.closed:
             return
         self.closed = True
-        for store in self.stores:
+        for store in self.stores.values():
             store.close()
         self.stores.clear()
         self._state_win.Free()
@@ -320,6 +367,7 @@ class MpiStore:
         MPI = world.MPI
         self.world = world
         self.MPI = MPI
+        self.index = index
         self.shape = (num_row, num_col)
         self.dtype = np.dtype(dtype)
         self.mpitype = MPI.FLOAT if self.dtype == np.float32 else MPI.DOUBLE
@@ -443,7 +491,8 @@ class MpiStore:
     def before_get(self, count: int) -> None:
         """Sync server: wait until every worker still working issued its ``count``-th get."""
         self._write_count(0, count)
-        self.world.wait_until(lambda: self._all_reached(0, count), "get() (sync server)")
+        self.world.wait_until(lambda: self._all_reached(0, count), "get() (sync server)",
+                              (IN_SYNC_GET, (self.index << 32) | count))
 
     def after_get(self, count: int) -> None:
         self._write_count(1, count)
@@ -452,7 +501,8 @@ class MpiStore:
         """Sync server: an add after this worker's ``count``-th get waits until every worker
         has taken its ``count``-th value."""
         if count:
-            self.world.wait_until(lambda: self._all_reached(1, count), "add() (sync server)")
+            self.world.wait_until(lambda: self._all_reached(1, count), "add() (sync server)",
+                                  (IN_SYNC_ADD, (self.index << 32) | count))
 
     def close(self) -> None:
         """Free the window (collective: every rank does it at shutdown)."""

@@ -112,6 +112,26 @@ def _new_lock(name: str) -> posix_ipc.Semaphore:
     return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
 
 
+def deadlock_error(what: str, waits) -> SynkError:
+    """The error for workers that all wait in calls none of which can end.
+
+    ``waits``: ``(rank, kind, arg)``; for a barrier ``arg`` is its text, for a
+    sync-server wait ``(table index << 32) | count``.
+    """
+    def text(kind, arg):
+        if kind == IN_BARRIER:
+            return arg
+        count, table = arg & 0xFFFFFFFF, arg >> 32
+        if kind == IN_SYNC_GET:
+            return f"get() number {count} of table {table}"
+        return f"an add() after get() number {count} of table {table}"
+
+    where = ", ".join(f"worker {r} in {text(k, a)}" for r, k, a in waits)
+    return SynkError(f"deadlock in {what}: every worker waits for the others ({where}); with a "
+                     "sync server every worker must call add() and get() on each table, and "
+                     "barrier(), in the same order and the same number of times")
+
+
 def describe_exit(code) -> str:
     if code is None:
         return "exit status unknown"
@@ -413,14 +433,8 @@ class ForkedWorld:
             return
         if now - stuck["since"] < DEADLOCK_AFTER:
             return
-        text = {IN_BARRIER: lambda a: "barrier()",
-                IN_SYNC_GET: lambda a: f"get() number {a & 0xFFFFFFFF} of table {a >> 32}",
-                IN_SYNC_ADD: lambda a: f"an add() after get() number {a & 0xFFFFFFFF} of table "
-                                       f"{a >> 32}"}
-        where = ", ".join(f"worker {r} in {text[k](a)}" for r, k, a in waits)
-        raise SynkError(f"deadlock in {what}: every worker waits for the others ({where}); with a "
-                        "sync server every worker must call add() and get() on each table, and "
-                        "barrier(), in the same order and the same number of times")
+        raise deadlock_error(what, [(r, k, "barrier()" if k == IN_BARRIER else a)
+                                    for r, k, a in waits])
 
     # -- collective steps ------------------------------------------------------
 
