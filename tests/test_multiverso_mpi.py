@@ -41,8 +41,9 @@ def test_tables_stress_and_mv_shared_under_mpirun(n):
 
 
 def test_tables_under_mpirun_over_tcp():
-    """The same over TCP (what two machines use), with three ranks."""
-    passed(run(["tables", 0], mpi=3, timeout=120, env=TCP), "tables", 3)
+    """The same over TCP with Open MPI's RDMA one-sided component (what windows spanning
+    several machines use; on one node Open MPI otherwise picks its shared-memory one)."""
+    passed(run(["async_all", 0], mpi=3, timeout=150, env=TCP, osc="rdma"), "async_all", 3)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -63,6 +64,16 @@ def test_rank_raises_under_mpirun():
         assert (f"worker 2 of 3 raised ValueError: boom from worker 2 (seen by worker {seer} in "
                 "barrier())") in r.output, r.output[-3000:]
     assert "Traceback from worker 2:" in r.output
+
+
+def test_rank_raises_under_mpirun_over_tcp():
+    """Over TCP a rank that exits breaks its sockets and MPI aborts its peers: the failed rank
+    waits until every other rank has printed its report, then lets them all go."""
+    r = run(["fault_raise", 0], mpi=3, timeout=120, env=TCP, osc="rdma")
+    failed(r)
+    for seer in (0, 1):
+        assert (f"worker 2 of 3 raised ValueError: boom from worker 2 (seen by worker {seer} in "
+                "barrier())") in r.output, r.output[-3000:]
 
 
 def test_rank_raises_during_sync_get_under_mpirun():

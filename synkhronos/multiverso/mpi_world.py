@@ -47,6 +47,7 @@ __all__ = ["MpiWorld", "MpiStore"]
 NOTICE_BYTES = 16384
 _NOTICE_TAG = 77
 _ACK_TAG = 78
+_RELEASE_TAG = 79
 #: Seconds a rank that failed waits for the others to report its failure before
 #: it exits (its exit makes mpirun stop the job, maybe before they printed).
 ACK_WAIT = 5.0
@@ -149,6 +150,15 @@ class MpiWorld:
         end = time.monotonic() + ACK_WAIT
         while reqs and time.monotonic() < end and not self.MPI.Request.Testall(reqs):
             time.sleep(0.002)
+        # then let them all go at once: over TCP a rank that exits early breaks its
+        # sockets, and MPI aborts a peer that has not printed its report yet
+        one = np.ones(1, dtype=np.int8)
+        sends = [self._ctl.Isend([one, self.MPI.BYTE], dest=r, tag=_RELEASE_TAG)
+                 for r in range(self.size) if r != self.rank]
+        self._sent.append((one, sends))
+        end = time.monotonic() + 1.0
+        while sends and time.monotonic() < end and not self.MPI.Request.Testall(sends):
+            time.sleep(0.001)
 
     def _acknowledge(self, rank: int) -> None:
         """Tell the failed rank that this one has reported its failure."""
@@ -158,9 +168,11 @@ class MpiWorld:
             req = self._ctl.Isend([buf, self.MPI.BYTE], dest=rank, tag=_ACK_TAG)
         except Exception:  # noqa: BLE001 - it may be gone already
             return
-        self._sent.append((buf, [req]))
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and not req.Test():
+        release = np.zeros(1, dtype=np.int8)
+        wait = self._ctl.Irecv([release, self.MPI.BYTE], source=rank, tag=_RELEASE_TAG)
+        self._sent.append((buf, release, [req, wait]))
+        end = time.monotonic() + ACK_WAIT + 1.0
+        while time.monotonic() < end and not self.MPI.Request.Testall([req, wait]):
             time.sleep(0.001)
 
     def check(self, what: str = "this call") -> None:

@@ -52,14 +52,16 @@ def _shm(pid: int) -> list[str]:
     return sorted(e for e in os.listdir("/dev/shm") if e.startswith(tag) or e.startswith("sem." + tag))
 
 
-def run(args, timeout: float = 60, mpi: int = 0, env=None, script=HERE / "scenarios.py") -> Run:
-    """``python script *args`` (or under ``mpirun -np mpi``); the script's pid names its segments."""
+def run(args, timeout: float = 60, mpi: int = 0, env=None, script=HERE / "scenarios.py",
+        osc: str = "^ucx") -> Run:
+    """``python script *args`` (or under ``mpirun -np mpi``, one-sided component ``osc``);
+    the script's pid names its segments."""
     token = "mvtok" + secrets.token_hex(6)
     cmd = [sys.executable, str(script), *map(str, args), token]
     full_env = dict(os.environ, **(env or {}))
     if mpi:
         cmd = [str(MPIRUN), "-np", str(mpi), "--oversubscribe", "--bind-to", "none",
-               "--mca", "osc", "^ucx", *cmd]
+               "--mca", "osc", osc, *cmd]
         full_env.update(MPI_ENV)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
