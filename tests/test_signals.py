@@ -667,7 +667,13 @@ def test_live_fork_holds_its_lock_in_every_process(fork):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
-    # each worker holds a lock through a descriptor of its own
+    # each worker holds a lock through a descriptor of its own (taken as it
+    # starts: fork() does not wait for that, so a loaded machine may need a moment)
     for pid in runtime.session().watch.pids.values():
-        links = [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
+        deadline = time.monotonic() + 10.0
+        while True:
+            links = [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
+            if f"/dev/shm/{prefix}lock" in links or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         assert f"/dev/shm/{prefix}lock" in links
