@@ -83,6 +83,8 @@ def matrix_test():
 
 def tables():
     n, me = mv.workers_num(), mv.worker_id()
+    if not mv.under_launcher():
+        check("mpi4py" not in sys.modules, "mpi4py was imported without a launcher")
     array_test(10000)
     matrix_test()
     array_test(1, rounds=20)                      # size 1 (Multiverso issue 69)
