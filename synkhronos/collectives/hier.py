@@ -31,10 +31,7 @@ import numpy as np
 from .base import Communicator
 from .ops import cast_to
 
-try:  # where the contract of issue 12 puts it
-    from ..errors import PeerFailed  # type: ignore[attr-defined]
-except ImportError:  # until then it lives with the shared-memory communicator
-    from .shm import PeerFailed
+from ..errors import PeerFailed
 
 __all__ = ["HierarchicalCommunicator"]
 

@@ -42,6 +42,7 @@ sending SIGTERM to every process, which the polling lets Python handle.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -51,14 +52,9 @@ from typing import Callable
 import numpy as np
 
 from ..control import WAIT_SLICE
-from ..errors import SynkError
+from ..errors import PeerFailed, SynkError
 from .base import Communicator
 from .ops import cast_to, combine, result_dtype
-
-try:  # where the contract of issue 12 puts it
-    from ..errors import PeerFailed  # type: ignore[attr-defined]
-except ImportError:  # until then it lives with the shared-memory communicator
-    from .shm import PeerFailed
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
@@ -74,16 +70,11 @@ HEADER_SLOT = 512
 NOTICE_BYTES = 2048
 _NOTICE_TAG = 7
 
-_MPI = None
-
-
+@functools.cache
 def _mpi():
-    global _MPI
-    if _MPI is None:
-        from mpi4py import MPI  # only here: importing the package never imports mpi4py
+    from mpi4py import MPI  # only here: importing the package never imports mpi4py
 
-        _MPI = MPI
-    return _MPI
+    return MPI
 
 
 class NodeFailedError(SynkError):
@@ -368,54 +359,15 @@ class MpiCommunicator(Communicator):
         if op == "avg":
             pre, post = _avg_scales(weights, metas[self.rank][1] if arrays is not None else 0.0)
         gets = root is None or self.rank == root
-        MPI = self._MPI
-        mpi_op = {name: getattr(MPI, name) for name in ("SUM", "PROD", "MAX", "MIN")}
-
-        def start():
-            reqs, jobs, keep = [], [], []
-            for i, (dtype, shape) in enumerate(layout):
-                plan = reduce_plan(dtype, op)
-                count = math.prod(shape)
-                mine = None if arrays is None else arrays[i]
-                if plan is None:  # gathered as bytes, combined here as ops.combine does
-                    jobs.append(("local", self._start_gather(mine, metas, i, root, reqs, keep)))
-                    continue
-                work, name = plan
-                if count == 0:
-                    jobs.append(("empty", None))
-                    continue
-                inplace_ok = (in_place and root is None and mine is not None
-                              and mine.flags.c_contiguous and mine.flags.writeable
-                              and (mine.dtype == work or (mine.dtype.kind == "b" and work.kind == "u")))
-                if inplace_ok:  # MPI works in the caller's array: no copy
-                    buf = mine.view(work) if mine.dtype != work else mine
-                    if pre is not None:
-                        buf *= work.type(pre)
-                    reqs.append(self._comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op[name]))
-                    jobs.append(("mpi", buf))
-                    keep.append(buf)
-                    continue
-                if mine is None:
-                    send = np.full(shape, _identity(op, work), dtype=work)
-                elif pre is not None:
-                    send = mine.astype(work) * work.type(pre)
-                elif mine.dtype.kind == "b" and work.kind == "u":
-                    send = np.ascontiguousarray(mine).view(work)
-                else:
-                    send = np.ascontiguousarray(mine, dtype=work)
-                recv = np.empty(shape, dtype=work) if gets else None
-                if root is None:
-                    reqs.append(self._comm.Iallreduce(send, recv, mpi_op[name]))
-                else:
-                    reqs.append(self._comm.Ireduce(send, recv, mpi_op[name], root))
-                jobs.append(("mpi", recv))
-                keep += [send, recv]
-            return reqs, jobs, keep
-
+        start = functools.partial(self._start_reduce, arrays, layout, op, pre, root, in_place, gets, metas)
         reqs, jobs, keep = self._started(what, start)
         self._wait(reqs, what, keep)
         if not gets:
             return None
+        return self._finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
+
+    def _finish_reduce(self, arrays, layout, jobs, op, present, weights, post, in_place):
+        """The results of a reduction whose requests completed, in their result dtypes."""
         out = []
         for (dtype, shape), (kind, val) in zip(layout, jobs):
             rdtype = result_dtype(dtype, op)
@@ -435,6 +387,50 @@ class MpiCommunicator(Communicator):
                     np.copyto(a, cast_to(res, a.dtype))
             return arrays
         return out
+
+    def _start_reduce(self, arrays, layout, op, pre, root, in_place, gets, metas):
+        """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep)``."""
+        MPI = self._MPI
+        mpi_op = {name: getattr(MPI, name) for name in ("SUM", "PROD", "MAX", "MIN")}
+        reqs, jobs, keep = [], [], []
+        for i, (dtype, shape) in enumerate(layout):
+            plan = reduce_plan(dtype, op)
+            count = math.prod(shape)
+            mine = None if arrays is None else arrays[i]
+            if plan is None:  # gathered as bytes, combined here as ops.combine does
+                jobs.append(("local", self._start_gather(mine, metas, i, root, reqs, keep)))
+                continue
+            work, name = plan
+            if count == 0:
+                jobs.append(("empty", None))
+                continue
+            inplace_ok = (in_place and root is None and mine is not None
+                          and mine.flags.c_contiguous and mine.flags.writeable
+                          and (mine.dtype == work or (mine.dtype.kind == "b" and work.kind == "u")))
+            if inplace_ok:  # MPI works in the caller's array: no copy
+                buf = mine.view(work) if mine.dtype != work else mine
+                if pre is not None:
+                    buf *= work.type(pre)
+                reqs.append(self._comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op[name]))
+                jobs.append(("mpi", buf))
+                keep.append(buf)
+                continue
+            if mine is None:
+                send = np.full(shape, _identity(op, work), dtype=work)
+            elif pre is not None:
+                send = mine.astype(work) * work.type(pre)
+            elif mine.dtype.kind == "b" and work.kind == "u":
+                send = np.ascontiguousarray(mine).view(work)
+            else:
+                send = np.ascontiguousarray(mine, dtype=work)
+            recv = np.empty(shape, dtype=work) if gets else None
+            if root is None:
+                reqs.append(self._comm.Iallreduce(send, recv, mpi_op[name]))
+            else:
+                reqs.append(self._comm.Ireduce(send, recv, mpi_op[name], root))
+            jobs.append(("mpi", recv))
+            keep += [send, recv]
+        return reqs, jobs, keep
 
     def _start_gather(self, mine, metas, i, root, reqs, keep):
         """Post the gather of every node's array ``i`` as bytes; the result is a
