@@ -90,6 +90,14 @@ def test_master_killed():
     failed(r)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_master_terminated(n):
+    """SIGTERM to rank 0 (after its workers ended): it removes everything, then dies of it."""
+    r = run(["fault_term_master", n])
+    assert r.rc == -15, f"exit status {r.rc}:\n{r.output[-3000:]}"
+    clean(r)
+
+
 def test_worker_raises_during_sync_get():
     r = run(["fault_sync_get", 3])
     failed(r)

@@ -258,6 +258,30 @@ class ForkedWorld:
 
         sys.excepthook = excepthook
         atexit.register(self._at_exit)
+        if self.rank == 0 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._master_terminated)
+
+    def _master_terminated(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        """Rank 0 told to stop: end the workers, remove every name, then die of the signal
+        as before (its exit status still says SIGTERM)."""
+        self.closed = True
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + GRACE
+        while time.monotonic() < end and any(self._alive(r) for r in self.pids):
+            time.sleep(0.005)
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        shmem.unlink_prefix(self.prefix)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     # -- shared state --------------------------------------------------------
 

@@ -280,6 +280,17 @@ def fault_kill_master():
     raise AssertionError("a worker outlived its master")
 
 
+def fault_term_master():
+    """Rank 0 gets SIGTERM after its workers ended their scripts: it still cleans up."""
+    mv.barrier()
+    if mv.worker_id() != 0:
+        sys.exit(0)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    raise AssertionError("SIGTERM did not end rank 0")
+
+
 def fault_sync_get():
     """A worker fails while the others wait for it in a sync get."""
     t = mv.ArrayTableHandler(10)
@@ -395,7 +406,8 @@ def torch_all():
 
 SCENARIOS = {f.__name__: f for f in (
     tables, stress, sharedvar, async_all, sync, shapes, deadlock, arraylike, torch_manager,
-    torch_all, fault_raise, fault_kill, fault_kill_master, fault_sync_get, fault_early_exit)}
+    torch_all, fault_raise, fault_kill, fault_kill_master, fault_term_master, fault_sync_get,
+    fault_early_exit)}
 
 
 def main():
