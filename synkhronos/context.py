@@ -131,6 +131,27 @@ def set_current(s) -> None:
     _current = s
 
 
+#: This process's multiverso parameter server (multiverso.api's state), once
+#: multiverso.init() ran here; and whether it ever ran (init() is once a process).
+_multiverso = None
+_multiverso_started = False
+
+
+def multiverso_server():
+    """The multiverso server state of this process, or None before ``init()``."""
+    return _multiverso
+
+
+def multiverso_started() -> bool:
+    return _multiverso_started
+
+
+def set_multiverso_server(state) -> None:
+    """Record the multiverso server state started by ``multiverso.init()``."""
+    global _multiverso, _multiverso_started
+    _multiverso, _multiverso_started = state, True
+
+
 def serialized(fn):
     """Let one thread at a time into ``fn`` (public calls that talk to the workers)."""
 

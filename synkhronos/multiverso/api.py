@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
+from .. import context
 from ..errors import SynkError
+from .shm_tables import ShmStore
+from .spmd import ForkedWorld
 
 __all__ = ["init", "shutdown", "barrier", "workers_num", "worker_id", "server_id",
            "is_master_worker", "under_launcher"]
@@ -24,9 +27,6 @@ class _State:
         self.down = False
         self.limiter = None
 
-
-_state: _State | None = None
-_used = False
 
 
 def under_launcher() -> bool:
@@ -69,10 +69,8 @@ def _make_world(num_workers):
             raise ValueError(f"num_workers={num_workers!r} but the launcher started {world.size} "
                              "processes; leave num_workers out under mpirun")
         return world
-    from .spmd import ForkedWorld
-
     n = _default_workers() if num_workers is None else num_workers
-    world = ForkedWorld(n)
+    world = ForkedWorld(n, ShmStore)
     world.start()
     return world
 
@@ -103,8 +101,7 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
         TypeError: ``num_workers`` is not an int.
         ValueError: ``num_workers`` is below 1, or differs from the launcher's.
     """
-    global _state, _used
-    if _used:
+    if context.multiverso_started():
         raise SynkError("multiverso.init() was already called in this process; call it once, "
                         "at the start of the script")
     if not isinstance(sync, bool):
@@ -115,22 +112,22 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
     world = _make_world(num_workers)
-    _used = True
     state = _State(world, sync)
     if world.size > 1 and world.kind == "fork":
         from threadpoolctl import threadpool_limits  # each worker gets its share of the cores
 
         state.limiter = threadpool_limits(max(1, _cores() // world.size))
-    _state = state
+    context.set_multiverso_server(state)
 
 
 def current(what: str) -> _State:
     """The running state, or a clear error naming the call ``what``."""
-    if _state is None:
+    state = context.multiverso_server()
+    if state is None:
         raise SynkError(f"{what} was called before multiverso.init()")
-    if _state.down:
+    if state.down:
         raise SynkError(f"{what} was called after multiverso.shutdown()")
-    return _state
+    return state
 
 
 def shutdown() -> None:
@@ -150,7 +147,7 @@ def shutdown() -> None:
     finally:
         state.down = True
         for table in state.tables:
-            table._close()
+            table.free()
         state.tables.clear()
 
 
@@ -204,6 +201,7 @@ def is_master_worker() -> bool:
 
 
 def _ids(what: str):
-    if _state is None:
+    state = context.multiverso_server()
+    if state is None:
         raise SynkError(f"{what} was called before multiverso.init()")
-    return _state.world
+    return state.world

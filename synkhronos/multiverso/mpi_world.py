@@ -37,7 +37,7 @@ import traceback
 import numpy as np
 
 from ..errors import RemoteTraceback, SynkError
-from .spmd import (CHECK_EVERY, DEADLOCK_AFTER, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET,
+from .spmd import (CHECK_EVERY, describe_table, DEADLOCK_AFTER, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET,
                    MAX_SLEEP, NOT_WAITING, RUNNING, SHUTDOWN, SPIN, WorkerFailedError,
                    deadlock_error)
 
@@ -388,11 +388,9 @@ class MpiStore:
         metas = world.barrier(f"constructing table {index}", meta)
         for r, m in enumerate(metas):
             if m != meta:
-                from .shm_tables import _describe
-
                 raise ValueError(
                     f"every worker must construct the same tables in the same order: table {index} "
-                    f"is {_describe(meta)} on worker {world.rank} but {_describe(m)} on worker {r}")
+                    f"is {describe_table(meta)} on worker {world.rank} but {describe_table(m)} on worker {r}")
         self.bounds = [(num_row * r // n, num_row * (r + 1) // n) for r in range(n)]
         self.head = 16 * n  # rank 0 only: the sync server's counters (int64 arrived, copied)
         self.row_bytes = num_col * self.dtype.itemsize

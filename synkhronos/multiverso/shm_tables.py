@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import shmem
-from .spmd import IN_SYNC_ADD, IN_SYNC_GET, round_up
+from .spmd import IN_SYNC_ADD, IN_SYNC_GET, describe_table, round_up
 
 __all__ = ["ShmStore"]
 
@@ -64,7 +64,7 @@ class ShmStore:
                 self.close()
                 raise ValueError(
                     f"every worker must construct the same tables in the same order: table {index} "
-                    f"is {_describe(meta)} on worker {world.rank} but {_describe(m)} on worker {r}")
+                    f"is {describe_table(meta)} on worker {world.rank} but {describe_table(m)} on worker {r}")
         if self.seg is None:
             self.seg = shmem.Segment(name)
         self.data = self.seg.array(self.dtype, self.shape, self._head)
@@ -157,8 +157,3 @@ class ShmStore:
             self.seg.close()  # rank 0 created it and unlinks it; the others only unmap
             self.seg = None
 
-
-def _describe(meta) -> str:
-    _, rows, cols, num = meta
-    dtype = next((np.dtype(t) for t in (np.float32, np.float64) if np.dtype(t).num == num), num)
-    return f"a {rows}x{cols} table of {dtype}"

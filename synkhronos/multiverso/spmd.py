@@ -175,7 +175,8 @@ class ForkedWorld:
 
     kind = "fork"
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, store_class):
+        self.store_class = store_class
         self.size = size
         self.rank = 0
         self.prefix = shmem.new_prefix()
@@ -501,10 +502,9 @@ class ForkedWorld:
                 for r in range(self.size)]
 
     def new_store(self, index: int, num_row: int, num_col: int, dtype, init_value):
-        """The storage of a new table (collective): one copy in shared memory."""
-        from .shm_tables import ShmStore
-
-        store = ShmStore(self, index, num_row, num_col, dtype, init_value)
+        """The storage of a new table (collective): one copy in shared memory, made
+        by ``store_class`` (``shm_tables.ShmStore``, given by ``api``, which sits above both)."""
+        store = self.store_class(self, index, num_row, num_col, dtype, init_value)
         self.stores[index] = store
         return store
 
@@ -622,3 +622,10 @@ class _Held:
     def __exit__(self, *exc):
         self.sem.release()
         return False
+
+
+def describe_table(meta) -> str:
+    """``(index, rows, cols, dtype num)`` as words, for error messages."""
+    _, rows, cols, num = meta
+    dtype = next((np.dtype(t) for t in (np.float32, np.float64) if np.dtype(t).num == num), num)
+    return f"a {rows}x{cols} table of {dtype}"

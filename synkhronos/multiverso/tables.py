@@ -153,7 +153,9 @@ class TableHandler:
                          f"{tuple(shape)} (a C-contiguous array of {math.prod(shape)} values also "
                          "works)")
 
-    def _close(self) -> None:
+    def free(self) -> None:
+        """Release this process's hold on the table's memory; ``shutdown()`` frees
+        every table, and the table cannot be used afterwards."""
         if self._store is not None:
             self._store.close()
             self._store = None
