@@ -54,7 +54,7 @@ import numpy as np
 from ..control import WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .base import Communicator
-from .ops import cast_to, combine, result_dtype
+from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
@@ -121,18 +121,6 @@ def reduce_plan(dtype, op: str):
     return None
 
 
-def _identity(op: str, work: np.dtype):
-    """The element a node with nothing to add contributes to ``op`` in ``work``."""
-    if op in ("sum", "avg"):
-        return 0
-    if op == "prod":
-        return 1
-    if work.kind == "f":
-        return -np.inf if op == "max" else np.inf
-    info = np.iinfo(work)
-    return info.min if op == "max" else info.max
-
-
 def _avg_scales(weights, mine):
     """``(pre, post)`` as :func:`.ops.combine` weighs an ``avg``: equal weights sum,
     then multiply by the reciprocal of the count (``pre`` None); uneven weights
@@ -147,10 +135,6 @@ def _avg_scales(weights, mine):
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-def _layout_text(layout) -> list:
-    return [(str(d), s) for d, s in layout]
 
 
 class MpiCommunicator(Communicator):
@@ -345,15 +329,9 @@ class MpiCommunicator(Communicator):
             raise ValueError(f"reduce: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
         metas = self._agree(what, arrays, weight, failed)
-        present = [r for r, (lay, _) in enumerate(metas) if lay is not None]
+        present, layout = agreed_layout(metas, op, who="node")
         if not present:
             return None
-        layout = metas[present[0]][0]
-        for r in present[1:]:
-            if metas[r][0] != layout:
-                raise ValueError(f"cannot {op}-reduce: node {present[0]} holds "
-                                 f"{_layout_text(layout)} but node {r} holds "
-                                 f"{_layout_text(metas[r][0])}")
         weights = [metas[r][1] for r in present]
         pre = post = None
         if op == "avg":
@@ -416,7 +394,7 @@ class MpiCommunicator(Communicator):
                 keep.append(buf)
                 continue
             if mine is None:
-                send = np.full(shape, _identity(op, work), dtype=work)
+                send = np.full(shape, identity(op, work), dtype=work)
             elif pre is not None:
                 send = mine.astype(work) * work.type(pre)
             elif mine.dtype.kind == "b" and work.kind == "u":

@@ -22,6 +22,7 @@ from ..arrays import to_cupy
 from ..control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .base import Communicator
+from .ops import agreed_layout, identity
 
 __all__ = ["NcclCommunicator", "new_unique_id", "avg_factors", "reduce_plan"]
 
@@ -109,19 +110,6 @@ def reduce_plan(dtype, op: str):
         if part in NCCL_DTYPES:
             return dtype, NCCL_DTYPES[part], nccl_op, dtype, 2
     raise bad
-
-
-def _identity(op: str, work):
-    """The element a process with nothing to add contributes to ``op``."""
-    work = np.dtype(work)
-    if op in ("sum", "avg"):
-        return 0
-    if op == "prod":
-        return 1
-    if work.kind == "f":
-        return -np.inf if op == "max" else np.inf
-    info = np.iinfo(work)
-    return info.min if op == "max" else info.max
 
 
 def _check_movable(layout, what: str) -> None:
@@ -249,15 +237,9 @@ class NcclCommunicator(Communicator):
 
     def _reduce(self, arrays, op, weight, failed, root):
         metas = self._agree(arrays, weight, failed)
-        present = [r for r, (lay, _) in enumerate(metas) if lay is not None]
+        present, layout = agreed_layout(metas, op)
         if not present:
             return None
-        layout = metas[present[0]][0]
-        for r in present[1:]:
-            if metas[r][0] != layout:
-                raise ValueError(f"cannot {op}-reduce: rank {present[0]} holds "
-                                 f"{[(str(d), s) for d, s in layout]} but rank {r} holds "
-                                 f"{[(str(d), s) for d, s in metas[r][0]]}")
         plans = [reduce_plan(d, op) for d, _ in layout]
         pre = post = 1.0
         if op == "avg":
@@ -270,7 +252,7 @@ class NcclCommunicator(Communicator):
             with self._stream:
                 for i, ((_, shape), (work, _, _, _, _)) in enumerate(zip(layout, plans)):
                     if arrays is None:
-                        send = cp.full(shape, _identity(op, work), dtype=work)
+                        send = cp.full(shape, identity(op, work), dtype=work)
                     else:
                         send = self._dev(arrays[i]).astype(work, copy=False)
                         if pre != 1.0:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to"]
+__all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to",
+           "agreed_layout", "identity"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -114,3 +115,36 @@ def combine(parts, op: str, weights=None, out=None):
         np.multiply(x, dtype.type(wi), out=tmp)
         acc += tmp
     return acc
+
+
+def agreed_layout(metas, op: str, who: str = "rank"):
+    """``(present, layout)`` from every process's ``(layout or None, weight)``:
+    the processes that contribute and their common layout, or None when none does.
+
+    Raises:
+        ValueError: two contributors hold different dtypes or shapes (named).
+    """
+    present = [r for r, (lay, _) in enumerate(metas) if lay is not None]
+    if not present:
+        return present, None
+    layout = metas[present[0]][0]
+    for r in present[1:]:
+        if metas[r][0] != layout:
+            raise ValueError(f"cannot {op}-reduce: {who} {present[0]} holds "
+                             f"{[(str(d), s) for d, s in layout]} but {who} {r} holds "
+                             f"{[(str(d), s) for d, s in metas[r][0]]}")
+    return present, layout
+
+
+def identity(op: str, work):
+    """The element of ``op`` in dtype ``work``: what a process with nothing to add
+    contributes where a backend must send something (NCCL, MPI)."""
+    work = np.dtype(work)
+    if op in ("sum", "avg"):
+        return 0
+    if op == "prod":
+        return 1
+    if work.kind == "f":
+        return -np.inf if op == "max" else np.inf
+    info = np.iinfo(work)
+    return info.min if op == "max" else info.max
