@@ -24,9 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(VENV)/bin/mpirun --oversubscribe --mca osc ^ucx
+
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py
+	$(PY) bench/mv_bench.py
+	$(MPIRUN) -np 2 $(PY) bench/mv_bench.py
 
 docs: $(STAMP)
 	$(PY) -m pip install -q -e '.[docs]'
