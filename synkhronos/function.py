@@ -311,7 +311,7 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
         elif on_device:
             mine = [outs[i] for i in idx]
         else:  # the avg of integers is float64 from the start, sliced or not, small or large
-            mine = [np.asarray(outs[i], dtype=result_dtype(np.asarray(outs[i]).dtype, op)) for i in idx]
+            mine = [_as_result(outs[i], op) for i in idx]
         # Every process must take part in every collective, also after one failed:
         # a rooted collective tells only some processes that it failed, and the
         # others would wait in the next one for a hub that had left.
@@ -333,6 +333,12 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
     if failure is not None:
         raise failure
     return results if proc.is_master else None
+
+
+def _as_result(out, op) -> np.ndarray:
+    """An output as an array of the dtype its reduction with ``op`` has."""
+    arr = np.asarray(out)
+    return arr.astype(result_dtype(arr.dtype, op), copy=False)
 
 
 def worker_call(proc, wire: tuple) -> None:

@@ -67,6 +67,19 @@ def rows_of(n_rows: int, n_parallel: int, rank: int) -> slice:
     return slice(*split(n_rows, n_parallel, rank))
 
 
+def read_pids_and_prefix(stream) -> tuple[list[int], str | None]:
+    """From a child script's output: the worker pids it printed after ``PIDS`` and
+    the fork's name prefix after ``PREFIX`` (read up to that line)."""
+    pids, prefix = [], None
+    for line in stream:
+        if line.startswith("PIDS"):
+            pids = [int(p) for p in line.split()[1:]]
+        if line.startswith("PREFIX"):
+            prefix = line.split()[1]
+            break
+    return pids, prefix
+
+
 def _force_cleanup(leaked_names, leaked_pids) -> None:
     """After a failed leak check: don't let the leak poison the next tests."""
     from synkhronos.shmem import unlink_prefix

@@ -58,6 +58,7 @@ def _wait_shm_clean(before, timeout=10.0):
 
 
 from conftest import worker_pids as _worker_pids  # noqa: E402
+from conftest import read_pids_and_prefix  # noqa: E402
 
 
 # -- exceptions in workers ----------------------------------------------------
@@ -244,13 +245,7 @@ def _run_master(how, tmp_path, kill=False):
     script.write_text(_SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    pids, prefix = [], None
-    for line in proc.stdout:
-        if line.startswith("PIDS"):
-            pids = [int(p) for p in line.split()[1:]]
-        if line.startswith("PREFIX"):
-            prefix = line.split()[1]
-            break
+    pids, prefix = read_pids_and_prefix(proc.stdout)
     if kill:
         proc.send_signal(signal.SIGKILL)
     out, err = proc.communicate(timeout=60)

@@ -15,6 +15,7 @@ import posix_ipc
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import read_pids_and_prefix
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
@@ -525,13 +526,7 @@ def _start(tmp_path, state, mode="default", wrapper=()):
     proc = subprocess.Popen([*wrapper, sys.executable, str(script), state, mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    pids, prefix = [], None
-    for line in proc.stdout:
-        if line.startswith("PIDS"):
-            pids = [int(p) for p in line.split()[1:]]
-        if line.startswith("PREFIX"):
-            prefix = line.split()[1]
-            break
+    pids, prefix = read_pids_and_prefix(proc.stdout)
     assert len(pids) == 2 and prefix, proc.stderr.read()
     return proc, pids, prefix
 

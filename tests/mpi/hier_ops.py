@@ -165,7 +165,7 @@ def main() -> int:
     run(0)
     for t in threads:
         t.join(60)
-    # ShmCommunicator.close() leaves the unlinking to the runtime (unlink_prefix), as here
+    # close() unlinks what each rank created; the sweep also covers a rank that failed before it
     unlink_prefix(prefix)
     left = [e for e in os.listdir("/dev/shm") if prefix in e]
     with open(os.path.join(out, f"shm.{node}.txt"), "w") as fh:
