@@ -38,6 +38,7 @@ class Process:
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
+        self.last_call = None  # worker: (message, CallSpec, Share) of the last call, kept
 
     def check_parent(self) -> None:
         """Worker-side: raise MasterGone once the master process has died."""
@@ -55,6 +56,9 @@ class Process:
             raise Aborted("the master abandoned this command")
 
     def close(self) -> None:
+        for local in self.functions.values():
+            local.close()
+        self.last_call = None
         for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()
@@ -108,6 +112,26 @@ class _Interruptible:
 
 
 interruptible = _Interruptible()
+
+
+#: How long an idle worker polls for the next command before it sleeps, by
+#: default (``fork(idle_spin=...)``): a loop of calls, also one with pauses of a
+#: few milliseconds between them, never pays a kernel wake-up; a fork idle for
+#: longer costs no CPU.
+IDLE_SPIN_DEFAULT = 20e-3
+
+
+class SpinPolicy:
+    """How this process's waits poll before they sleep (set by fork(), inherited by the workers)."""
+
+    __slots__ = ("idle", "oversubscribed")
+
+    def __init__(self):
+        self.idle = IDLE_SPIN_DEFAULT  # seconds an idle worker polls for the next command
+        self.oversubscribed = False   # more processes than cores: yield the core while polling
+
+
+spin = SpinPolicy()
 
 
 #: The master's running session (session.Session), None when no fork runs here.

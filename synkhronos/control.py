@@ -17,7 +17,9 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
+from . import context
 from .errors import WorkerDiedError, pack_exception
+from .replies import ELSEWHERE, INLINE, ReplyArea
 from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
 __all__ = []
@@ -26,15 +28,17 @@ __all__ = []
 WAIT_SLICE = 0.05
 #: How long a waiter polls without sleeping before it blocks (seconds).
 SPIN_SECONDS = 200e-6
-#: How long an idle worker polls for the next command before it sleeps: a
-#: loop of calls then never pays a wake-up, an idle fork costs no CPU.
-RECEIVE_SPIN_SECONDS = 2e-3
+#: How often a polling waiter runs its liveness check.
+CHECK_EVERY = 1e-3
 
 _HEADER_WORDS = 16
-_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT, _W_EPOCH = range(6)
+_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT, _W_EPOCH, _W_BODY = range(7)
 #: The payload starts on the first page boundary after the header, which grows with the ranks.
 _PAGE = 4096
 _PAYLOAD_CAP = 1 << 20
+#: Bytes of each worker's reply area, where small function outputs ride back
+#: with its answer (see :mod:`synkhronos.replies`).
+REPLY_CAP = 8192
 _STATUS_OK, _STATUS_ERROR = 0, 1
 #: The error generation of a worker that failed but found no room for its report.
 _ERR_NO_ROOM = -1
@@ -51,21 +55,23 @@ class Command(enum.IntEnum):
 
 
 def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
-    """Take ``sem``, polling briefly, then sleeping in slices; ``check()`` between slices."""
-    try:
-        sem.acquire(0)
+    """Take ``sem``: poll it for ``spin`` seconds, then sleep in slices; ``check()``
+    runs between slices, and every ``CHECK_EVERY`` seconds while polling, so a
+    spinning waiter notices a dead peer as soon as a sleeping one does.
+
+    Polling reads the count (``sem_getvalue``, no system call, no exception)
+    and takes a token only when one is there: a loop of calls finds its peers
+    awake and never pays a kernel wake-up. Where processes outnumber cores the
+    poll yields the core at each turn, so the peer it waits for can run.
+    """
+    if sem.value:
+        try:
+            sem.acquire(0)
+            return
+        except posix_ipc.BusyError:  # another waiter of the same semaphore took it
+            pass
+    if spin > 0 and _poll(sem, check, spin):
         return
-    except posix_ipc.BusyError:
-        pass
-    if spin > 0:
-        end = time.perf_counter() + spin
-        while time.perf_counter() < end:
-            try:
-                sem.acquire(0)
-                return
-            except posix_ipc.BusyError:
-                # let a process we wait for run if the cores are oversubscribed
-                os.sched_yield()
     while True:
         try:
             sem.acquire(WAIT_SLICE)
@@ -75,6 +81,34 @@ def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = S
         except posix_ipc.SignalError:
             # a signal (Ctrl-C) interrupted the wait: its Python handler runs
             # at the next bytecode; check() still guards against dead peers
+            check()
+
+
+def _poll(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float) -> bool:
+    """Poll ``sem`` for up to ``spin`` seconds; True once a token was taken."""
+    polite = context.spin.oversubscribed
+    clock = time.perf_counter
+    now = clock()
+    end, next_check = now + spin, now + CHECK_EVERY
+    turns = 0
+    while True:
+        if sem.value:
+            try:
+                sem.acquire(0)
+                return True
+            except posix_ipc.BusyError:
+                pass
+        if polite:
+            os.sched_yield()
+        else:
+            turns += 1
+            if turns & 31:
+                continue
+        now = clock()
+        if now >= end:
+            return False
+        if now >= next_check:
+            next_check = now + CHECK_EVERY
             check()
 
 
@@ -97,7 +131,7 @@ class ControlBlock:
         self.create = create
         words = _HEADER_WORDS + 3 * size
         offset = -(-words * 8 // _PAGE) * _PAGE
-        self._seg = Segment(prefix + "ctl", offset + _PAYLOAD_CAP, create=create)
+        self._seg = Segment(prefix + "ctl", offset + _PAYLOAD_CAP + REPLY_CAP * size, create=create)
         self._words = self._seg.array(np.int64, (words,))
         self._status = self._words[_HEADER_WORDS:_HEADER_WORDS + size]
         self._err_gen = self._words[_HEADER_WORDS + size:_HEADER_WORDS + 2 * size]
@@ -105,7 +139,12 @@ class ControlBlock:
         # master's truth for who is done (the done semaphore only wakes it)
         self._acked = self._words[_HEADER_WORDS + 2 * size:_HEADER_WORDS + 3 * size]
         self._taken_seq = 0
-        self._payload = self._seg.buffer()[offset:]
+        self._payload = self._seg.buffer()[offset:offset + _PAYLOAD_CAP]
+        replies = self._seg.array(np.uint8, (size, REPLY_CAP), offset + _PAYLOAD_CAP)
+        self._replies = {r: ReplyArea(replies[r]) for r in range(size) if r != master_rank}
+        self._out_seq = 0
+        self._last_body = None      # master: the body in the payload area now
+        self._message = (-1, None)  # worker: (body generation, its unpickled message)
         self._overflow: Segment | None = None
         self._overflow_gen = 0
         self._err_seq = 0
@@ -115,13 +154,24 @@ class ControlBlock:
 
     # -- master side -------------------------------------------------------
 
-    def post(self, cmd: Command, payload) -> None:
-        """Write a command and its payload, then wake every worker."""
-        body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    def post(self, cmd: Command, payload, body: bytes | None = None) -> None:
+        """Write a command and its payload, then wake every worker.
+
+        ``body``, when given, is ``payload`` pickled already: a caller that
+        sends the same message call after call keeps it, and posting the very
+        same bytes object again copies nothing and lets the workers reuse
+        what they unpickled last time.
+        """
+        if body is None:
+            body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         n = len(body)
-        if n <= _PAYLOAD_CAP:
+        if body is self._last_body:
+            pass  # still in the payload area, and the workers still hold it unpickled
+        elif n <= _PAYLOAD_CAP:
             self._payload[:n] = body
             self._words[_W_GEN] = 0
+            self._words[_W_BODY] += 1
+            self._last_body = body
         else:
             self._overflow_gen += 1
             old, self._overflow = self._overflow, Segment(
@@ -131,12 +181,36 @@ class ControlBlock:
             if old is not None:
                 old.close()
             self._words[_W_GEN] = self._overflow_gen
+            self._words[_W_BODY] += 1
+            self._last_body = None
         self._status[:] = _STATUS_OK
         self._words[_W_LEN] = n
         self._words[_W_CMD] = int(cmd)
         self._words[_W_SEQ] += 1
         for sem in self.go.values():
             sem.release()
+
+    def outputs(self, rank: int):
+        """Master-side, once worker ``rank`` answered: ``(got, big)``, ``got`` the
+        ``(arrays, weight)`` it sent back with :meth:`put_outputs` (views of its
+        reply area) or None when it had nothing to add, ``big`` whether they
+        came through a segment of their own (too big for the area)."""
+        area = self._replies[rank]
+        state = area.state()
+        if state == INLINE:
+            return area.get(), False
+        if state != ELSEWHERE:
+            return None, False
+        name = f"{self.prefix}out{rank}.{area.generation()}"
+        try:
+            seg = Segment(name)
+            n = seg.get_int()
+            arrays, weight = pickle.loads(seg.buffer()[8:8 + n])
+            seg.close()
+        finally:
+            unlink_segment(name)
+        area.put_absent()  # read once: the name is gone
+        return (arrays, weight), True
 
     def pending(self) -> list[int]:
         """The ranks that have not answered the last command yet."""
@@ -195,17 +269,45 @@ class ControlBlock:
 
     def receive(self, rank: int, check: Callable[[], None]):
         """Block until the next command for this worker; return ``(cmd, payload)``."""
-        acquire(self.go[rank], check, spin=RECEIVE_SPIN_SECONDS)
+        acquire(self.go[rank], check, spin=context.spin.idle)
         self._taken_seq = int(self._words[_W_SEQ])
+        cmd = Command(int(self._words[_W_CMD]))
+        gen = int(self._words[_W_BODY])
+        if gen == self._message[0]:  # the very message of the last command: unpickled already
+            return cmd, self._message[1]
         n = int(self._words[_W_LEN])
-        gen = int(self._words[_W_GEN])
-        if gen == 0:
+        overflow = int(self._words[_W_GEN])
+        if overflow == 0:
             body = self._payload[:n]
         else:
-            seg = Segment(f"{self.prefix}pay{gen}")
+            seg = Segment(f"{self.prefix}pay{overflow}")
             body = bytes(seg.buffer()[:n])
             seg.close()
-        return Command(int(self._words[_W_CMD])), pickle.loads(body)
+        message = pickle.loads(body)
+        self._message = (gen, message)
+        return cmd, message
+
+    def put_outputs(self, rank: int, arrays, weight: float) -> bool:
+        """Worker-side, before :meth:`reply`: send ``arrays`` (a list of numpy
+        arrays, or None for nothing to add) back with the answer. Arrays too
+        big for the reply area go through a segment of their own, which the
+        master reads and unlinks; returns False in that case."""
+        area = self._replies[rank]
+        if arrays is None:
+            area.put_absent()
+            return True
+        if area.put(arrays, weight):
+            return True
+        self._out_seq += 1
+        body = pickle.dumps((arrays, weight), protocol=pickle.HIGHEST_PROTOCOL)
+        seg = Segment(f"{self.prefix}out{rank}.{self._out_seq}", 8 + len(body), create=True,
+                      what=f"the outputs of worker rank {rank}")
+        seg.set_int(len(body))
+        seg.buffer()[8:8 + len(body)] = body
+        seg.owner = False  # the master reads and unlinks it
+        seg.close()
+        area.put_elsewhere(self._out_seq)
+        return False
 
     def reply(self, rank: int, error: bytes | None) -> None:
         """Report this worker's completion, with a packed exception if it failed."""
@@ -232,7 +334,9 @@ class ControlBlock:
         self._closed = True
         self._payload.release()
         # views keep the mapping alive: drop every one, so the block is unmapped now
-        self._words = self._status = self._err_gen = self._acked = None
+        self._words = self._status = self._err_gen = self._acked = self._replies = None
+        self._last_body = None
+        self._message = (-1, None)
         close_semaphores([*self.go.values(), self.done], unlink=self.create)
         if self._overflow is not None:
             self._overflow.close()

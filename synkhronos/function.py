@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
 from .distribute import distribute
 from .errors import PeerFailed, SynkError, as_interrupt, short_repr, user_stacklevel
+from .shmem import oversized
 
 __all__ = ["Function", "function"]
 
@@ -57,11 +59,12 @@ class CallSpec:
     num_slices: int
     subset: tuple | None
     batch_s: Any = None       # None, or per rank: None, a slice, or an int64 index array
+    inline: bool = False      # outputs ride back with the answers (replies), no collective
 
     def to_wire(self) -> tuple:
         """A plain tuple: pickles in a fraction of a dataclass's time (every call pays it)."""
         return (self.fid, self.inputs, self.batch, self.n_rows, self.num_slices, self.subset,
-                self.batch_s)
+                self.batch_s, self.inline)
 
 
 class LocalFunction:
@@ -71,6 +74,7 @@ class LocalFunction:
         self.spec = spec
         self._compiled = {}
         self._plans = {}
+        self.planned = {}  # master: the Function's planned calls (_Plan), dropped at close()
 
     def compiled(self, subset=None, values=False, sliced=False):
         """The PyTensor function for an output subset.
@@ -101,6 +105,10 @@ class LocalFunction:
                                        givens=givens, **kwargs)
             self._compiled[key] = fn
         return fn
+
+    def close(self) -> None:
+        """Drop the planned calls: their kept inputs are views of shared memory."""
+        self.planned.clear()
 
     def plan(self, proc, subset):
         """``(ops, groups)`` for an output subset: each output's op, and the outputs
@@ -182,16 +190,27 @@ def _accumulate(parts, op, weights, var):
 # Executed by every process, master included.
 
 
-def execute_call(proc, call: CallSpec, own=None):
-    """Compute this process's share of a call and take part in the output reductions.
+@dataclasses.dataclass
+class Share:
+    """This process's part of a call: its rows, its weight, and (for a call
+    that needs nothing worked out anew each time) its inputs and function."""
 
-    ``own`` maps input positions to arrays the master passes directly.
-    Returns the reduced outputs in the master, None in workers.
-    """
-    lf = proc.functions[call.fid]
-    spec = lf.spec
-    ops, groups = lf.plan(proc, call.subset)
-    outs, error, rows = None, None, None
+    lo: int
+    hi: int
+    weight: float
+    active: bool              # computes at all (has rows, or is the master of an empty batch)
+    rows: Any = None          # rows of the sliceable shared variables (batch_s), or None
+    error: Any = None         # what went wrong while working this out
+    args: list | None = None  # the inputs (None where the master passes its own), if kept
+    fn: Any = None            # the compiled function, if kept
+
+
+def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
+    """This process's :class:`Share` of ``call``. With ``keep``, a call of one
+    slice that selects no rows per call also gets its inputs (views that stay
+    valid as long as the message does; ``own_keys`` left None) and function."""
+    spec = proc.functions[call.fid].spec
+    rows, error = None, None
     try:
         rows = _local_rows(proc, spec, call)
     except Exception as exc:
@@ -213,20 +232,54 @@ def execute_call(proc, call: CallSpec, own=None):
         if error is None and rows is not None and len(rows) != hi - lo:
             error = ValueError(f"rank {proc.rank}: batch_s selects {len(rows)} rows of the sliceable "
                                f"shared variables but this process has {hi - lo} rows of scattered inputs")
-    if active and error is None:
+    share = Share(lo, hi, 0.0 if error is not None else weight, active, rows, error)
+    if keep and error is None and rows is None and call.num_slices == 1 \
+            and (call.batch is None or isinstance(call.batch, slice)):
         try:
-            args = _local_inputs(proc, call, lo, hi, own)
+            share.args = _local_inputs(proc, call, lo, hi, dict.fromkeys(own_keys))
+            share.fn = proc.functions[call.fid].compiled(call.subset)
+        except Exception:  # the call itself reports it
+            share.args = share.fn = None
+    return share
+
+
+def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
+    """Compute this process's share of a call and take part in the output reductions.
+
+    ``own`` maps input positions to arrays the master passes directly;
+    ``share`` is this process's :func:`share_of` the call, when kept.
+    Returns the reduced outputs in the master, None in workers (for an
+    inline call, the master's own part, see :func:`combine_inline`).
+    """
+    lf = proc.functions[call.fid]
+    ops, groups = lf.plan(proc, call.subset)
+    if share is None:
+        share = share_of(proc, call)
+    outs, error, weight = None, share.error, share.weight
+    if share.active and error is None:
+        try:
+            if share.fn is not None:
+                args = share.args
+                if own:
+                    args = list(args)
+                    for i, value in own.items():
+                        args[i] = value
+            else:
+                args = _local_inputs(proc, call, share.lo, share.hi, own)
             proc.device.keep_on_device(proc)
             with interruptible:  # a worker: the master may stop this when it abandons the call
-                outs = lf.run(args, call.subset, call.num_slices,
-                              None if call.n_rows is None else hi - lo, ops, rows)
+                if share.fn is not None:
+                    outs = share.fn(*args)
+                else:
+                    outs = lf.run(args, call.subset, call.num_slices,
+                                  None if call.n_rows is None else share.hi - share.lo, ops, share.rows)
             proc.device.keep_on_device(proc)  # updates accumulated over slices come back to the host
         except Exception as exc:
             if as_interrupt(exc) is not exc:  # an interrupt, turned into SystemError by native code
                 raise as_interrupt(exc) from None
             error = exc
-    elif error is not None:
-        weight = 0.0
+    if call.inline:
+        return _reply_inline(proc, outs, ops, weight, error)
     try:
         results = _reduce_outputs(proc, outs, len(ops), groups, weight, error is not None)
     except PeerFailed:
@@ -335,6 +388,61 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
     return results if proc.is_master else None
 
 
+def _reply_inline(proc, outs, ops, weight, error):
+    """The outputs of an inline call: a worker sends them back with its answer
+    (see :mod:`synkhronos.replies`); the master keeps ``(outs, its reducible
+    outputs, weight)`` for :func:`combine_inline`."""
+    if error is not None:
+        raise error
+    mine = None if outs is None else [_as_result(outs[i], op) for i, op in enumerate(ops) if op is not None]
+    if proc.is_master:
+        return outs, mine, weight
+    proc.control.put_outputs(proc.rank, mine, weight)
+    return None
+
+
+def combine_inline(proc, own, ops) -> tuple:
+    """Master-side, after every worker answered an inline call: ``(results,
+    spilled)``, the outputs combined in rank order as the shared-memory
+    communicator would combine them, and whether a worker's outputs were too
+    big for its reply area."""
+    outs, mine, weight = own
+    present, weights, spilled = [], [], False
+    for r in range(proc.size):
+        if r == proc.rank:
+            got = None if mine is None else (mine, weight)
+        else:
+            got, big = proc.control.outputs(r)
+            spilled = spilled or big
+        if got is not None:
+            present.append((r, got[0]))
+            weights.append(got[1])
+    results, j = [None] * len(ops), 0
+    for k, op in enumerate(ops):
+        if op is None:
+            results[k] = None if outs is None else outs[k]
+            continue
+        parts = [arrs[j] for _, arrs in present]
+        j += 1
+        if not parts:
+            continue
+        if op == "gather":
+            results[k] = concat(parts)
+            continue
+        if len(parts) == 1:  # what combine() gives for one part, without its bookkeeping
+            results[k] = np.array(parts[0], copy=True)
+            continue
+        first = (parts[0].dtype, parts[0].shape)
+        for (r, _), p in zip(present[1:], parts[1:]):
+            if (p.dtype, p.shape) != first:
+                raise ValueError(f"cannot {op}-reduce: rank {present[0][0]} holds "
+                                 f"[{(str(first[0]), first[1])}] but rank {r} holds "
+                                 f"[{(str(p.dtype), p.shape)}] (output #{k})")
+        out = combine(parts, op, weights)
+        results[k] = np.array(out, copy=True) if any(out is p for p in parts) else out
+    return results, spilled
+
+
 def _as_result(out, op) -> np.ndarray:
     """An output as an array of the dtype its reduction with ``op`` has."""
     arr = np.asarray(out)
@@ -342,7 +450,16 @@ def _as_result(out, op) -> np.ndarray:
 
 
 def worker_call(proc, wire: tuple) -> None:
-    execute_call(proc, CallSpec(*wire))
+    """A worker's CALL: the message of the last call again (the master sent the
+    same bytes) runs on the share kept from then."""
+    kept = proc.last_call
+    if kept is not None and kept[0] is wire:
+        call, share = kept[1], kept[2]
+    else:
+        call = CallSpec(*wire)
+        share = share_of(proc, call, keep=True)
+        proc.last_call = (wire, call, share) if share.fn is not None else None
+    execute_call(proc, call, share=share)
 
 
 # ---------------------------------------------------------------------------
@@ -366,6 +483,10 @@ class Function:
         self._scratch: dict = {}
         self._owner = None  # the Session (fork) it was built for
         self._cast_warned: set = set()  # (input position, dtype) of synk.data cast already
+        self._spilled: set = set()  # output subsets whose outputs were too big to ride inline
+        self._plans = local.planned  # planned calls: _plan_key -> _Plan
+        self._types = [(np.dtype(v.type.dtype), v.type.ndim, all(d is None for d in v.type.shape))
+                       for v in spec.inputs]
         self._input_names = [getattr(v, "name", None) for v in spec.inputs]
         # inputs whose type PyTensor checks by dtype and ndim alone: an ndarray
         # that already has both needs no conversion (the common case, made fast)
@@ -556,12 +677,24 @@ class Function:
             ValueError, IndexError: bad inputs or rows, named in the message.
             WorkerError or the worker's own exception type: a process failed.
         """
+        if (self._plans and not kwargs and output_subset is None and batch is None and batch_s is None
+                and type(num_slices) is int and num_slices == 1 and device_outputs is False
+                and self._owner is context.current()):
+            plan = self._plans.get(self._plan_key(args))
+            if plan is not None:
+                return self._call_planned(plan, args)
+        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
+
+    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs):
+        """A call, checked and prepared from scratch (and planned for the next
+        calls of the same kind when it can be)."""
         s = context.session()
         if self._owner is not s:
             raise SynkError(
                 f"function {self.name!r} was built for a fork that was closed (synk.close()); "
                 "build it again with synk.function() after this synk.fork()")
         s.usable()
+        self._plans.clear()  # this call may move scratch memory that a plan writes into
         spec = self._spec
         batch_s = self._check_batch_s(batch_s, s.n_parallel)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
@@ -595,12 +728,101 @@ class Function:
             d = self._scratch_data("batch", np.int64, norm_batch.shape)
             d.data[...] = norm_batch
             batch_ref = data_ref(d)
-        call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s)
-        results = s.run(Command.CALL, call.to_wire(), local=lambda proc, _: execute_call(proc, call, own))
+        inline = self._inline(s.proc, subset)
+        call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s, inline)
+        wire = call.to_wire()
+        if (not kwargs and subset is None and batch is None and batch_s is None and num_slices == 1
+                and device_outputs is False):
+            self._plan(args, values, call, wire, own)
+        results = s.run(Command.CALL, wire, local=lambda proc, _: execute_call(proc, call, own))
+        return self._finish(s, call, results, device_outputs)
+
+    def _finish(self, s, call, results, device_outputs):
+        """The call's results as the user gets them, from what the master's share returned."""
+        if call.inline:
+            results, spilled = combine_inline(s.proc, results, self._local.plan(s.proc, call.subset)[0])
+            if spilled:  # outputs this big reduce faster through the communicator
+                self._spilled.add(call.subset)
+                self._plans.clear()
         results = s.proc.device.to_user(results, device_outputs)
-        if subset is not None:
+        if call.subset is not None:
             return results
         return self._shape_result(results)
+
+    # -- planned calls -----------------------------------------------------
+    #
+    # A training or evaluation loop calls a function again and again with
+    # inputs of the same shapes. The first such call is checked and prepared
+    # in full; what it sends is kept (the message, pickled; where each numpy
+    # input's rows go), and the next calls with inputs of the same kinds and
+    # shapes only copy the rows and send the same bytes, which the workers do
+    # not even unpickle again.
+
+    def _plan_key(self, args):
+        """What a planned call must match: per input its shape (a numpy array of
+        the input's dtype and ndim) or its synk.data ref; None when a value
+        needs the full checks."""
+        if len(args) != len(self._types):
+            return None
+        key = []
+        for value, (dtype, ndim, plain) in zip(args, self._types):
+            if type(value) is np.ndarray:
+                if not plain or value.dtype != dtype or value.ndim != ndim:
+                    return None
+                key.append(value.shape)
+            elif isinstance(value, Data):
+                if value.dtype != dtype or value.ndim != ndim:
+                    return None
+                key.append((data_ref(value), value.minibatch))
+            else:
+                return None
+        return tuple(key)
+
+    def _plan(self, args, values, call, wire, own) -> None:
+        """Keep what this call sends, for the next calls with inputs like ``args``."""
+        key = self._plan_key(args)
+        if key is None or any(v is not a for v, a in zip(values, args)):
+            return  # a value was converted: the checks must run every time
+        copies, mine = [], []
+        for i in range(len(args)):
+            if not isinstance(args[i], np.ndarray):
+                continue
+            kind, ref = call.inputs[i]
+            rows = None if kind == "b" else split(call.n_rows, self._owner.n_parallel, self._owner.proc.rank)
+            mine.append((i, None if rows is None else slice(*rows)))
+            if ref is not None:
+                d = self._scratch[i]
+                if oversized(d.alloc_size * d.dtype.itemsize, d.size * d.dtype.itemsize):
+                    return  # left by a larger call: the full path counts the uses that shrink it
+                dst = d.data
+                pieces = [(None, None)] if rows is None else [(0, rows[0]), (rows[1], call.n_rows)]
+                copies.append((i, dst, [(lo, hi) for lo, hi in pieces if lo is None or hi > lo]))
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        share = share_of(self._owner.proc, call, keep=True, own_keys=own.keys())
+        self._plans[key] = _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
+                                 copies, mine, share if share.fn is not None else None)
+
+    def _call_planned(self, plan, args):
+        s = context.session()
+        for i, dst, pieces in plan.copies:
+            value = args[i]
+            for lo, hi in pieces:
+                dst[lo:hi] = value[lo:hi]
+        own = {i: args[i] if rows is None else args[i][rows] for i, rows in plan.mine}
+        call = plan.call
+        results = s.run(Command.CALL, plan.wire, body=plan.body,
+                        local=lambda proc, _: execute_call(proc, call, own, plan.share))
+        return self._finish(s, call, results, False)
+
+    def _inline(self, proc, subset) -> bool:
+        """Whether this call's outputs ride back with the workers' answers
+        (small, host arrays, every communicator within the fork) instead of
+        going through a collective."""
+        if subset in self._spilled:
+            return False
+        return all(comm.within_fork and not comm.device_arrays
+                   for _, comm, _ in self._local.plan(proc, subset)[1])
 
     def _rows(self, values, batch) -> tuple:
         """``(n_rows, norm_batch)`` of a call: the rows the scattered inputs give
@@ -717,6 +939,20 @@ class Function:
 
 
 _MISSING = object()
+#: Planned calls kept per function (input shapes seen lately).
+_MAX_PLANS = 8
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a call sends, kept for the next calls with inputs of the same kinds and shapes."""
+
+    call: CallSpec
+    wire: tuple
+    body: bytes      # ([], wire) pickled
+    copies: list     # (input, scratch array, [(lo, hi) rows to copy]) per numpy input others read
+    mine: list       # (input, slice of the master's rows or None for all) per numpy input
+    share: Share | None  # the master's share, kept
 
 
 def _is_minibatch(value) -> bool:

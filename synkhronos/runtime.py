@@ -34,7 +34,7 @@ CLOSE_GRACE = 2.0
 def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int = 0,
          pin_cores: bool | None = None, *, use_gpu: bool | None = None,
          profile_workers=False, max_n_var: int | None = None, max_dim: int | None = None,
-         timeout: float | None = None) -> int:
+         timeout: float | None = None, idle_spin: float | None = None) -> int:
     """Start the worker processes; the master carries on in the calling script.
 
     Must be the first synkhronos call. Works at the top of a plain script (no
@@ -71,6 +71,12 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             runs out the command is abandoned in every process and
             :class:`~synkhronos.SynkTimeoutError` names the ranks that had
             not answered and says whether the runtime is still usable.
+        idle_spin: seconds an idle worker keeps polling for the next command
+            before it sleeps (default ``0.02``). While it polls, a call costs
+            no kernel wake-up (a loop of calls with pauses shorter than this
+            runs as fast as a tight loop), and each polling worker uses one
+            core; after it, an idle fork uses no CPU and the next call pays a
+            wake-up (tens of microseconds). ``0`` never polls.
 
     Returns:
         The number of processes, master included.
@@ -89,6 +95,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     if context.current() is not None:
         raise RuntimeError("synk.fork() was already called; call synk.close() before forking again")
     timeout = _check_timeout(timeout)
+    idle_spin = _check_idle_spin(idle_spin)
     if pin_cores is not None and not isinstance(pin_cores, bool):
         raise TypeError(f"pin_cores must be True, False or None, got {pin_cores!r}")
     device = _device_for(device, use_gpu)
@@ -107,6 +114,8 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
                       "one each: not pinning", stacklevel=user_stacklevel())
     keep_freed_memory()  # before forking: the workers inherit it
+    context.spin.idle = idle_spin  # the workers inherit the policy too
+    context.spin.oversubscribed = n_parallel > cores
     pids = _spawn_workers(proc, groups, threads)
     thread_limit = limit_threads(threads)
     s = Session(proc, pids, thread_limit, close)
@@ -195,6 +204,16 @@ def _check_timeout(timeout) -> float | None:
     if not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"timeout must be a positive, finite number of seconds or None, got {timeout!r}")
     return float(timeout)
+
+
+def _check_idle_spin(idle_spin) -> float:
+    if idle_spin is None:
+        return context.IDLE_SPIN_DEFAULT
+    if isinstance(idle_spin, bool) or not isinstance(idle_spin, (int, float, np.integer, np.floating)):
+        raise TypeError(f"idle_spin must be a number of seconds or None, got {idle_spin!r}")
+    if not math.isfinite(idle_spin) or idle_spin < 0:
+        raise ValueError(f"idle_spin must be a finite number of seconds >= 0, got {idle_spin!r}")
+    return float(idle_spin)
 
 
 def _device_for(device, use_gpu) -> str:

@@ -171,8 +171,12 @@ class Session:
             raise SynkError(f"synkhronos is unusable after an earlier failure ({self.broken}); "
                             "call synk.close() and synk.fork() again")
 
-    def run(self, cmd: Command, payload, local=None):
+    def run(self, cmd: Command, payload, local=None, body: bytes | None = None):
         """Send ``cmd`` to every worker, run ``local(proc, payload)`` here, wait for all.
+
+        ``body``, when given, is ``([], payload)`` pickled already (a caller
+        that sends the same message call after call keeps it; see
+        :meth:`ControlBlock.post`).
 
         Returns what ``local`` returned; raises the most telling error of any
         process (a worker's carries its rank and traceback).
@@ -181,13 +185,13 @@ class Session:
         context.refuse_nested(cmd.name.lower())
         self.in_flight = threading.get_ident()
         try:
-            return self._run(cmd, payload, local)
+            return self._run(cmd, payload, local, body)
         finally:
             self.in_flight = None
             if self.close_requested and context.current() is self:
                 self._close()  # asked for by a signal handler (or Op) during this command
 
-    def _run(self, cmd: Command, payload, local):
+    def _run(self, cmd: Command, payload, local, body):
         ctl = self.proc.control
         if self._needs_reset:  # an earlier command was abandoned or failed part-way
             self._settle()
@@ -195,7 +199,10 @@ class Session:
             raise _closed_meanwhile(cmd.name.lower())
         dropped, self.dropped = self.dropped, []
         try:
-            ctl.post(cmd, (dropped, payload))
+            if dropped or body is None:
+                ctl.post(cmd, (dropped, payload))
+            else:
+                ctl.post(cmd, None, body=body)
         except BaseException:  # nothing was sent (a full /dev/shm): the next command tells them
             self.dropped[:0] = dropped
             raise
@@ -217,6 +224,8 @@ class Session:
                 self.abort()
                 aborted = True
         errors, stop = self._collect(stop)
+        if stop is None and self.close_requested:  # the workers answered before a wait noticed it
+            stop = _CloseRequested()
         if errors is None:  # abandoned, and some workers are still busy with it
             raise self._stopped(cmd, stop, back=False)
         if aborted or errors or stop is not None:

@@ -35,6 +35,12 @@ SHRINK_AFTER = 8
 _I64 = struct.Struct("q")
 
 
+def oversized(size: int, need: int) -> bool:
+    """Whether scratch memory of ``size`` bytes is much too large for a use of ``need``
+    (:class:`Shrink` counts such uses)."""
+    return size >= SHRINK_BYTES and 4 * need < size
+
+
 class Shrink:
     """Tells when a scratch segment that one large use left behind should be reallocated."""
 
@@ -45,7 +51,7 @@ class Shrink:
 
     def __call__(self, size: int, need: int) -> bool:
         """Count one use of ``need`` bytes of ``size``; True when it is time to shrink."""
-        if size < SHRINK_BYTES or 4 * need >= size:
+        if not oversized(size, need):
             self.streak = 0
             return False
         self.streak += 1

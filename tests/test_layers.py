@@ -40,6 +40,7 @@ LAYERS = {
     "synkhronos.context": 1,
     # 2: operating-system resources
     "synkhronos.shmem": 2,
+    "synkhronos.replies": 2,
     # 3: the control plane; the communicator interface
     "synkhronos.control": 3,
     "synkhronos.collectives.base": 3,

@@ -32,6 +32,10 @@ class Communicator(abc.ABC):
     device_arrays: bool = False
     #: ``resident``, ``existing``, ``drop_resident`` and ``resident_ranges`` work.
     supports_resident: bool = False
+    #: Its processes are exactly those of one fork (one control block reaches
+    #: them all), and it takes host arrays: small function outputs may skip it
+    #: and ride back with the workers' answers instead.
+    within_fork: bool = False
 
     @abc.abstractmethod
     def barrier(self) -> None:

@@ -37,6 +37,7 @@ class ShmCommunicator(Communicator):
     """Collectives through POSIX shared memory; the master's process coordinates barriers."""
 
     supports_resident = True
+    within_fork = True
 
     def __init__(self, prefix: str, rank: int, size: int, master_rank: int, create: bool,
                  check: Callable[[], None] = lambda: None):
