@@ -19,9 +19,10 @@ from typing import Callable
 __all__ = ["SIZES", "QUICK_SIZES", "sizes_for", "reps_for", "measure", "summarize",
            "part_args", "write_part", "label", "cpu_busy", "ForeignLoad"]
 
-#: Collective sizes in bytes (float32 elements = bytes // 4), as in issue 6.
-SIZES = [4, 4 << 10, 4 << 20, 64 << 20]
-#: --quick keeps the small sizes and drops 64 MiB.
+#: Collective sizes in bytes (float32 elements = bytes // 4): 4 B to 64 MiB, the
+#: latency-against-size curve of issue 18 (issue 6's 4 B, 4 KiB, 4 MiB, 64 MiB among them).
+SIZES = [4, 256, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+#: --quick keeps a few small sizes and drops the large ones.
 QUICK_SIZES = [4, 4 << 10, 4 << 20]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["collective_rows", "targets", "format_report", "plot"]
+__all__ = ["collective_rows", "targets", "targets_18", "format_report", "plot"]
 
 PEERS = (("synk", "synkhronos"), ("mpi", "Open MPI"), ("gloo", "torch gloo"))
 OPS = ("all_reduce", "broadcast", "gather")
@@ -152,6 +152,50 @@ def targets(parts) -> list[dict]:
     return out
 
 
+def targets_18(parts) -> list[dict]:
+    """The goals of issue 18 (microsecond calls), each with its ratio and whether it is met."""
+    out = []
+    ov = _get(parts, "synk", "overhead") or {}
+    for key, what in (("overhead_us", "numpy input"), ("overhead_data_us", "synk.data input")):
+        v = ov.get(key)
+        out.append(_target(f"per-call overhead over the plain PyTensor call, tight loop, {what}: ≤ 15 µs",
+                           v, _ratio(v, 15.0), "≤ 1 (of 15 µs)", None if v is None else v <= 15.0,
+                           "" if v is None else f"{v:.1f} µs"))
+    bd = ov.get("breakdown_us") or {}
+    for key, what in (("+ avg reduction of a 0-d output", "0-d"),
+                      ("avg reduction of a 4 KiB output (vs none)", "4 KiB")):
+        v = bd.get(key)
+        out.append(_target(f"reducing a small output ({what}) adds ≤ 5 µs", v, _ratio(v, 5.0),
+                           "≤ 1 (of 5 µs)", None if v is None else v <= 5.0,
+                           "" if v is None else f"{v:.1f} µs"))
+    synk = _synk_collectives(parts)
+    for op in ("all_reduce", "broadcast"):
+        s, m = _med(synk, op, "4B"), _med(parts, "mpi", op, "4B")
+        r = _ratio(s, m)
+        out.append(_target(f"{op} of a 4-byte shared variable: ≤ 2 × Open MPI", s, r, "≤ 2",
+                           None if r is None else r <= 2.0, f"synk {fmt_time(s)} vs MPI {fmt_time(m)}"))
+    tight = _med(ov, "synk_call_numpy")
+    for gap, got in (ov.get("after_idle") or {}).items():
+        s, p = _med(got, "synk"), _med(got, "plain")
+        r = _ratio(s, tight)
+        out.append(_target(f"a call after {gap} idle: ≤ 2 × the tight-loop call", s, r, "≤ 2",
+                           None if r is None else r <= 2.0,
+                           f"{fmt_time(s)} vs {fmt_time(tight)} in a loop; the plain PyTensor call after "
+                           f"the same idle: {fmt_time(p)} ({fmt_ratio(_ratio(p, _med(ov, 'pytensor_call')))} "
+                           "its own tight loop)"))
+    for size in ("4MiB", "64MiB"):
+        s, m = _med(synk, "all_reduce", size), _med(parts, "mpi", "all_reduce", size)
+        r = _ratio(s, m)
+        out.append(_target(f"no regression: all_reduce {size} ≤ 0.5 × Open MPI (as before issue 18)", s, r,
+                           "≤ 0.5", None if r is None else r <= 0.5, f"synk {fmt_time(s)} vs MPI {fmt_time(m)}"))
+    cpu = ov.get("idle_cpu") or {}
+    if cpu:
+        out.append(_target("CPU used by idle workers (reported, no goal)", None, None, "—", None,
+                           "; ".join(f"{k}: {v:.2f} CPU-s per s" for k, v in cpu.items() if k != "workers")
+                           + f" ({cpu.get('workers')} workers, idle_spin=0.02 s)"))
+    return out
+
+
 # ---------------------------------------------------------------------------
 # text
 
@@ -255,11 +299,12 @@ def format_report(result) -> str:
             ["first distributed call (workers' first)", fmt_time(fc["workers_first_call_s"])],
             ["later distributed calls", fmt_time(fc["distributed_steady_call_s"])]])
 
-    out.append("")
-    out.append("Targets of issue 6" + (" (quick run: smoke only, not a measurement)" if meta["quick"] else ""))
-    for t in result["targets"]:
-        ratio = "—" if t["ratio"] is None else f"{t['ratio']:.3g}"
-        out.append(f"  [{t['status']:>7}] {t['target']}: ratio {ratio} (want {t['limit']}); {t['note']}")
+    for title, key in (("Targets of issue 6", "targets"), ("Goals of issue 18 (microsecond calls)", "targets_18")):
+        out.append("")
+        out.append(title + (" (quick run: smoke only, not a measurement)" if meta["quick"] else ""))
+        for t in result.get(key, []):
+            ratio = "—" if t["ratio"] is None else f"{t['ratio']:.3g}"
+            out.append(f"  [{t['status']:>7}] {t['target']}: ratio {ratio} (want {t['limit']}); {t['note']}")
     return "\n".join(out)
 
 
@@ -347,7 +392,7 @@ def _plot_per_call(plt, bars, outdir) -> str:
     ax.set_xscale("log")
     ax.set_xlabel("µs per call (median)")
     ax.set_title("Per-call cost, 2 processes")
-    ax.axvline(50, color="r", ls="--", lw=1, label="target: 50 µs")
+    ax.axvline(15, color="r", ls="--", lw=1, label="goal (issue 18): 15 µs")
     ax.legend()
     ax.invert_yaxis()
     fig.tight_layout()

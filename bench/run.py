@@ -321,6 +321,7 @@ def main(argv=None) -> int:
     result["collectives"] = report.collective_rows(parts)
     result["training"] = report.training_rows(parts)
     result["targets"] = report.targets(parts)
+    result["targets_18"] = report.targets_18(parts)
 
     plots = []
     if not args.no_plots:

@@ -142,6 +142,9 @@ def overhead() -> dict:
     tiny = synk.function([x], x.sum(), name="tiny")
     tiny_none = synk.function([x], (x.sum(), None), name="tiny_no_reduce")
     empty = synk.function([], None, name="empty")
+    w4k = pytensor.shared(np.ones(1024, np.float32), name="w4k")  # a 4 KiB output
+    out4k = synk.function([x], _out_4kib(w4k, x), name="out_4KiB")
+    out4k_none = synk.function([x], (_out_4kib(w4k, x)[0], None), name="out_4KiB_no_reduce")
     synk.distribute()
     a = np.ones(8, np.float32)
     d = synk.data(a)
@@ -161,7 +164,11 @@ def overhead() -> dict:
         "synk_call_numpy_no_reduce": bl.measure(lambda: tiny_none(a), **kw),
         "synk_call_data_no_reduce": bl.measure(lambda: tiny_none(d), **kw),
         "synk_call_empty": bl.measure(lambda: empty(), **kw),
+        "synk_call_out_4KiB": bl.measure(lambda: out4k(a), **kw),
+        "synk_call_out_4KiB_no_reduce": bl.measure(lambda: out4k_none(a), **kw),
     }
+    res["after_idle"] = after_idle(lambda: tiny(a), lambda: tiny.as_pytensor(a))
+    res["idle_cpu"] = idle_cpu(lambda: tiny(a))
     pt_us = us(res["pytensor_call"])
     res["overhead_us"] = us(res["synk_call_numpy"]) - pt_us
     res["overhead_data_us"] = us(res["synk_call_data"]) - pt_us
@@ -173,9 +180,71 @@ def overhead() -> dict:
             us(res["synk_call_numpy_no_reduce"]) - us(res["synk_call_data_no_reduce"]),
         "+ avg reduction of a 0-d output":
             us(res["synk_call_numpy"]) - us(res["synk_call_numpy_no_reduce"]),
+        "avg reduction of a 4 KiB output (vs none)":
+            us(res["synk_call_out_4KiB"]) - us(res["synk_call_out_4KiB_no_reduce"]),
     }
     d.free_memory()
     return res
+
+
+def _out_4kib(w, x):
+    """A 4 KiB float32 output (1024 elements) reduced with avg."""
+    return (w * x.sum(), "avg")
+
+
+#: Idle gaps (seconds) before a call, as a loop with other work between its calls has them.
+IDLE_GAPS = (1e-3, 5e-3, 10e-3)
+
+
+def after_idle(call, plain) -> dict:
+    """Median cost of one call after the workers sat idle for each gap (time.sleep
+    in the master), next to the plain PyTensor call after the same gap (the
+    machine's own cost of coming back from idle: caches, clock)."""
+    out = {}
+    reps = 40 if QUICK else 200
+    for gap in IDLE_GAPS:
+        synk_t, plain_t = [], []
+        for _ in range(reps):
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            call()
+            synk_t.append(time.perf_counter() - t0)
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            plain()
+            plain_t.append(time.perf_counter() - t0)
+        out[f"{gap * 1e3:g}ms"] = {"synk": bl.summarize(synk_t), "plain": bl.summarize(plain_t)}
+    return out
+
+
+def _worker_cpu_seconds() -> float:
+    """User + system CPU seconds used so far by the workers of this fork."""
+    total = 0
+    for pid in synk.runtime.session().watch.pids.values():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(call) -> dict:
+    """CPU seconds the workers use per second of wall time (summed over workers):
+    while a loop calls every 5 ms, and while the fork sits idle."""
+    span = 0.5 if QUICK else 2.0
+    out = {}
+    for name, gap in (("loop, a call every 5 ms", 5e-3), ("idle", None)):
+        call()
+        cpu0, t0 = _worker_cpu_seconds(), time.perf_counter()
+        while time.perf_counter() - t0 < span:
+            if gap is None:
+                time.sleep(span)
+            else:
+                call()
+                time.sleep(gap)
+        wall = time.perf_counter() - t0
+        out[name] = (_worker_cpu_seconds() - cpu0) / wall
+    out["workers"] = len(synk.runtime.session().watch.pids)
+    return out
 
 
 def scatter() -> dict:

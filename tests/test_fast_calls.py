@@ -1,0 +1,174 @@
+"""The per-call fast path (issue 18) gives exactly what the full path gives.
+
+Planned calls (the same message resent, the workers' kept share), outputs
+that ride back in the reply areas, outputs too big for them, and the waits'
+knob: each is compared with plain PyTensor over many random calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.raise_op import Assert
+
+import synkhronos as synk
+from synkhronos.control import REPLY_CAP
+
+from conftest import MODE, shm_names
+
+
+def _function():
+    """Outputs of every op over a scattered matrix and a broadcast vector."""
+    x = pt.dmatrix("x")
+    v = pt.dvector("v")
+    outs = [((x * v).mean(), "avg"), (x.max(), "max"), (x.min(axis=0), "min"), ((x + 1).prod(), "prod"),
+            (x.sum(axis=1), "gather"), (x.shape[0], "sum"), (v.mean(), None), ((x > 0).mean(), "avg")]
+    return synk.function([x, v], outs, bcast_inputs=[v], mode=MODE)
+
+
+def _check(got, want, where):
+    assert len(got) == len(want), where
+    for k, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape, f"{where}, output {k}: shape {g.shape} != {w.shape}"
+        assert g.dtype == w.dtype, f"{where}, output {k}: dtype {g.dtype} != {w.dtype}"
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=f"{where}, output {k}")
+
+
+def test_planned_calls_match_pytensor_as_values_and_shapes_change(forked, rng):
+    """Loops of calls with new values each time, the shapes switching now and then,
+    numpy and synk.data inputs mixed: every call equals plain PyTensor."""
+    f = _function()
+    datas = {}
+    rows = 4
+    for i in range(120):
+        if i % 10 == 0:
+            rows = int(rng.choice([1, 2, 5, 7, 16]))
+        x = rng.standard_normal((rows, 3))
+        v = rng.standard_normal(3)
+        if i % 3 == 2:  # a synk.data input, its values rewritten in place between calls
+            d = datas.get(rows)
+            if d is None:
+                d = datas[rows] = synk.data(x)
+            else:
+                d.data[...] = x
+            got = f(d, v)
+        else:
+            got = f(x, v)
+        _check(got, f.as_pytensor(x, v), f"call {i} ({rows} rows, {forked} processes)")
+    for d in datas.values():
+        d.free_memory()
+
+
+def test_planned_calls_see_a_resized_data_input(forked):
+    x = pt.dvector("x")
+    f = synk.function([x], (x.sum(), "sum"), mode=MODE)
+    d = synk.data(np.ones(10))
+    for _ in range(3):
+        assert f(d) == 10
+    d.set_value(np.arange(1000.0))  # new memory: the old plan must not be used
+    for _ in range(3):
+        assert f(d) == sum(range(1000))
+    d.set_value(np.full(4, 2.0))
+    assert f(d) == 8
+    d.free_memory()
+
+
+def test_functions_alternating_in_a_loop(forked, rng):
+    """Two functions called in turn: each call sends a different message, which
+    the workers must not mistake for the one they kept."""
+    x = pt.dvector("x")
+    f = synk.function([x], (x.sum(), "sum"), mode=MODE)
+    g = synk.function([x], (x.max(), "max"), mode=MODE)
+    for i in range(60):
+        a = rng.standard_normal(int(rng.integers(3, 9)))
+        assert f(a) == pytest.approx(a.sum(), rel=1e-12, abs=1e-12)
+        assert g(a) == a.max()
+
+
+@pytest.mark.parametrize("op", ["avg", "sum", "max", "gather"])
+def test_outputs_too_big_for_the_reply_area(forked, rng, op):
+    """An output larger than a reply area goes through a segment of its own once,
+    then through the communicator: the same values every time, nothing left."""
+    n = REPLY_CAP  # float64: 8 bytes each, far more than the area holds per rank
+    x = pt.dmatrix("x")
+    out = x if op == "gather" else x.sum(axis=0)
+    f = synk.function([x], (out, op), mode=MODE)
+    for i in range(4):
+        a = rng.standard_normal((2 * forked + i, n))
+        got = f(a)
+        if op == "gather":
+            want = a
+        else:
+            parts = np.array_split(a, forked)
+            sums = [p.sum(axis=0) for p in parts]
+            want = {"sum": a.sum(axis=0), "max": np.max(sums, axis=0),
+                    "avg": sum(len(p) * s for p, s in zip(parts, sums)) / len(a)}[op]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_worker_error_in_a_planned_call_comes_home_and_the_next_call_works(fork):
+    fork(2)
+    x = pt.dvector("x")
+    f = synk.function([x], (Assert("negative input")(x, pt.all(x >= 0)).sum(), "sum"), mode=MODE)
+    assert f(np.ones(4)) == 4
+    assert f(np.ones(4)) == 4  # planned
+    bad = np.ones(4)
+    bad[3] = -1.0  # in rank 1's rows only
+    with pytest.raises(AssertionError, match="negative input") as info:
+        f(bad)
+    assert getattr(info.value, "synk_rank", None) == 1
+    assert f(np.ones(4)) == 4
+
+
+def test_mismatched_output_shapes_in_an_inline_reduction_are_refused(fork):
+    fork(2)
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x * 1.0, "sum"), mode=MODE)
+    with pytest.raises(ValueError, match=r"cannot sum-reduce: rank 0 holds .*\(2, 2\).* but rank 1 holds "
+                                         r".*\(1, 2\)"):
+        f(np.ones((3, 2)))
+    assert f(np.ones((4, 2))).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
+@pytest.mark.parametrize("value, err, match", [
+    (-1.0, ValueError, "idle_spin must be a finite number of seconds >= 0, got -1.0"),
+    (float("inf"), ValueError, "idle_spin must be a finite number"),
+    ("0.1", TypeError, "idle_spin must be a number of seconds or None, got '0.1'"),
+    (True, TypeError, "idle_spin must be a number of seconds or None, got True"),
+])
+def test_bad_idle_spin(value, err, match):
+    with pytest.raises(err, match=match):
+        synk.fork(2, device="cpu", idle_spin=value)
+    assert synk.runtime.context.current() is None
+
+
+@pytest.mark.parametrize("idle_spin", [0, 0.0005])
+def test_workers_that_sleep_at_once_still_answer(fork, idle_spin):
+    fork(2, idle_spin=idle_spin)
+    x = pt.dvector("x")
+    f = synk.function([x], (x.sum(), "sum"), mode=MODE)
+    import time
+    for i in range(20):
+        time.sleep(0.002 * (i % 3))
+        assert f(np.full(6, float(i))) == 6 * i
+
+
+def test_small_outputs_take_no_collective(fork):
+    """Small outputs ride back with the answers: the communicator never publishes
+    (its slot segments are made at the first collective)."""
+    fork(2)
+    x = pt.dvector("x")
+    f = synk.function([x], [(x.sum(), "sum"), (x.mean(), "avg"), (x, "gather")], mode=MODE)
+    for i in range(10):
+        got = f(np.arange(6.0) + i)
+        assert got[0] == 15 + 6 * i and got[1] == 2.5 + i
+        assert got[2].tolist() == (np.arange(6.0) + i).tolist()
+    assert not [n for n in shm_names() if ".c.slot" in n]
+    s = pytensor.shared(np.zeros(3), name="s")
+    synk.function([], (s.sum(), None), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(s)  # a collective does make them
+    assert [n for n in shm_names() if ".c.slot" in n]
