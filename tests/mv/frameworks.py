@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import keras  # noqa: E402,F401 - once, before the fork, not in every worker
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - the first optimizer step imports it: once, before the fork
 
 import synkhronos.multiverso as mv  # noqa: E402
 from synkhronos.errors import SynkError  # noqa: E402
