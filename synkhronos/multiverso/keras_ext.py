@@ -28,7 +28,7 @@ except ImportError as _err:
                       "Keras is first imported, e.g. KERAS_BACKEND=torch with pip install "
                       "'synkhronos[keras,torch]'") from _err
 
-if int(keras.__version__.split(".")[0]) < 3:
+if isinstance(keras.__version__, str) and int(keras.__version__.split(".")[0]) < 3:
     raise ImportError(f"synkhronos.multiverso.keras_ext needs Keras 3, found Keras "
                       f"{keras.__version__}: pip install 'synkhronos[keras]'")
 
