@@ -52,6 +52,14 @@ def test_keras_and_torch_forked(server):
     passed(run([server, 2], script=SCRIPT, env=ENV, timeout=150), parts)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs JAX (pip install jax)")
+def test_keras_on_the_jax_backend_forked():
+    """Keras on JAX, whose fit() keeps the trained state apart from the model: the callback
+    attaches it before each sync (without that, syncs read purged weights)."""
+    passed(run(["sync", 2], script=SCRIPT, env={"KERAS_BACKEND": "jax"}, timeout=150),
+           ["tensors", "keras", "torch", "errors"])
+
+
 @needs_mpi
 @pytest.mark.parametrize("server", ["sync", "async"])
 def test_keras_and_torch_under_mpirun(server):
