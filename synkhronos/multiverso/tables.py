@@ -37,8 +37,9 @@ def _count(value, name: str, what: str, minimum: int = 1) -> int:
 
 
 def is_tensor(value) -> bool:
-    """True for a ``torch.Tensor`` (recognised without importing PyTorch)."""
-    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+    """True for a ``torch.Tensor`` or a subclass of it (recognised without importing PyTorch)."""
+    return any(c.__name__ == "Tensor" and c.__module__.startswith("torch")
+               for c in type(value).__mro__)
 
 
 def _tensor_as_numpy(tensor, what: str) -> np.ndarray:
@@ -241,8 +242,9 @@ class ArrayTableHandler(TableHandler):
 
         Args:
             data: ``size`` numbers of any shape (numpy, a ``torch.Tensor`` on
-                any device, JAX, a list); cast to the table's dtype (copied only when needed). The
-                caller may reuse it as soon as ``add`` returns.
+                any device, JAX, a list); cast to the table's dtype (copied
+                only when needed). The caller may reuse it as soon as ``add``
+                returns.
             sync: wait until the add is applied everywhere (under MPI; on one
                 machine every add is applied before it returns).
 
