@@ -16,6 +16,15 @@ except ImportError:  # autodoc will report the failure itself
     release = "0.1.0"
 version = release
 
+# The Keras helpers' API needs Keras and a backend: the docs use the PyTorch backend, and
+# mock Keras where it (or PyTorch) is not installed.
+os.environ.setdefault("KERAS_BACKEND", "torch")
+try:
+    import keras  # noqa: F401
+    autodoc_mock_imports = []
+except ImportError:
+    autodoc_mock_imports = ["keras"]
+
 extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -74,4 +75,22 @@ def test_train_digits_short(tmp_path):
     # (summed in another order), which training amplifies a little over the epochs
     assert finals[0] == pytest.approx(finals[1], rel=0.05, abs=1e-3)
     assert (tmp_path / "train_digits_mlp.png").stat().st_size > 10_000
+    assert _leftovers(pid) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None
+                    or importlib.util.find_spec("keras") is None,
+                    reason="needs PyTorch and Keras 3 (pip install -e '.[test,demo]')")
+@pytest.mark.parametrize("name", ["mv_torch_digits", "mv_keras_digits"])
+def test_parameter_server_demos_short(name, tmp_path):
+    """A short run of each framework demo on the tables: 1 worker (a child process), then 2."""
+    rc, out, err, pid = run_script(ROOT / "demos" / f"{name}.py", "--workers", "2", "--epochs", "3",
+                                   "--no-progress", "--results", str(tmp_path), timeout=300)
+    assert rc == 0, f"{name}.py exited with {rc}:\n{out}\n{err}"
+    assert "speed-up of 2 workers over 1:" in out, out
+    assert "(reached the 93% target)" in out, out
+    finals = [line for line in out.splitlines() if line.startswith(("1 worker   epoch  3",
+                                                                    "2 workers  epoch  3"))]
+    assert len(finals) == 2, out
+    assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     assert _leftovers(pid) == []

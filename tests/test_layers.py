@@ -85,6 +85,7 @@ LAYERS = {
     "synkhronos.multiverso.pytensor_ext.param_manager": 20,
     "synkhronos.multiverso.pytensor_ext": 21,
     "synkhronos.multiverso.torch_ext": 22,
+    "synkhronos.multiverso.keras_ext": 22,
     "synkhronos.multiverso.theano_ext": 22,
     "synkhronos.multiverso": 23,
 }

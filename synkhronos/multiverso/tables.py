@@ -36,18 +36,34 @@ def _count(value, name: str, what: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def is_tensor(value) -> bool:
+    """True for a ``torch.Tensor`` or a subclass of it (recognised without importing PyTorch)."""
+    return any(c.__name__ == "Tensor" and c.__module__.startswith("torch")
+               for c in type(value).__mro__)
+
+
+def _tensor_as_numpy(tensor, what: str) -> np.ndarray:
+    """A PyTorch tensor's values on the CPU (sharing its memory when it is a plain CPU tensor)."""
+    t = tensor.detach()
+    if t.is_complex():
+        raise TypeError(f"{what}: data must hold real numbers, got a tensor of dtype {t.dtype}")
+    if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16; float32 holds it exactly
+        t = t.float()
+    return t.cpu().resolve_neg().numpy()
+
+
 def as_numpy(data, what: str) -> np.ndarray:
     """``data`` (numpy, PyTorch, JAX, lists, ranges) as a numpy array of numbers, no copy if possible."""
     if data is None:
         raise TypeError(f"{what}: data is None; expected an array of numbers")
-    try:
-        arr = np.asarray(data)
-    except (TypeError, ValueError, RuntimeError) as err:
-        detach = getattr(data, "detach", None)  # a PyTorch tensor that needs grad or lives on a GPU
-        if detach is None:
+    if is_tensor(data):
+        arr = _tensor_as_numpy(data, what)
+    else:
+        try:
+            arr = np.asarray(data)
+        except (TypeError, ValueError, RuntimeError) as err:
             raise TypeError(f"{what}: cannot read {type(data).__name__} as an array of numbers "
                             f"({err})") from None
-        arr = np.asarray(detach().cpu())
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{what}: data must hold real numbers, got an array of dtype {arr.dtype}")
     return arr
@@ -58,6 +74,34 @@ def _values(data, dtype, count: int, what: str, expect: str) -> np.ndarray:
     if arr.size != count:
         raise ValueError(f"{what}: data has {arr.size} values (shape {arr.shape}) but {expect}")
     return np.ascontiguousarray(arr, dtype=dtype).reshape(-1)
+
+
+def _tensor_view(tensor, dtype: np.dtype, what: str) -> np.ndarray:
+    """A numpy view of a CPU tensor that ``get`` may fill in place (autograd does not see it,
+    as with ``tensor.data``)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what}: out is a tensor on {tensor.device}; it must be on the CPU "
+                         "(or use get(as_tensor=True).to(device))")
+    if str(tensor.dtype) != f"torch.{dtype.name}":
+        raise TypeError(f"{what}: out has dtype {tensor.dtype} but the table holds {dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: out is a non-contiguous tensor (shape {tuple(tensor.shape)}); "
+                         "give a contiguous one")
+    return tensor.detach().numpy()
+
+
+def _torch_for(as_tensor, what: str):
+    """The ``torch`` module when ``as_tensor`` asks for tensors, else None (checked before any get)."""
+    if not isinstance(as_tensor, bool):
+        raise TypeError(f"{what}: as_tensor must be True or False, got {as_tensor!r}")
+    if not as_tensor:
+        return None
+    try:
+        import torch
+    except ImportError as err:
+        raise ImportError(f"{what}: as_tensor=True needs PyTorch: pip install "
+                          "'synkhronos[torch]'") from err
+    return torch
 
 
 def _row_ids(row_ids, num_row: int, what: str) -> np.ndarray:
@@ -136,11 +180,14 @@ class TableHandler:
         self._gets += 1
 
     def _out(self, out, shape, what: str) -> np.ndarray:
-        """``out`` checked and viewed as ``shape``, or a new array."""
+        """``out`` checked and viewed as ``shape`` (a tensor through a numpy view), or a new array."""
         if out is None:
             return np.empty(shape, dtype=self._dtype)
+        if is_tensor(out):
+            out = _tensor_view(out, self._dtype, what)
         if not isinstance(out, np.ndarray):
-            raise TypeError(f"{what}: out must be a numpy array, got {type(out).__name__}")
+            raise TypeError(f"{what}: out must be a numpy array or a torch.Tensor, got "
+                            f"{type(out).__name__}")
         if out.dtype != self._dtype:
             raise TypeError(f"{what}: out has dtype {out.dtype} but the table holds {self._dtype}")
         if not out.flags.writeable:
@@ -152,6 +199,14 @@ class TableHandler:
         raise ValueError(f"{what}: out has shape {out.shape} but the result has shape "
                          f"{tuple(shape)} (a C-contiguous array of {math.prod(shape)} values also "
                          "works)")
+
+    @staticmethod
+    def _result(result: np.ndarray, out, torch):
+        """What ``get`` returns: ``out`` when given (a tensor stays one), else the new array,
+        as a tensor sharing its memory when ``torch`` is given."""
+        if out is not None and (torch is None or is_tensor(out)):
+            return out
+        return result if torch is None else torch.from_numpy(result)
 
     def free(self) -> None:
         """Release this process's hold on the table's memory; ``shutdown()`` frees
@@ -186,9 +241,10 @@ class ArrayTableHandler(TableHandler):
         """Add ``data`` to the table: the table becomes ``value + data``.
 
         Args:
-            data: ``size`` numbers of any shape (numpy, PyTorch, JAX, a list);
-                cast to the table's dtype (copied only when needed). The
-                caller may reuse it as soon as ``add`` returns.
+            data: ``size`` numbers of any shape (numpy, a ``torch.Tensor`` on
+                any device, JAX, a list); cast to the table's dtype (copied
+                only when needed). The caller may reuse it as soon as ``add``
+                returns.
             sync: wait until the add is applied everywhere (under MPI; on one
                 machine every add is applied before it returns).
 
@@ -202,24 +258,31 @@ class ArrayTableHandler(TableHandler):
         self._add(_values(data, self._dtype, self._size, what,
                           f"the table holds {self._size}"), None, sync)
 
-    def get(self, out: np.ndarray | None = None) -> np.ndarray:
+    def get(self, out=None, as_tensor: bool = False):
         """The table's value, shape ``(size,)``.
 
         Args:
             out: an array of the table's dtype to copy into (shape ``(size,)``
-                or any C-contiguous array of ``size`` values).
+                or any C-contiguous array of ``size`` values): a numpy array,
+                or a contiguous CPU ``torch.Tensor`` (filled in place, as
+                through ``tensor.data``).
+            as_tensor: return a ``torch.Tensor`` (on the CPU, sharing the
+                result's memory) instead of a numpy array.
 
         Returns:
-            A new array, or ``out``.
+            A new numpy array (a tensor with ``as_tensor``), or ``out``.
 
         Raises:
             SynkError: called before ``init()`` or after ``shutdown()``.
-            TypeError, ValueError: ``out`` of the wrong type, dtype or size.
+            TypeError, ValueError: ``out`` of the wrong type, dtype, size or device.
+            ImportError: ``as_tensor=True`` without PyTorch.
             WorkerFailedError: another worker failed.
         """
-        result = self._out(out, (self._size,), "ArrayTableHandler.get()")
+        what = "ArrayTableHandler.get()"
+        torch = _torch_for(as_tensor, what)
+        result = self._out(out, (self._size,), what)
         self._get(result.reshape(self._size, 1), None)
-        return result if out is None else out
+        return self._result(result, out, torch)
 
 
 class MatrixTableHandler(TableHandler):
@@ -283,23 +346,29 @@ class MatrixTableHandler(TableHandler):
             rows = rows[order]
         self._add(rows, uniq, sync)
 
-    def get(self, row_ids=None, out: np.ndarray | None = None) -> np.ndarray:
+    def get(self, row_ids=None, out=None, as_tensor: bool = False):
         """The whole table ``(num_row, num_col)``, or the rows ``row_ids`` in the order given.
 
         Args:
             row_ids: the rows to read (repeats allowed), or None for all.
-            out: an array of the table's dtype to copy into.
+            out: an array of the table's dtype to copy into: a numpy array or
+                a contiguous CPU ``torch.Tensor``.
+            as_tensor: return a ``torch.Tensor`` (on the CPU, sharing the
+                result's memory) instead of a numpy array.
 
         Returns:
-            A new array, or ``out``.
+            A new numpy array (a tensor with ``as_tensor``), or ``out``.
 
         Raises:
             SynkError: called before ``init()`` or after ``shutdown()``.
-            TypeError, ValueError: ``row_ids`` or ``out`` of the wrong type or size.
+            TypeError, ValueError: ``row_ids`` or ``out`` of the wrong type,
+                size or device.
             IndexError: a row id out of range.
+            ImportError: ``as_tensor=True`` without PyTorch.
             WorkerFailedError: another worker failed.
         """
         what = "MatrixTableHandler.get()"
+        torch = _torch_for(as_tensor, what)
         if row_ids is None:
             result = self._out(out, (self._num_row, self._num_col), what)
             self._get(result, None)
@@ -307,4 +376,4 @@ class MatrixTableHandler(TableHandler):
             ids = _row_ids(row_ids, self._num_row, what)
             result = self._out(out, (len(ids), self._num_col), what)
             self._get(result, ids)
-        return result if out is None else out
+        return self._result(result, out, torch)
