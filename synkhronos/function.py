@@ -407,13 +407,16 @@ def combine_inline(proc, own, ops) -> tuple:
     communicator would combine them, and whether a worker's outputs were too
     big for its reply area."""
     outs, mine, weight = own
+    ctl = proc.control
     present, weights, spilled = [], [], False
     for r in range(proc.size):
         if r == proc.rank:
-            got = None if mine is None else (mine, weight)
-        else:
-            got, big = proc.control.outputs(r)
-            spilled = spilled or big
+            if mine is not None:
+                present.append((r, mine))
+                weights.append(weight)
+            continue
+        got, big = ctl.outputs(r)
+        spilled = spilled or big
         if got is not None:
             present.append((r, got[0]))
             weights.append(got[1])
@@ -446,6 +449,8 @@ def combine_inline(proc, own, ops) -> tuple:
 def _as_result(out, op) -> np.ndarray:
     """An output as an array of the dtype its reduction with ``op`` has."""
     arr = np.asarray(out)
+    if op != "avg":  # only the avg of integers changes the dtype
+        return arr
     return arr.astype(result_dtype(arr.dtype, op), copy=False)
 
 

@@ -12,6 +12,8 @@ An area holds int64 words, then the arrays' bytes:
              big for the area: in a segment of their own, see ControlBlock)
     word 1   the weight (float64 bits), for ``avg``
     word 2   the number of arrays, or the segment's generation for ELSEWHERE
+    word 3   the version of the header: the same layout call after call is
+             written once, and read once
     then     per array: dtype character code, ndim, one word per dimension
 """
 
@@ -28,47 +30,57 @@ _ALIGN = 16
 
 
 class ReplyArea:
-    """One worker's reply area (a uint8 view of the control block), read and written in place."""
+    """One worker's reply area (a uint8 view of the control block), read and written in place.
 
-    __slots__ = ("_u8", "_mv", "_words", "_floats", "_cap")
+    A loop of calls sends outputs of the same dtypes and shapes every time:
+    the writer then leaves the header as it is (word 3 counts its versions),
+    and the reader reuses the views it made for that version.
+    """
+
+    __slots__ = ("_mv", "_words", "_floats", "_cap", "_layout", "_ends", "_version", "_views")
 
     def __init__(self, area: np.ndarray):
-        self._u8 = area
         self._mv = memoryview(area)
         self._cap = area.nbytes
         self._words = area.view(np.int64)
         self._floats = area.view(np.float64)
+        self._layout = None    # writer: the layout in the header now, and where each array ends
+        self._ends = ()
+        self._version = -1     # reader: the header version its views were made for
+        self._views = []
 
     def put(self, arrays, weight: float) -> bool:
         """Write ``arrays`` (numpy) and ``weight``; False, writing nothing, when they do not fit."""
-        words, n = self._words, len(arrays)
-        head = 3 + 2 * n + sum(a.ndim for a in arrays)
-        offset = -(-head * 8 // _ALIGN) * _ALIGN
-        ends = []
-        for a in arrays:
-            offset += a.nbytes
-            ends.append(offset)
-            offset = -(-offset // _ALIGN) * _ALIGN
-        if offset > self._cap:
-            return False
-        w = 3
-        start = -(-head * 8 // _ALIGN) * _ALIGN
-        for a, end in zip(arrays, ends):
-            words[w] = ord(a.dtype.char)
-            words[w + 1] = a.ndim
-            words[w + 2:w + 2 + a.ndim] = a.shape
-            w += 2 + a.ndim
-            self._mv[start:end] = np.ascontiguousarray(a).tobytes()
-            start = -(-end // _ALIGN) * _ALIGN
+        layout = tuple((a.dtype.char, a.shape) for a in arrays)
+        if layout != self._layout:
+            ends = _ends(arrays)
+            if ends[-1] > self._cap:
+                return False
+            self._write_header(layout)
+            self._ends = ends
+        ends = self._ends
+        for a, start, end in zip(arrays, ends, ends[1:]):
+            self._mv[start:start + a.nbytes] = np.ascontiguousarray(a).tobytes()
         self._floats[1] = weight
-        words[2] = n
-        words[0] = INLINE
+        self._words[0] = INLINE
         return True
+
+    def _write_header(self, layout) -> None:
+        words, w = self._words, _HEAD
+        for char, shape in layout:
+            words[w] = ord(char)
+            words[w + 1] = len(shape)
+            words[w + 2:w + 2 + len(shape)] = shape
+            w += 2 + len(shape)
+        words[2] = len(layout)
+        words[3] += 1
+        self._layout = layout
 
     def put_absent(self) -> None:
         self._words[0] = ABSENT
 
     def put_elsewhere(self, generation: int) -> None:
+        self._layout = None  # word 2 no longer holds the count
         self._words[2] = generation
         self._words[0] = ELSEWHERE
 
@@ -82,16 +94,35 @@ class ReplyArea:
     def get(self) -> tuple:
         """``(arrays, weight)`` of an INLINE reply: views of the area (no copy)."""
         words = self._words
-        n = int(words[2])
-        layout, w = [], 3
-        for _ in range(n):
-            ndim = int(words[w + 1])
-            layout.append((np.dtype(chr(words[w])), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
-            w += 2 + ndim
-        offset = -(-w * 8 // _ALIGN) * _ALIGN
-        arrays = []
-        for dtype, shape in layout:
-            count = math.prod(shape)
-            arrays.append(np.frombuffer(self._mv, dtype, count, offset).reshape(shape))
-            offset = -(-(offset + count * dtype.itemsize) // _ALIGN) * _ALIGN
-        return arrays, float(self._floats[1])
+        version = int(words[3])
+        if version != self._version:
+            layout, w = [], _HEAD
+            for _ in range(int(words[2])):
+                ndim = int(words[w + 1])
+                layout.append((np.dtype(chr(words[w])), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
+                w += 2 + ndim
+            offset = _align(w * 8)
+            views = []
+            for dtype, shape in layout:
+                count = math.prod(shape)
+                views.append(np.frombuffer(self._mv, dtype, count, offset).reshape(shape))
+                offset = _align(offset + count * dtype.itemsize)
+            self._views, self._version = views, version
+        return self._views, float(self._floats[1])
+
+
+#: Words before the layout: state, weight, count, header version.
+_HEAD = 4
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _ends(arrays) -> list:
+    """Where the data of each array starts, then where the last one ends (bytes)."""
+    head = _HEAD + sum(2 + a.ndim for a in arrays)
+    offsets = [_align(head * 8)]
+    for a in arrays:
+        offsets.append(_align(offsets[-1] + a.nbytes))
+    return offsets

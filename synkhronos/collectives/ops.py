@@ -40,6 +40,9 @@ def parse_op(op, allowed=REDUCE_OP_NAMES, what="op") -> tuple:
     return check_op(op, allowed, what), isinstance(op, str) and op.startswith("c_")
 
 
+_FLOAT64 = np.dtype(np.float64)
+
+
 def result_dtype(dtype, op) -> np.dtype:
     """The dtype of ``op`` over arrays of ``dtype``, the same on every path.
 
@@ -48,7 +51,7 @@ def result_dtype(dtype, op) -> np.dtype:
     """
     dtype = np.dtype(dtype)
     if op == "avg" and dtype.kind in "biu":
-        return np.dtype(np.float64)
+        return _FLOAT64
     return dtype
 
 
@@ -75,7 +78,9 @@ def _fold(ufunc, parts, out=None):
             return np.array(parts[0], copy=True)
         np.copyto(out, parts[0])
         return out
-    acc = np.asarray(ufunc(parts[0], parts[1], out=out))
+    acc = ufunc(parts[0], parts[1], out=out)
+    if type(acc) is not np.ndarray:  # 0-d parts give a numpy scalar
+        acc = np.asarray(acc)
     for x in parts[2:]:
         ufunc(acc, x, out=acc)
     return acc
@@ -90,29 +95,35 @@ def combine(parts, op: str, weights=None, out=None):
     ``avg`` of integers); an ``out`` of another dtype receives it through
     :func:`cast_to` (rounded, never truncated).
     """
-    dtype = np.dtype(parts[0].dtype)
+    dtype = parts[0].dtype
+    if op != "avg":  # every other op keeps the dtype
+        if out is not None and out.dtype != dtype:
+            out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
+            return out
+        return _fold(REDUCE_OPS[op], parts, out)
     rdtype = result_dtype(dtype, op)
     if out is not None and out.dtype != rdtype:
         out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
         return out
-    if op != "avg":
-        return _fold(REDUCE_OPS[op], parts, out)
     n = len(parts)
-    w = [1.0] * n if weights is None else [float(x) for x in weights]  # lists: tiny, fast
+    if weights is None:
+        w = [1.0] * n
+    else:
+        w = [float(x) for x in weights]  # lists: tiny, fast
     total = sum(w)
     w = [x / total for x in w] if total > 0 else [1.0 / n] * n
     if dtype.kind not in "fc":
         # integers and booleans: accumulate in float64 (PyTensor's mean of ints)
         parts = [np.asarray(p, dtype=rdtype) for p in parts]
-        dtype = rdtype
-    if all(x == w[0] for x in w):
+    scalar = rdtype.type
+    if w.count(w[0]) == n:
         acc = _fold(np.add, parts, out)
-        acc *= dtype.type(w[0])
+        acc *= scalar(w[0])
         return acc
-    acc = np.asarray(np.multiply(parts[0], dtype.type(w[0]), out=out))
+    acc = np.asarray(np.multiply(parts[0], scalar(w[0]), out=out))
     tmp = np.empty_like(acc)
     for x, wi in zip(parts[1:], w[1:]):
-        np.multiply(x, dtype.type(wi), out=tmp)
+        np.multiply(x, scalar(wi), out=tmp)
         acc += tmp
     return acc
 
