@@ -285,7 +285,9 @@ class MpiCommunicator(Communicator):
         """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed."""
         self._enter(what)
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
-        blob = pickle.dumps((layout, float(weight), bool(failed)), protocol=pickle.HIGHEST_PROTOCOL)
+        # a failure may come with its reason (a string: what failed where), cut to fit
+        flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
+        blob = pickle.dumps((layout, float(weight), flag), protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
         room = HEADER_SLOT - 8
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
@@ -307,7 +309,9 @@ class MpiCommunicator(Communicator):
         metas = [pickle.loads(b) for b in blobs]
         failed_nodes = [r for r, m in enumerate(metas) if m[2]]
         if failed_nodes:
-            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure; nothing was combined")
+            reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes if isinstance(metas[r][2], str))
+            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
+                             f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
         for r, (lay, _, _) in enumerate(metas):
             for dtype, _ in lay or ():
                 if dtype.hasobject:
@@ -332,12 +336,17 @@ class MpiCommunicator(Communicator):
         present, layout = agreed_layout(metas, op, who="node")
         if not present:
             return None
+        contrib = arrays
+        if op == "avg" and 0 < sum(1 for r in present if metas[r][1] > 0) < len(present):
+            # a node with no rows (weight 0: its master computed an empty batch) adds nothing
+            present = [r for r in present if metas[r][1] > 0]
+            contrib = arrays if self.rank in present else None
         weights = [metas[r][1] for r in present]
         pre = post = None
         if op == "avg":
-            pre, post = _avg_scales(weights, metas[self.rank][1] if arrays is not None else 0.0)
+            pre, post = _avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
         gets = root is None or self.rank == root
-        start = functools.partial(self._start_reduce, arrays, layout, op, pre, root, in_place, gets, metas)
+        start = functools.partial(self._start_reduce, contrib, layout, op, pre, root, in_place, gets, metas)
         reqs, jobs, keep = self._started(what, start)
         self._wait(reqs, what, keep)
         if not gets:

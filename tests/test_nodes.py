@@ -1,0 +1,90 @@
+"""The same script on several nodes under ``mpirun``: synk.fork() on each,
+MPI among the node masters (real ``mpirun -np 2`` and ``-np 3`` jobs on
+this machine, each node forking 1 or 2 processes).
+
+Each job runs tests/mpi/nodes_script.py, whose node masters check their
+results against numpy on the nodes' rows joined in node order and write a
+verdict; here the exit status, every node's verdict and what each node left
+in /dev/shm (nothing) are checked. Jobs group many checks, since each one
+pays PyTensor's compile (FAST_COMPILE) on every node.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_mpi_comm import HERE, assert_all_ok, mpirun, needs_mpi
+
+TCP = ("--mca", "pml", "ob1", "--mca", "btl", "self,tcp")
+
+
+def _no_shm_left(out: Path, n: int) -> None:
+    for node in range(n):
+        left = (out / f"shm.{node}.txt").read_text()
+        assert left == "", f"node {node} left shared memory: {left}"
+
+
+@needs_mpi
+def test_two_nodes_one_and_two_processes(tmp_path):
+    """np 2, nodes of 1 and 2 processes, over shared memory: identity and
+    sharding; every output op with uneven rows per node and per process and
+    a node with no rows; every collective and set_value/get_value with
+    global ranks (node 0's values, None elsewhere); the distribute() error
+    when node 1 built a different graph."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "ops", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_three_nodes_over_tcp(tmp_path):
+    """np 3 (2, 1 and 2 processes), MPI forced over TCP: the same checks, and
+    the distribute() error when node 1 built more functions than node 0."""
+    rc, output, verdicts = mpirun(tmp_path, 3, "nodes_script.py", "ops", "2,1", extra=TCP)
+    assert_all_ok(rc, output, verdicts, 3)
+    _no_shm_left(tmp_path, 3)
+
+
+@needs_mpi
+def test_worker_killed_on_node_one(tmp_path):
+    """A worker of node 1 killed with SIGKILL: node 1's next call raises
+    WorkerDiedError naming its rank, node 0's raises PeerFailed naming node 1
+    and that rank, both within seconds; close() is clean and nothing is left
+    in /dev/shm on either node."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "kill", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    assert "WorkerDiedError" in verdicts[1]["error"] and "rank 1" in verdicts[1]["error"]
+    assert "node(s) [1]" in verdicts[0]["error"] and "rank 1 died" in verdicts[0]["error"]
+    _no_shm_left(tmp_path, 2)
+
+
+def test_without_launcher_one_node():
+    """Without a launcher: world() is node 0 of 1 with the fork's own ranks,
+    shard() is every row, and mpi4py is never imported."""
+    code = """
+import sys, synkhronos as synk
+assert synk.fork(2, device="cpu") == 2
+w = synk.world()
+assert (w.node, w.nodes, w.rank, w.size, w.local_size, w.node_sizes) == (0, 1, 0, 2, 2, (2,)), w
+assert synk.shard(7) == slice(0, 7), synk.shard(7)
+synk.close()
+sys.exit(3 if "mpi4py" in sys.modules else 0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE.parent, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_world_and_shard_errors():
+    import synkhronos as synk
+
+    with pytest.raises(RuntimeError, match="fork"):
+        synk.world()
+    with pytest.raises(TypeError, match="n_rows"):
+        synk.shard(2.5)
+    with pytest.raises(ValueError, match="n_rows"):
+        synk.shard(-1)
