@@ -26,6 +26,7 @@ import functools
 import os
 import pickle
 import sys
+import time
 
 import numpy as np
 
@@ -40,6 +41,9 @@ __all__ = ["World", "world", "shard", "launched", "join", "join_worker", "check_
 #: Environment variables a launcher sets in every copy it starts (Open MPI,
 #: MPICH/Hydra and Intel MPI, PMIx and PMI-2 launchers, ``srun --mpi=...``).
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")
+#: Seconds a node whose node communicator was abandoned waits at exit before
+#: it aborts the MPI job (the other nodes raise and close meanwhile).
+ABORT_GRACE = 5.0
 #: ``SYNKHRONOS_NODES=0`` keeps a launched copy to its own node (no MPI at all).
 SWITCH = "SYNKHRONOS_NODES"
 
@@ -73,6 +77,9 @@ def _finalize(MPI) -> None:
     if MPI.Is_finalized():
         return
     if context.nodes_broken:
+        # the other nodes got this node's failure notice (or sent theirs): give
+        # them time to raise and close their forks before the job is stopped
+        time.sleep(ABORT_GRACE)
         MPI.COMM_WORLD.Abort(1)
     MPI.Finalize()
 

@@ -88,3 +88,45 @@ def test_world_and_shard_errors():
         synk.shard(2.5)
     with pytest.raises(ValueError, match="n_rows"):
         synk.shard(-1)
+
+
+def _prefix_left(out: Path, n: int) -> list:
+    import os
+
+    prefixes = [(out / f"prefix.{node}.txt").read_text() for node in range(n)]
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(p) for p in prefixes)]
+
+
+@needs_mpi
+def test_uncaught_error_on_node_one(tmp_path):
+    """Node 1's script dies of an uncaught exception (no close()) while node 0
+    calls: node 0's call raises NodeFailedError naming node 1 and its error
+    within seconds (node 1's exit hook sends the notice), node 0 closes
+    cleanly, then the job is aborted (a failure notice leaves MPI unfinishable);
+    nothing is left in /dev/shm."""
+    import time
+
+    t0 = time.monotonic()
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "raise", "2,2")
+    assert time.monotonic() - t0 < 60
+    assert rc != 0
+    assert verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    assert "NodeFailedError: node 1" in verdicts[0]["error"] and "on purpose" in verdicts[0]["error"]
+    _no_shm_left(tmp_path, 1)
+    assert _prefix_left(tmp_path, 2) == []
+
+
+@needs_mpi
+def test_node_master_killed(tmp_path):
+    """Node 1's master killed with SIGKILL: mpirun stops the job within
+    seconds (node 0's polling waits let its SIGTERM handler run), and neither
+    node leaves anything in /dev/shm (node 1's workers clean up after their
+    master)."""
+    import time
+
+    t0 = time.monotonic()
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "sigkill", "2,2")
+    assert time.monotonic() - t0 < 60
+    assert rc != 0 and "signal 9" in output, output[-3000:]
+    time.sleep(1.0)  # node 1's orphaned workers unlink as they leave
+    assert _prefix_left(tmp_path, 2) == []

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -203,6 +204,30 @@ def scenario_kill(v, node, node_sizes):
         v.expect("rank 1" in text and (node == 1 or "node(s) [1]" in text), f"error names node/rank: {text}")
 
 
+def scenario_master_fails(v, node, node_sizes, how, out):
+    """Node 1's master ends (an uncaught exception, or SIGKILL) while node 0 calls."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before the failure")
+    prefix = synk.context.current().proc.prefix
+    (Path(out) / f"prefix.{node}.txt").write_text(prefix)
+    if node == 1:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("node 1's script failed on purpose")
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    try:
+        f(per_node[node])
+        v.expect(False, "the call after node 1 failed raised nothing")
+    except Exception as err:  # noqa: BLE001
+        took = time.perf_counter() - t0
+        v.info["error"] = f"{type(err).__name__}: {err}"
+        v.expect(took < 10, f"raised after {took:.1f} s")
+        v.expect("node 1" in str(err) and "on purpose" in str(err), f"error names node 1: {err}")
+
+
 def main() -> int:
     out, scenario, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     node = node_index()
@@ -220,10 +245,14 @@ def main() -> int:
             check_mismatch(v, node, "count" if len(node_sizes) > 2 or scenario == "count" else "graph")
         elif scenario == "kill":
             scenario_kill(v, node, node_sizes)
+        elif scenario in ("raise", "sigkill"):
+            scenario_master_fails(v, node, node_sizes, scenario, out)
     except BaseException as err:  # noqa: BLE001
+        if scenario == "raise" and node == 1:
+            v.write()
+            raise  # uncaught, no close(): the exit path tells the other nodes
         error = err
-    finally:
-        synk.close()
+    synk.close()
     (v.path.parent / f"shm.{node}.txt").write_text("\n".join(my_shm(prefixes)))
     ok = v.write(error)
     return 0 if ok else 1
