@@ -36,7 +36,7 @@ from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
 __all__ = ["World", "world", "shard", "launched", "join", "join_worker", "check_same_functions",
-           "from_first_node", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
+           "from_first_node", "share_host_cores", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
 
 #: Environment variables a launcher sets in every copy it starts (Open MPI,
 #: MPICH/Hydra and Intel MPI, PMIx and PMI-2 launchers, ``srun --mpi=...``).
@@ -53,6 +53,34 @@ def launched() -> bool:
     if os.environ.get(SWITCH, "").strip().lower() in ("0", "no", "false", "off"):
         return False
     return any(os.environ.get(v) for v in LAUNCHER_VARS)
+
+
+#: (copies on this host, this copy's index among them) as launchers tell it.
+HOST_VARS = (("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+             ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"), ("SLURM_NTASKS_PER_NODE", "SLURM_LOCALID"))
+
+
+def share_host_cores() -> None:
+    """Under a launcher that started several copies on this host without
+    binding them (``--bind-to none``): keep this copy to its own block of the
+    cores, as ``--bind-to`` would, so that the copies' workers, threads and
+    pinning do not pile onto the same cores. A copy the launcher bound (its
+    affinity is less than every core) is left as it is."""
+    for size_var, rank_var in HOST_VARS:
+        size, rank = os.environ.get(size_var, ""), os.environ.get(rank_var, "")
+        if size.isdigit() and rank.isdigit():
+            break
+    else:
+        return
+    size, rank = int(size), int(rank)
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return
+    if size <= 1 or not 0 <= rank < size or len(cores) < size or len(cores) < (os.cpu_count() or 0):
+        return
+    lo, hi = split(len(cores), size, rank)
+    os.sched_setaffinity(0, cores[lo:hi])
 
 
 @functools.cache

@@ -97,6 +97,8 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             raise TypeError(f"{key} must be a positive int or None (it is ignored), got {limit!r}")
     profile_dir = _profile_dir(profile_workers)
     device_cls, units = devices.choose(device, use_gpu)
+    if nodes.launched():  # several copies on one host: each its own cores
+        nodes.share_host_cores()
     cores = available_cores()
     n_parallel = _check_parallel(n_parallel, units or cores, cores, master_rank)
     device = devices.create(device_cls, units, n_parallel, master_rank)  # binds the master to its unit

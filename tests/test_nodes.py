@@ -130,3 +130,35 @@ def test_node_master_killed(tmp_path):
     assert rc != 0 and "signal 9" in output, output[-3000:]
     time.sleep(1.0)  # node 1's orphaned workers unlink as they leave
     assert _prefix_left(tmp_path, 2) == []
+
+
+def _final_numbers(out: str, epochs: int) -> list:
+    line = [ln for ln in out.splitlines() if ln.startswith(f"2 proc  epoch {epochs:2d}")]
+    assert len(line) == 1, out[-3000:]
+    words = line[0].replace("%", "").split()
+    return [float(words[i + 1]) for i, w in enumerate(words) if w in ("loss", "acc")]
+
+
+@needs_mpi
+def test_digits_demo_on_two_nodes(tmp_path):
+    """The digits demo (synkhronos.extensions' Adam step) under ``mpirun -np 2``,
+    one process per node, each node passing its shard of every minibatch,
+    trains as one node of 2 processes does: the same losses and accuracy up
+    to float32 rounding (make demo-mpi runs it for the full 20 epochs)."""
+    import os
+
+    from test_mpi_comm import MPIRUN
+
+    demo = str(HERE.parent / "demos" / "train_digits.py")
+    common = ["--epochs", "5", "--no-progress", "--no-baseline", "--results", str(tmp_path)]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    two_nodes = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+                                "osc", "^ucx", sys.executable, demo, "--workers", "1", *common],
+                               capture_output=True, text=True, timeout=300, env=env)
+    assert two_nodes.returncode == 0, two_nodes.stdout[-3000:] + two_nodes.stderr[-3000:]
+    assert "2 nodes, 2 processes in all" in two_nodes.stdout
+    one_node = subprocess.run([sys.executable, demo, "--workers", "2", *common],
+                              capture_output=True, text=True, timeout=300)
+    assert one_node.returncode == 0, one_node.stdout[-3000:] + one_node.stderr[-3000:]
+    assert _final_numbers(two_nodes.stdout, 5) == pytest.approx(_final_numbers(one_node.stdout, 5),
+                                                                rel=0.05, abs=1e-3)
