@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .base import Communicator
-from .ops import cast_to
+from .ops import cast_to, result_dtype
 
 from ..errors import PeerFailed
 
@@ -67,6 +67,7 @@ class HierarchicalCommunicator(Communicator):
                              f"master {local.master_rank} got inter={inter!r}")
         self._local, self._inter, self._is_master = local, inter, is_master
         self._lm = local.master_rank
+        self._alone = local.size == 1  # a node of one process: no local steps at all
         shape = None
         if is_master:
             parts = inter.all_gather([np.array([local.size, local.master_rank], dtype=np.int64)])[0]
@@ -129,6 +130,8 @@ class HierarchicalCommunicator(Communicator):
 
     def _share(self, arrays, failed, receive=None):
         """Node master's ``arrays`` (None: nothing) in every process of the node."""
+        if self._alone:
+            return arrays
         payload = None
         if self._is_master:
             payload = [_NO] if arrays is None else [_YES, *arrays]
@@ -162,6 +165,11 @@ class HierarchicalCommunicator(Communicator):
             root_node, root_local = self.where(root)
 
         def first():
+            if self._alone:  # this process's arrays are the node's part
+                if arrays is None:
+                    return None, None
+                return [np.asarray(a).astype(result_dtype(np.asarray(a).dtype, op), copy=False)
+                        for a in arrays], float(weight)
             # both local calls run whatever happens: every process of the node
             # must make the same calls
             wsum = err = None
@@ -185,7 +193,11 @@ class HierarchicalCommunicator(Communicator):
             part, wsum = value if value is not None else (None, None)
             w = 1.0 if wsum is None else wsum
             if root is None or root is MASTERS:
-                return self._inter.all_reduce(part, op, weight=w, failed=bad)
+                # MPI works in the node's part when that is ours to overwrite: a
+                # fresh local result, or the caller's own arrays when in place
+                mine = part is not None and (in_place or arrays is None or not any(
+                    np.may_share_memory(p, a) for p, a in zip(part, arrays)))
+                return self._inter.all_reduce(part, op, weight=w, failed=bad, in_place=bool(mine))
             out = self._inter.reduce(part, op, root_node, weight=w, failed=bad)
             return out
 
@@ -199,7 +211,8 @@ class HierarchicalCommunicator(Communicator):
                 out = self._share(value, bad, receive)
                 if in_place and arrays is not None and out is not None and self._is_master:
                     for dst, src in zip(arrays, out):
-                        np.copyto(dst, cast_to(src, dst.dtype))
+                        if not np.shares_memory(dst, src):
+                            np.copyto(dst, cast_to(src, dst.dtype))
                     return list(arrays)
                 return out
             return self._steps(first, middle, share)
@@ -230,6 +243,8 @@ class HierarchicalCommunicator(Communicator):
             root_node, _ = self.where(root)
 
         def first():
+            if self._alone:
+                return None if arrays is None else [[a] for a in arrays]
             return local.gather(arrays, lm, failed=failed)
 
         def middle(parts, bad):
