@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/mv_bench.py
 	$(MPIRUN) -np 2 $(PY) bench/mv_bench.py
+	$(PY) bench/nodes_bench.py
 
 docs: $(STAMP)
 	$(PY) -m pip install -q -e '.[docs]'

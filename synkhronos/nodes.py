@@ -27,6 +27,7 @@ import os
 import pickle
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -116,6 +117,13 @@ def join(proc, check) -> None:
     """In the node master, right after its workers were forked: start MPI, join
     the other nodes' masters and make ``proc.comm`` the communicator over every
     process of every node (the workers wait for it in :func:`join_worker`)."""
+    plan = getattr(proc.device, "plan", None)
+    if getattr(plan, "nccl", False):
+        # NCCL over every GPU of every node is designed (docs: Several machines),
+        # not built: across nodes a GPU fork reduces through the host path
+        warnings.warn("synkhronos: across nodes, GPU outputs and collectives go through the CPU "
+                      "path (NCCL across nodes is not supported yet)", stacklevel=2)
+        plan.nccl = False
     MPI = _mpi()
     inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
     try:

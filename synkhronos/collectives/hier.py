@@ -158,36 +158,42 @@ class HierarchicalCommunicator(Communicator):
             self._inter.barrier()
         self._local.barrier()
 
-    def _reduce(self, arrays, op, root, weight, failed, in_place=False):
+    def _node_part(self, arrays, op, weight, failed):
+        """Step 1 of a reduction: ``(the node's reduced arrays, the node's weight
+        in an avg)`` in the node master (None elsewhere, and where nothing)."""
         local, lm = self._local, self._lm
+        if self._alone:  # this process's arrays are the node's part
+            if arrays is None:
+                return None, None
+            return [np.asarray(a).astype(result_dtype(np.asarray(a).dtype, op), copy=False)
+                    for a in arrays], float(weight)
+        # both local calls run whatever happens: every process of the node
+        # must make the same calls
+        wsum = err = None
+        if op == "avg":  # the node's weight in the average among nodes
+            try:
+                ws = local.gather(None if arrays is None else [np.array([float(weight)])], lm,
+                                  failed=failed)
+                if ws:  # on the master; [] when no process of the node contributes
+                    wsum = sum(float(p[0]) for p in ws[0] if p is not None)
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+        try:
+            part = local.reduce(arrays, op, lm, weight=weight, failed=failed or err is not None)
+        except Exception as exc:  # noqa: BLE001
+            err = err or exc
+        if err is not None:
+            raise err
+        return part, wsum
+
+    def _reduce(self, arrays, op, root, weight, failed, in_place=False):
+        lm = self._lm
         root_node = root_local = None
         if root is not None and root is not MASTERS:
             root_node, root_local = self.where(root)
 
         def first():
-            if self._alone:  # this process's arrays are the node's part
-                if arrays is None:
-                    return None, None
-                return [np.asarray(a).astype(result_dtype(np.asarray(a).dtype, op), copy=False)
-                        for a in arrays], float(weight)
-            # both local calls run whatever happens: every process of the node
-            # must make the same calls
-            wsum = err = None
-            if op == "avg":  # the node's weight in the average among nodes
-                try:
-                    ws = local.gather(None if arrays is None else [np.array([float(weight)])], lm,
-                                      failed=failed)
-                    if ws:  # on the master; [] when no process of the node contributes
-                        wsum = sum(float(p[0]) for p in ws[0] if p is not None)
-                except Exception as exc:  # noqa: BLE001
-                    err = exc
-            try:
-                part = local.reduce(arrays, op, lm, weight=weight, failed=failed or err is not None)
-            except Exception as exc:  # noqa: BLE001
-                err = err or exc
-            if err is not None:
-                raise err
-            return part, wsum
+            return self._node_part(arrays, op, weight, failed)
 
         def middle(value, bad):
             part, wsum = value if value is not None else (None, None)
