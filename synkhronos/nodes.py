@@ -127,7 +127,7 @@ def join(proc, check) -> None:
     MPI = _mpi()
     inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
     try:
-        with _between_commands(inter):
+        with _between_commands(inter, proc.comm):  # the node table goes to the workers too
             proc.comm = NodeCommunicator(proc.comm, inter)
     except BaseException:
         context.nodes_broken = context.nodes_broken or inter.broken is not None
@@ -162,13 +162,15 @@ def _liveness(check):
 
 
 @contextlib.contextmanager
-def _between_commands(inter):
-    saved = inter.check
-    inter.check = _liveness(saved)
+def _between_commands(*comms):
+    saved = [c.check for c in comms]
+    for c, check in zip(comms, saved):
+        c.check = _liveness(check)
     try:
-        yield inter
+        yield
     finally:
-        inter.check = saved
+        for c, check in zip(comms, saved):
+            c.check = check
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,6 +202,13 @@ def scenario_kill(v, node, node_sizes):
         v.info["error"] = text
         v.expect(took < 10, f"raised after {took:.1f} s")
         v.expect("rank 1" in text and (node == 1 or "node(s) [1]" in text), f"error names node/rank: {text}")
+    # every node closes, then forks again (after MPI_Init this time) and goes on
+    prefix = synk.context.current().proc.prefix
+    synk.close()
+    v.expect(my_shm([prefix]) == [], f"left after close: {my_shm([prefix])}")
+    synk.fork(node_sizes[node], device="cpu")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "after close() and fork() again")
 
 
 def scenario_master_fails(v, node, node_sizes, how, out):
