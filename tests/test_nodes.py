@@ -162,3 +162,86 @@ def test_digits_demo_on_two_nodes(tmp_path):
     assert one_node.returncode == 0, one_node.stdout[-3000:] + one_node.stderr[-3000:]
     assert _final_numbers(two_nodes.stdout, 5) == pytest.approx(_final_numbers(one_node.stdout, 5),
                                                                 rel=0.05, abs=1e-3)
+
+
+AGENT = """#!/bin/sh
+# Open MPI's rsh agent: "host command..." -> the command in that host's network
+# namespace, with a hostname (UTS namespace) and session directory of its own
+host="$1"; shift
+case "$host" in
+  {ip_a}) ns={ns_a} ;;
+  {ip_b}) ns={ns_b} ;;
+  *) echo "unknown host $host" >&2; exit 1 ;;
+esac
+mkdir -p "{tmp}/$ns"
+exec ip netns exec "$ns" unshare --uts /bin/sh -c \\
+  "hostname $ns; export TMPDIR={tmp}/$ns PRTE_MCA_prte_tmpdir_base={tmp}/$ns; $*"
+"""
+
+
+def _sh(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@needs_mpi
+def test_two_network_namespaces(tmp_path):
+    """Two "machines" of the test's own making: network namespaces joined by a
+    veth pair, each node in its own (and its own hostname), MPI over TCP
+    between them (Open MPI starts node 1's daemon through an rsh agent that
+    enters its namespace). The ops checks of 2 nodes of 2 processes pass.
+    Skipped where namespaces cannot be made (not root, no ``ip``/``unshare``)."""
+    import os
+    import shutil
+
+    from test_mpi_comm import JOB_LIMIT, MPIRUN
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs root, ip and unshare to make network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    ns_a, ns_b = f"synk13a{tag}", f"synk13b{tag}"
+    ip_a, ip_b = "10.213.0.1", "10.213.0.2"
+    made = []
+    try:
+        for ns in (ns_a, ns_b):
+            done = _sh("ip", "netns", "add", ns)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make a network namespace: {done.stderr.strip()}")
+            made.append(ns)
+        steps = [("ip", "link", "add", f"s13a{tag}", "type", "veth", "peer", "name", f"s13b{tag}"),
+                 ("ip", "link", "set", f"s13a{tag}", "netns", ns_a),
+                 ("ip", "link", "set", f"s13b{tag}", "netns", ns_b)]
+        for ns, dev, ip in ((ns_a, f"s13a{tag}", ip_a), (ns_b, f"s13b{tag}", ip_b)):
+            steps += [("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev),
+                      ("ip", "-n", ns, "link", "set", dev, "up"), ("ip", "-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _sh(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot connect the namespaces ({' '.join(step)}): {done.stderr.strip()}")
+        agent = tmp_path / "agent.sh"
+        agent.write_text(AGENT.format(ip_a=ip_a, ip_b=ip_b, ns_a=ns_a, ns_b=ns_b, tmp=tmp_path))
+        agent.chmod(0o755)
+        out = tmp_path / "out"
+        out.mkdir()
+        net = f"{ip_a.rsplit('.', 1)[0]}.0/24"
+        cmd = ["ip", "netns", "exec", ns_a, str(MPIRUN), "-np", "2", "--host", f"{ip_a}:1,{ip_b}:1",
+               "--mca", "plm_rsh_agent", str(agent), "--bind-to", "none", "--mca", "osc", "^ucx",
+               "--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", net,
+               "--mca", "oob_tcp_if_include", net, "-x", "PYTHONPATH", "-x", "SYNK_MPI_TEST_LIMIT",
+               sys.executable, str(HERE / "mpi" / "nodes_script.py"), str(out), "ops", "2,2"]
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   SYNK_MPI_TEST_LIMIT=str(JOB_LIMIT - 15),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_LIMIT, env=env)
+        import json
+
+        verdicts = {}
+        for path in out.glob("verdict.*.json"):
+            v = json.loads(path.read_text())
+            verdicts[v["rank"]] = v
+        assert_all_ok(done.returncode, done.stdout + done.stderr, verdicts, 2)
+        # node 1 ran in the other namespace (started by the agent, with its hostname)
+        assert verdicts[1]["hostname"] == ns_b and verdicts[0]["netns"] != verdicts[1]["netns"], verdicts
+        _no_shm_left(out, 2)
+    finally:
+        for ns in made:
+            _sh("ip", "netns", "del", ns)

@@ -239,6 +239,8 @@ def main() -> int:
     out, scenario, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     node = node_index()
     v = Verdict(out, node)
+    v.info["hostname"] = __import__("socket").gethostname()
+    v.info["netns"] = os.readlink("/proc/self/ns/net")
     prefixes = []
     error = None
     try:
