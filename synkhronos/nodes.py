@@ -33,6 +33,7 @@ import numpy as np
 
 from . import context
 from .batching import split
+from .errors import SynkError
 from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
@@ -253,21 +254,32 @@ def _inter(proc):
     return comm.inter if isinstance(comm, NodeCommunicator) else None
 
 
-def check_same_functions(proc, entries: list) -> None:
+def check_same_functions(proc, entries) -> None:
     """distribute() across nodes: every node must distribute the same functions.
 
-    ``entries`` is this node's ``(name, digest of the graph)`` per function
-    about to be distributed, in creation order. Every node raises the same
+    ``entries()`` gives this node's ``(name, digest of the graph)`` per
+    function about to be distributed, in creation order (called only across
+    nodes). Every node raises the same
     ValueError naming the first difference (count, then name and graph).
     Nothing happens on one node.
     """
     inter = _inter(proc)
     if inter is None:
         return
-    blob = np.frombuffer(pickle.dumps(list(entries), protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    error = None
+    try:
+        mine = list(entries())
+    except Exception as err:  # noqa: BLE001 - the others must hear of it, not wait
+        error, mine = err, f"{type(err).__name__}: {err}"
+    blob = np.frombuffer(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     with _between_commands(inter):
         got = inter.all_gather([blob])[0]
+    if error is not None:
+        raise error
     lists = [pickle.loads(np.asarray(b).tobytes()) for b in got]
+    for node, entry in enumerate(lists):
+        if isinstance(entry, str):
+            raise SynkError(f"distribute(): node {node} could not describe its functions: {entry}")
     first = lists[0]
     for node, mine in enumerate(lists[1:], start=1):
         if len(mine) != len(first):
