@@ -33,8 +33,10 @@ def test_two_nodes_one_and_two_processes(tmp_path):
     """np 2, nodes of 1 and 2 processes, over shared memory: identity and
     sharding; every output op with uneven rows per node and per process and
     a node with no rows; every collective and set_value/get_value with
-    global ranks (node 0's values, None elsewhere); the distribute() error
-    when node 1 built a different graph."""
+    global ranks (node 0's values, None elsewhere); a worker of node 1
+    raising (node 1 raises its error, node 0 PeerFailed naming node 1's rank;
+    the next call works everywhere); the distribute() error when node 1 built
+    a different graph."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "ops", "1,2")
     assert_all_ok(rc, output, verdicts, 2)
     _no_shm_left(tmp_path, 2)
@@ -53,8 +55,8 @@ def test_three_nodes_over_tcp(tmp_path):
 def test_worker_killed_on_node_one(tmp_path):
     """A worker of node 1 killed with SIGKILL: node 1's next call raises
     WorkerDiedError naming its rank, node 0's raises PeerFailed naming node 1
-    and that rank, both within seconds; close() is clean and nothing is left
-    in /dev/shm on either node."""
+    and that rank, both within seconds; close() is clean, nothing is left in
+    /dev/shm on either node, and every node forks again and goes on."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "kill", "1,2")
     assert_all_ok(rc, output, verdicts, 2)
     assert "WorkerDiedError" in verdicts[1]["error"] and "rank 1" in verdicts[1]["error"]

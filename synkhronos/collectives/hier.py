@@ -114,7 +114,7 @@ class HierarchicalCommunicator(Communicator):
         except Exception as exc:  # noqa: BLE001 - raised after the next steps
             err = exc
         if self._is_master:
-            reason = False if err is None else f"{type(err).__name__}: {err}"[:200]
+            reason = False if err is None else self._reason(err)[:200]
             try:
                 value = middle(value, reason)
             except Exception as exc:  # noqa: BLE001
@@ -127,6 +127,15 @@ class HierarchicalCommunicator(Communicator):
         if err is not None:
             raise err
         return value
+
+    def _reason(self, err) -> str:
+        """What failed in this node, as the other nodes' PeerFailed names it."""
+        if isinstance(err, PeerFailed) and err.args and isinstance(err.args[0], list):
+            ranks = err.args[0]  # the local ranks that flagged a failure
+            first = self.offsets[self.node]
+            return (f"local rank(s) {ranks} of node {self.node} (global rank(s) "
+                    f"{[first + r for r in ranks]}) failed")
+        return f"{type(err).__name__}: {err}"
 
     def _share(self, arrays, failed, receive=None):
         """Node master's ``arrays`` (None: nothing) in every process of the node."""

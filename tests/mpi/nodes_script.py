@@ -166,6 +166,34 @@ def check_collectives(v, node, node_sizes):
         v.expect(f"0..{size - 1}" in str(err), f"get_value(size): {err}")
 
 
+def check_worker_raises(v, node, node_sizes):
+    """A worker of the last node raises (an Assert on its rows): that node's
+    call raises the worker's error, every other node's raises PeerFailed
+    naming the node; then every node's next call works."""
+    from pytensor.raise_op import Assert
+
+    x = pt.dmatrix("x")
+    f = synk.function([x], (Assert("row too large")(x.sum(axis=0), pt.all(x < 100)), "sum"), mode=MODE)
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    last = len(node_sizes) - 1
+    mine = per_node[node].copy()
+    if node == last:  # the last process of the node: a worker when the node has 2
+        mine[-1, 0] = 1000.0
+    try:
+        f(mine)
+        v.expect(False, "a worker's error raised nothing")
+    except Exception as err:  # noqa: BLE001
+        text = f"{type(err).__name__}: {err}"
+        if node == last and node_sizes[node] > 1:
+            v.expect("row too large" in text, f"the worker's own error on its node: {text}")
+        else:
+            wrong = f"local rank(s) [{node_sizes[last] - 1}] of node {last}"
+            v.expect(node == last or (f"node(s) [{last}]" in text and wrong in text),
+                     f"other nodes name the node and the rank: {text}")
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "the next call after a worker's error")
+
+
 def check_mismatch(v, node, scenario):
     x = pt.dvector("x")
     if scenario == "count":
@@ -251,6 +279,7 @@ def main() -> int:
             check_outputs(v, node, node_sizes)
             if scenario == "ops":
                 check_collectives(v, node, node_sizes)
+                check_worker_raises(v, node, node_sizes)
             check_mismatch(v, node, "count" if len(node_sizes) > 2 or scenario == "count" else "graph")
         elif scenario == "kill":
             scenario_kill(v, node, node_sizes)
