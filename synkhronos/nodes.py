@@ -38,7 +38,7 @@ from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
 __all__ = ["World", "world", "shard", "launched", "join", "join_worker", "check_same_functions",
-           "from_first_node", "share_host_cores", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
+           "from_first_node", "share_host_cores", "warn_if_mpi_started", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
 
 #: Environment variables a launcher sets in every copy it starts (Open MPI,
 #: MPICH/Hydra and Intel MPI, PMIx and PMI-2 launchers, ``srun --mpi=...``).
@@ -83,6 +83,18 @@ def share_host_cores() -> None:
         return
     lo, hi = split(len(cores), size, rank)
     os.sched_setaffinity(0, cores[lo:hi])
+
+
+def warn_if_mpi_started() -> None:
+    """Before forking under a launcher: warn when the script already started
+    MPI (``from mpi4py import MPI`` initialises it at import), since the
+    workers are then forked after ``MPI_Init``."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        warnings.warn("MPI was initialised before synk.fork() (an import of mpi4py.MPI does that): "
+                      "the workers are forked after MPI_Init, which some MPI transports do not "
+                      "support; import mpi4py.MPI after synk.fork(), or set mpi4py.rc.initialize = "
+                      "False before importing it", stacklevel=3)
 
 
 @functools.cache

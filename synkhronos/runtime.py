@@ -75,6 +75,12 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     Returns:
         The number of processes, master included.
 
+    Under a launcher (``mpirun``, ``srun``; see :doc:`nodes`) each launched
+    copy of the script is the master of its node: it forks its node's
+    workers, then starts MPI and joins the other nodes' masters, and calls
+    and collectives span every process of every node
+    (:func:`synkhronos.world` says where this node stands).
+
     On a GPU device each process uses GPU ``rank % n_gpus`` (bound through
     ``CUDA_VISIBLE_DEVICES`` before CUDA starts) and runs its functions
     through PyTensor's JAX backend; when every process has a GPU of its own,
@@ -98,6 +104,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     profile_dir = _profile_dir(profile_workers)
     device_cls, units = devices.choose(device, use_gpu)
     if nodes.launched():  # several copies on one host: each its own cores
+        nodes.warn_if_mpi_started()
         nodes.share_host_cores()
     cores = available_cores()
     n_parallel = _check_parallel(n_parallel, units or cores, cores, master_rank)
