@@ -133,7 +133,8 @@ def broadcast(shared_vars, values=None, nccl=True):
 
     Args:
         shared_vars: one shared variable or a list/tuple of them.
-        values: new values (set in the master too) instead of the master's own.
+        values: new values (set in the master too) instead of the master's own
+            (across nodes: node 0's; the other nodes' are ignored, may be None).
         nccl: on a GPU device, go through NCCL (the default); ``False`` takes
             the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
@@ -163,7 +164,9 @@ def scatter(shared_vars, values, batch=None):
 
     Args:
         shared_vars: one shared variable or a list/tuple of them.
-        values: one array (numpy or synk.data) per variable.
+        values: one array (numpy or synk.data) per variable (across nodes:
+            node 0's, split over every process of every node; the other
+            nodes may pass None).
         batch: rows of the values to use first (int, slice or index list).
 
     Returns:
@@ -322,7 +325,7 @@ def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
 
     Args:
-        rank: the process (0 .. n_parallel - 1).
+        rank: the process (0 .. n_parallel - 1; across nodes a global rank).
         shared_vars: one shared variable or a list/tuple of them.
         values: one array (numpy or synk.data) per variable.
         batch: rows of the values to use (int, slice or index list).
@@ -355,7 +358,7 @@ def get_value(rank, shared_vars):
     """The value(s) of shared variables in process ``rank``.
 
     Args:
-        rank: the process (0 .. n_parallel - 1).
+        rank: the process (0 .. n_parallel - 1; across nodes a global rank).
         shared_vars: one shared variable or a list/tuple of them.
 
     Returns:
