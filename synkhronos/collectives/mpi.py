@@ -68,6 +68,9 @@ POLL_SLEEP = 100e-6
 #: Bytes of each node's header slot in the agreement all-gather; a larger
 #: header (very many arrays) takes a second, variable-sized round.
 HEADER_SLOT = 512
+#: Reductions of at most this many bytes per node travel inside the agreement
+#: (one MPI exchange instead of two) and are combined on every node.
+INLINE_BYTES = 256
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 _NOTICE_TAG = 7
@@ -283,13 +286,22 @@ class MpiCommunicator(Communicator):
 
     # -- agreement ---------------------------------------------------------
 
-    def _agree(self, what: str, arrays, weight=1.0, failed=False):
-        """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed."""
+    def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False):
+        """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
+
+        With ``inline``, arrays of at most ``INLINE_BYTES`` in all travel in the
+        header too, and ``(metas, payloads)`` is returned: each node's arrays'
+        bytes, or None where they did not travel.
+        """
         self._enter(what)
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
         # a failure may come with its reason (a string: what failed where), cut to fit
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
-        blob = pickle.dumps((layout, float(weight), flag), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = None
+        if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
+                and not any(a.dtype.hasobject for a in arrays):
+            payload = [_as_bytes(a).tobytes() for a in arrays]
+        blob = pickle.dumps((layout, float(weight), flag, payload), protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
         room = HEADER_SLOT - 8
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
@@ -314,12 +326,13 @@ class MpiCommunicator(Communicator):
             reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes if isinstance(metas[r][2], str))
             raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
                              f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
-        for r, (lay, _, _) in enumerate(metas):
+        for r, (lay, _, _, _) in enumerate(metas):
             for dtype, _ in lay or ():
                 if dtype.hasobject:
                     raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
                                     "arrays of numbers and booleans only")
-        return [(m[0], m[1]) for m in metas]
+        pairs = [(m[0], m[1]) for m in metas]
+        return (pairs, [m[3] for m in metas]) if inline else pairs
 
     # -- collectives -------------------------------------------------------
 
@@ -334,7 +347,7 @@ class MpiCommunicator(Communicator):
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"reduce: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas = self._agree(what, arrays, weight, failed)
+        metas, payloads = self._agree(what, arrays, weight, failed, inline=True)
         present, layout = agreed_layout(metas, op, who="node")
         if not present:
             return None
@@ -348,12 +361,29 @@ class MpiCommunicator(Communicator):
         if op == "avg":
             pre, post = _avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
         gets = root is None or self.rank == root
+        if all(payloads[r] is not None for r in present):  # small: it all came with the agreement
+            return self._inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
+                if gets else None
         start = functools.partial(self._start_reduce, contrib, layout, op, pre, root, in_place, gets, metas)
         reqs, jobs, keep = self._started(what, start)
         self._wait(reqs, what, keep)
         if not gets:
             return None
         return self._finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
+
+    @staticmethod
+    def _inline_reduce(arrays, layout, payloads, op, present, weights, in_place):
+        """A reduction whose every part came inside the agreement, combined here
+        as :func:`.ops.combine` does (every node the same, in node order)."""
+        out = []
+        for i, (dtype, shape) in enumerate(layout):
+            parts = [np.frombuffer(payloads[r][i], dtype=dtype).reshape(shape).copy() for r in present]
+            out.append(np.asarray(combine(parts, op, weights)))
+        if in_place and arrays is not None:
+            for a, res in zip(arrays, out):
+                np.copyto(a, cast_to(res, a.dtype))
+            return arrays
+        return out
 
     def _finish_reduce(self, arrays, layout, jobs, op, present, weights, post, in_place):
         """The results of a reduction whose requests completed, in their result dtypes."""
