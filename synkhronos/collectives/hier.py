@@ -210,9 +210,13 @@ class HierarchicalCommunicator(Communicator):
             if root is None or root is MASTERS:
                 # MPI works in the node's part when that is ours to overwrite: a
                 # fresh local result, or the caller's own arrays when in place
-                mine = part is not None and (in_place or arrays is None or not any(
+                fresh = part is not None and (arrays is None or not any(
                     np.may_share_memory(p, a) for p, a in zip(part, arrays)))
-                return self._inter.all_reduce(part, op, weight=w, failed=bad, in_place=bool(mine))
+                if in_place and root is None and fresh and arrays is not None:
+                    # straight into this master's own arrays, which the node then shares
+                    return self._inter.all_reduce(part, op, weight=w, failed=bad, into=list(arrays))
+                return self._inter.all_reduce(part, op, weight=w, failed=bad,
+                                              in_place=bool(in_place or fresh))
             out = self._inter.reduce(part, op, root_node, weight=w, failed=bad)
             return out
 

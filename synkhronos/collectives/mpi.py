@@ -137,6 +137,22 @@ def _avg_scales(weights, mine):
     return float(mine) / total, None
 
 
+def _fit(into, layout, op):
+    """``into`` (arrays to receive an all-reduce's results) where MPI can write
+    each result there directly: C-contiguous, writeable, of the work dtype and
+    the shape; None entries elsewhere (those are copied in afterwards). None
+    when ``into`` is None."""
+    if into is None:
+        return None
+    out = []
+    for a, (dtype, shape) in zip(into, layout):
+        plan = reduce_plan(dtype, op)
+        ok = (plan is not None and isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
+              and a.dtype == plan[0] and a.shape == tuple(shape))
+        out.append(a if ok else None)
+    return out
+
+
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -185,6 +201,7 @@ class MpiCommunicator(Communicator):
         self._notice = None
         self._sent: list = []
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
+        self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
         comm_dup, req = comm.Idup()
         ctl_dup, req2 = comm.Idup()
@@ -340,7 +357,7 @@ class MpiCommunicator(Communicator):
         self._enter("barrier")
         self._wait([self._comm.Ibarrier()], "barrier")
 
-    def _reduce(self, arrays, op, weight, failed, root, in_place=False):
+    def _reduce(self, arrays, op, weight, failed, root, in_place=False, into=None):
         what = "all_reduce" if root is None else "reduce"
         if op not in MPI_OPS:
             raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(MPI_OPS)}")
@@ -364,11 +381,16 @@ class MpiCommunicator(Communicator):
         if all(payloads[r] is not None for r in present):  # small: it all came with the agreement
             return self._inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
                 if gets else None
-        start = functools.partial(self._start_reduce, contrib, layout, op, pre, root, in_place, gets, metas)
+        into = into if root is None else None
+        fit = _fit(into, layout, op)
+        start = functools.partial(self._start_reduce, contrib, layout, op, pre, root,
+                                  in_place if fit is None else fit, gets, metas)
         reqs, jobs, keep = self._started(what, start)
         self._wait(reqs, what, keep)
         if not gets:
             return None
+        if into is not None:  # the results are in ``into`` already (or copied there)
+            return self._finish_reduce(into, layout, jobs, op, present, weights, post, True)
         return self._finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
 
     @staticmethod
@@ -407,6 +429,19 @@ class MpiCommunicator(Communicator):
             return arrays
         return out
 
+    def _scratch(self, dtype, shape) -> np.ndarray:
+        """The receive buffer of an in-place all-reduce of this dtype and shape,
+        kept from one call to the next: its pages are faulted in once (a fresh
+        64 MiB buffer costs thousands of page faults per call). One per
+        layout, the last one used."""
+        key = (np.dtype(dtype).str, tuple(shape))
+        buf = self._recv.get(key)
+        if buf is None:
+            if len(self._recv) >= 8:
+                self._recv.clear()
+            buf = self._recv[key] = np.empty(shape, dtype=dtype)
+        return buf
+
     def _start_reduce(self, arrays, layout, op, pre, root, in_place, gets, metas):
         """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep)``."""
         MPI = self._MPI
@@ -423,17 +458,9 @@ class MpiCommunicator(Communicator):
             if count == 0:
                 jobs.append(("empty", None))
                 continue
-            inplace_ok = (in_place and root is None and mine is not None
-                          and mine.flags.c_contiguous and mine.flags.writeable
-                          and (mine.dtype == work or (mine.dtype.kind == "b" and work.kind == "u")))
-            if inplace_ok:  # MPI works in the caller's array: no copy
-                buf = mine.view(work) if mine.dtype != work else mine
-                if pre is not None:
-                    buf *= work.type(pre)
-                reqs.append(self._comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op[name]))
-                jobs.append(("mpi", buf))
-                keep.append(buf)
-                continue
+            # never MPI.IN_PLACE: Open MPI's Iallreduce of 64 MiB on 2 ranks took
+            # 87 ms in place against 34 ms into another buffer (the copy back
+            # into ``arrays``, in place, costs a few ms)
             if mine is None:
                 send = np.full(shape, identity(op, work), dtype=work)
             elif pre is not None:
@@ -442,7 +469,12 @@ class MpiCommunicator(Communicator):
                 send = np.ascontiguousarray(mine).view(work)
             else:
                 send = np.ascontiguousarray(mine, dtype=work)
-            recv = np.empty(shape, dtype=work) if gets else None
+            if isinstance(in_place, list) and in_place[i] is not None:  # straight into the caller's
+                recv = in_place[i]
+            elif in_place and root is None and mine is not None:  # copied out before anyone sees it
+                recv = self._scratch(work, shape)
+            else:
+                recv = np.empty(shape, dtype=work) if gets else None
             if root is None:
                 reqs.append(self._comm.Iallreduce(send, recv, mpi_op[name]))
             else:
@@ -491,15 +523,18 @@ class MpiCommunicator(Communicator):
         """
         return self._reduce(arrays, op, weight, failed, root)
 
-    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
+    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False, into=None):
         """``op`` over every node's arrays; the result on every node.
 
         With ``in_place`` the result is written into this node's ``arrays``
         (through :func:`.ops.cast_to`: the ``avg`` of integers is rounded) and
-        they are returned; MPI then works in them, without copies, when their
-        dtype is the one reduced in. A node that gave None gets new arrays.
+        they are returned (MPI receives into a buffer kept for the next call,
+        then it is copied: Open MPI's ``Iallreduce`` is much slower in place).
+        ``into`` (arrays not overlapping ``arrays``) receives the result
+        instead, and is returned: MPI writes there directly where the dtype is
+        the one reduced in. A node that gave None gets new arrays.
         """
-        return self._reduce(arrays, op, weight, failed, None, in_place)
+        return self._reduce(arrays, op, weight, failed, None, in_place, into)
 
     def _gather(self, arrays, root, failed, join, what):
         if root is not None and not 0 <= root < self.size:
