@@ -11,6 +11,7 @@ pays PyTensor's compile (FAST_COMPILE) on every node.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,11 @@ def test_two_nodes_one_and_two_processes(tmp_path):
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "ops", "1,2")
     assert_all_ok(rc, output, verdicts, 2)
     _no_shm_left(tmp_path, 2)
+    # two unbound copies on this machine: each kept to its own block of the cores
+    before = verdicts[0]["affinity_before"]
+    if len(before) >= 2 and len(before) >= (os.cpu_count() or 0):
+        mine = [set(verdicts[r]["affinity"]) for r in (0, 1)]
+        assert not mine[0] & mine[1] and mine[0] | mine[1] == set(before), mine
 
 
 @needs_mpi
@@ -93,8 +99,6 @@ def test_world_and_shard_errors():
 
 
 def _prefix_left(out: Path, n: int) -> list:
-    import os
-
     prefixes = [(out / f"prefix.{node}.txt").read_text() for node in range(n)]
     return [name for name in os.listdir("/dev/shm") if any(name.startswith(p) for p in prefixes)]
 
@@ -247,3 +251,24 @@ def test_two_network_namespaces(tmp_path):
     finally:
         for ns in made:
             _sh("ip", "netns", "del", ns)
+
+
+@needs_mpi
+def test_nodes_switched_off_under_mpirun(tmp_path):
+    """SYNKHRONOS_NODES=0: every launched copy is a node of its own (one
+    machine's fork, no MPI, mpi4py never imported)."""
+    from test_mpi_comm import MPIRUN
+
+    script = tmp_path / "alone.py"
+    script.write_text("import sys, synkhronos as synk\n"
+                      "synk.fork(1, device='cpu')\n"
+                      "w = synk.world()\n"
+                      "assert (w.node, w.nodes, w.size) == (0, 1, 1), w\n"
+                      "synk.close()\n"
+                      "sys.exit(3 if 'mpi4py' in sys.modules else 0)\n")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", SYNKHRONOS_NODES="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", "--mca", "osc", "^ucx",
+                           "-x", "SYNKHRONOS_NODES", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

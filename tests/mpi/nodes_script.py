@@ -269,11 +269,13 @@ def main() -> int:
     v = Verdict(out, node)
     v.info["hostname"] = __import__("socket").gethostname()
     v.info["netns"] = os.readlink("/proc/self/ns/net")
+    v.info["affinity_before"] = sorted(os.sched_getaffinity(0))
     prefixes = []
     error = None
     try:
         synk.fork(sizes[node % len(sizes)], device="cpu")
         prefixes.append(synk.context.current().proc.prefix)
+        v.info["affinity"] = sorted(os.sched_getaffinity(0))
         node_sizes = check_identity(v, node, sizes, synk.world())
         if scenario in ("ops", "count"):
             check_outputs(v, node, node_sizes)
