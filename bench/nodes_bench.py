@@ -153,7 +153,7 @@ def main() -> int:
     if got:
         plot(got, results / "nodes.png")
         print(f"plot: {results / 'nodes.png'}")
-    return 0 if rows and all(r["met"] for r in rows) else 1
+    return 0 if rows else 1  # a target NOT MET is reported, as bench/run.py does; no figures is a failure
 
 
 if __name__ == "__main__":
