@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench docs venv clean
+.PHONY: demo demo-mpi test bench docs venv clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,16 @@ test: $(STAMP)
 
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(VENV)/bin/mpirun --oversubscribe --mca osc ^ucx
 
+# the demo on 2 nodes of 1 process each (two copies under mpirun on this machine)
+demo-mpi: $(STAMP)
+	$(MPIRUN) -np 2 --bind-to none $(PY) demos/train_digits.py --workers 1 --no-baseline
+
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py
 	$(PY) bench/mv_bench.py
 	$(MPIRUN) -np 2 $(PY) bench/mv_bench.py
+	$(PY) bench/nodes_bench.py
 
 docs: $(STAMP)
 	$(PY) -m pip install -q -e '.[docs]'

@@ -1,10 +1,11 @@
-"""synkhronos: data parallelism for PyTensor on one machine."""
+"""synkhronos: data parallelism for PyTensor on one machine, and across machines under mpirun."""
 
 from .data import Data, data
 from .distribute import distribute
 from .errors import RemoteTraceback, SynkError, SynkTimeoutError, WorkerDiedError, WorkerError
 from .function import Function, function
 from .gpu import get_n_gpu
+from .nodes import World, shard, world
 from .runtime import close, fork
 from .shareds import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                       get_value, reduce, scatter, set_value)
@@ -14,7 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-    "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu",
+    "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu", "world", "World", "shard",
     "SynkError", "WorkerError", "WorkerDiedError", "RemoteTraceback", "SynkTimeoutError",
 ]
 

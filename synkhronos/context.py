@@ -39,6 +39,7 @@ class Process:
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
         self.last_call = None  # worker: (message, CallSpec, Share) of the last call, kept
+        self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
 
     def check_parent(self) -> None:
         """Worker-side: raise MasterGone once the master process has died."""
@@ -231,6 +232,10 @@ def next_data_id() -> int:
 #: Prefixes of forks that this process only inherited (the user forked it from
 #: a master after synk.fork()): nothing of theirs is unlinked from here.
 foreign_prefixes: set[str] = set()
+
+#: A node communicator was abandoned in a failure here: MPI is aborted at exit,
+#: not finalised (nodes.py).
+nodes_broken = False
 
 #: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.
 bound_gpu: str | None = None

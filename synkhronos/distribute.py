@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context
+from . import context, nodes
 from .context import interruptible
 from .control import Command
 
@@ -52,6 +53,16 @@ def shared_variables(lf) -> list:
     return out
 
 
+def graph_digest(lf) -> str:
+    """A digest of a function's compiled graph (its ops, types and shared
+    variables' names and types, not their values): equal in every copy of a
+    script that built the same function."""
+    from pytensor.printing import debugprint  # the graph as text, ids in graph order
+
+    text = debugprint(lf.compiled(), file="str", print_type=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @context.serialized
 def distribute() -> None:
     """Send every function built since the last distribute() to the workers.
@@ -91,6 +102,8 @@ def distribute() -> None:
     except Exception as err:
         names = ", ".join(repr(lf.spec.name) for lf in new)
         raise TypeError(f"could not pickle functions {names} for the workers: {err}") from err
+    # across nodes: every node must be distributing the same functions
+    nodes.check_same_functions(s.proc, lambda: [(lf.spec.name, graph_digest(lf)) for lf in new])
     s.run(Command.DISTRIBUTE, buf.getvalue())
     for sid, var in fresh:
         s.shared_ids[id(var)] = sid

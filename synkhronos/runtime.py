@@ -13,7 +13,7 @@ import warnings
 
 import numpy as np
 
-from . import context, devices, shareds, signals
+from . import context, devices, nodes, shareds, signals
 from .context import Process, session  # session: runtime.session() is the running fork
 from .control import ChildWatch, Command, ControlBlock
 from .errors import user_stacklevel
@@ -81,6 +81,12 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     Returns:
         The number of processes, master included.
 
+    Under a launcher (``mpirun``, ``srun``; see :doc:`nodes`) each launched
+    copy of the script is the master of its node: it forks its node's
+    workers, then starts MPI and joins the other nodes' masters, and calls
+    and collectives span every process of every node
+    (:func:`synkhronos.world` says where this node stands).
+
     On a GPU device each process uses GPU ``rank % n_gpus`` (bound through
     ``CUDA_VISIBLE_DEVICES`` before CUDA starts) and runs its functions
     through PyTensor's JAX backend; when every process has a GPU of its own,
@@ -104,10 +110,14 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             raise TypeError(f"{key} must be a positive int or None (it is ignored), got {limit!r}")
     profile_dir = _profile_dir(profile_workers)
     device_cls, units = devices.choose(device, use_gpu)
+    if nodes.launched():  # several copies on one host: each its own cores
+        nodes.warn_if_mpi_started()
+        nodes.share_host_cores()
     cores = available_cores()
     n_parallel = _check_parallel(n_parallel, units or cores, cores, master_rank)
     device = devices.create(device_cls, units, n_parallel, master_rank)  # binds the master to its unit
     proc = _open_master(device, n_parallel, master_rank, profile_dir)
+    proc.launched = nodes.launched()  # under mpirun/srun: join the other nodes after forking
     threads = max(1, cores // n_parallel)
     groups = core_groups(n_parallel) if pin_cores is not False else None
     if pin_cores and groups is None:
@@ -126,9 +136,11 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     if groups is not None:
         s.saved_affinity = pin(groups[master_rank])
     proc.comm.check = s.check
-    atexit.register(_close_at_exit)
     log.debug("forked %d workers: %s", len(pids), pids)
     try:
+        if proc.launched:  # MPI starts now, after the fork; the workers wait for the node table
+            nodes.join(proc, s.check)
+        atexit.register(_close_at_exit)  # after join: it runs before MPI is finalised at exit
         device.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
     except BaseException:
         close()
@@ -265,6 +277,8 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         proc.lease = Lease(proc.prefix)
         proc.control = ControlBlock(proc.prefix, proc.size, proc.master_rank, create=False)
         proc.comm = proc.device.open_host_comm(proc, create=False)
+        if master_proc.launched:  # the communicator over every node, once the master joined them
+            nodes.join_worker(proc)
         context.interruptible.control = proc.control
         limit_threads(threads, worker=True)
         if master_proc.profile_dir is None:
@@ -391,6 +405,7 @@ def _teardown(s: Session) -> None:
     step(_reap, s.watch, interrupts)
     step(release_memory)
     step(leave_homes)
+    step(nodes.note_failure, proc)
     step(proc.close)
     step(unlink_prefix, proc.prefix)
     step(s.thread_limit.restore)
@@ -433,6 +448,7 @@ def _close_at_exit() -> None:
     s = context.current()
     if s is None or os.getpid() != s.pid:  # a child forked from the master: not its fork
         return
+    nodes.abandon_at_exit(s.proc)  # an uncaught error here: the other nodes raise at once
     try:
         close()
     except BaseException:  # at exit there is nobody left to tell

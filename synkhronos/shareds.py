@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context
+from . import context, nodes
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import cast_to, parse_op
@@ -133,7 +133,8 @@ def broadcast(shared_vars, values=None, nccl=True):
 
     Args:
         shared_vars: one shared variable or a list/tuple of them.
-        values: new values (set in the master too) instead of the master's own.
+        values: new values (set in the master too) instead of the master's own
+            (across nodes: node 0's; the other nodes' are ignored, may be None).
         nccl: on a GPU device, go through NCCL (the default); ``False`` takes
             the CPU (shared-memory) path, as a ``c_`` op does. The same on a CPU device.
 
@@ -149,7 +150,7 @@ def broadcast(shared_vars, values=None, nccl=True):
     """
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
-    if values is not None:
+    if values is not None and nodes.world().node == 0:  # across nodes node 0's values are sent
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
     _send(s, CollectiveSpec("broadcast", sids, cpu=cpu))
@@ -163,7 +164,9 @@ def scatter(shared_vars, values, batch=None):
 
     Args:
         shared_vars: one shared variable or a list/tuple of them.
-        values: one array (numpy or synk.data) per variable.
+        values: one array (numpy or synk.data) per variable (across nodes:
+            node 0's, split over every process of every node; the other
+            nodes may pass None).
         batch: rows of the values to use first (int, slice or index list).
 
     Returns:
@@ -177,7 +180,8 @@ def scatter(shared_vars, values, batch=None):
         ValueError: a variable that no distributed function uses; a 0-d value; values that do not match the variables in number.
     """
     s, vars_, sids, single = _resolve(shared_vars)
-    arrays = _values_for(vars_, values, "scatter", single)
+    # across nodes: node 0's values (the others may pass None)
+    arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "scatter", single))
     batches = []
     for var, arr in zip(vars_, arrays):
         if arr.ndim == 0:
@@ -310,8 +314,9 @@ def _check_nccl(nccl) -> bool:
 def _check_rank(s, rank):
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an int, got {rank!r}")
-    if not 0 <= rank < s.n_parallel:
-        raise ValueError(f"rank {rank} is out of range: the fork has ranks 0..{s.n_parallel - 1}")
+    size = s.proc.comm.size  # across nodes: the global size (ranks are global)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is out of range: the fork has ranks 0..{size - 1}")
     return int(rank)
 
 
@@ -320,7 +325,7 @@ def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
 
     Args:
-        rank: the process (0 .. n_parallel - 1).
+        rank: the process (0 .. n_parallel - 1; across nodes a global rank).
         shared_vars: one shared variable or a list/tuple of them.
         values: one array (numpy or synk.data) per variable.
         batch: rows of the values to use (int, slice or index list).
@@ -337,7 +342,7 @@ def set_value(rank, shared_vars, values, batch=None):
     """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
-    arrays = _values_for(vars_, values, "set_value", single)
+    arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "set_value", single))
     batches = [check_batch(batch, len(a)) if batch is not None else None for a in arrays]
     if batch is not None and any(a.ndim == 0 for a in arrays):
         raise ValueError("set_value: batch needs values with at least one dimension")
@@ -353,7 +358,7 @@ def get_value(rank, shared_vars):
     """The value(s) of shared variables in process ``rank``.
 
     Args:
-        rank: the process (0 .. n_parallel - 1).
+        rank: the process (0 .. n_parallel - 1; across nodes a global rank).
         shared_vars: one shared variable or a list/tuple of them.
 
     Returns:
@@ -572,12 +577,9 @@ def _run_host(proc, spec: CollectiveSpec):
     comm, root = proc.comm, proc.master_rank
     mine = lambda: [v.get_value(borrow=True) for v in vars_]  # noqa: E731
     kind = spec.kind
-    if kind == "broadcast":
-        if proc.is_master:
-            comm.broadcast(_resident(proc, spec.sids, vars_), root=root)
-        else:
-            comm.broadcast(None, root=root, receive=lambda i, src: _receive_into(
-                proc, spec.sids[i], vars_[i], src))
+    if kind == "broadcast":  # across nodes, other nodes' masters receive too
+        comm.broadcast(_resident(proc, spec.sids, vars_) if proc.is_master else None, root=root,
+                       receive=lambda i, src: _receive_into(proc, spec.sids[i], vars_[i], src))
     elif kind in ("scatter", "set_value"):
         _host_scatter(proc, spec, vars_)
     elif kind == "gather":
@@ -606,7 +608,7 @@ def _run_host(proc, spec: CollectiveSpec):
             if v.get_value(borrow=True) is not g:
                 _assign(v, g)
     elif kind == "get_value":
-        got = comm.gather(mine() if proc.rank == spec.rank else None, root=root)
+        got = comm.gather(mine() if comm.rank == spec.rank else None, root=root)
         if got is not None:
             return [parts[spec.rank] for parts in got]
     elif kind == "get_shapes":
@@ -622,12 +624,13 @@ def _run_host(proc, spec: CollectiveSpec):
 def _host_scatter(proc, spec: CollectiveSpec, vars_) -> None:
     """scatter (each process its rows of the staged values) and set_value (one
     process takes them whole, or the rows of its ``batch``)."""
-    if spec.kind == "set_value" and proc.rank != spec.rank:
+    comm = proc.comm  # ranks and sizes are global across nodes
+    if spec.kind == "set_value" and comm.rank != spec.rank:
         return
     for v, ref, batch in zip(vars_, spec.refs, spec.batch):
         arr = attach(proc, ref)
         if spec.kind == "scatter":
-            lo, hi = split(batch_length(batch, len(arr)), proc.size, proc.rank)
+            lo, hi = split(batch_length(batch, len(arr)), comm.size, comm.rank)
             arr = arr[sub_batch(batch, lo, hi)]
         elif batch is not None:
             arr = arr[batch]

@@ -71,3 +71,23 @@ def test_bench_quick_synk_only(tmp_path):
         names = {Path(p).name for p in result["plots"]}
         assert {"collectives.png", "training.png", "per_call.png"} <= names
         assert all((tmp_path / n).stat().st_size > 0 for n in names)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None
+                    or not os.access(Path(sys.executable).parent / "mpirun", os.X_OK),
+                    reason="needs mpi4py and Open MPI's mpirun next to this Python")
+def test_nodes_bench_quick(tmp_path):
+    """bench/nodes_bench.py --quick runs its four mpirun jobs and writes its JSON and plot."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "nodes_bench.py"), "--quick",
+                           "--results", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"nodes_bench.py failed:\n{done.stdout}\n{done.stderr}"
+    result = json.loads((tmp_path / "nodes.json").read_text())
+    assert set(result["jobs"]) == {"synk 2x1", "synk 2x2", "mpi 2", "mpi 4"}, done.stdout
+    for job in result["jobs"].values():
+        assert len(job["times"]) == 5 and all(t > 0 for t in job["times"])
+    assert result["jobs"]["synk 2x2"]["processes"] == 4 and result["jobs"]["synk 2x2"]["nodes"] == 2
+    assert [t["name"].split(":")[0] for t in result["targets"]] == ["synk 2x1 vs mpi 2", "synk 2x2 vs mpi 4"]
+    assert (tmp_path / "nodes.png").stat().st_size > 5_000

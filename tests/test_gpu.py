@@ -137,7 +137,7 @@ def test_package_imports_without_cupy_or_jax(tmp_path):
         import synkhronos, synkhronos.gpu, synkhronos.devices.gpu, synkhronos.collectives.nccl
         from synkhronos.collectives import BACKENDS
         assert 'cupy' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)
-        assert sorted(BACKENDS) == ['nccl', 'shm']
+        assert sorted(BACKENDS) == ['mpi', 'nccl', 'shm'] and 'mpi4py' not in sys.modules
         print('imported')
     """, [shims])
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr

@@ -55,6 +55,7 @@ LAYERS = {
     "synkhronos.session": 5,
     # 6-8: devices (the only modules that know a GPU exists), then their registry
     "synkhronos.devices.base": 6,
+    "synkhronos.nodes": 6,
     "synkhronos.devices.gpu_stack": 6,
     "synkhronos.devices.cpu": 7,
     "synkhronos.devices.gpu": 7,

@@ -667,7 +667,12 @@ def test_live_fork_holds_its_lock_in_every_process(fork):
     for pid in runtime.session().watch.pids.values():
         deadline = time.monotonic() + 10.0
         while True:
-            links = [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
+            links = []
+            for n in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/{pid}/fd/{n}"))
+                except FileNotFoundError:  # closed meanwhile: the worker is still starting
+                    pass
             if f"/dev/shm/{prefix}lock" in links or time.monotonic() > deadline:
                 break
             time.sleep(0.01)

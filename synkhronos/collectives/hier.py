@@ -29,11 +29,15 @@ from typing import Callable
 import numpy as np
 
 from .base import Communicator
-from .ops import cast_to
+from .ops import cast_to, result_dtype
 
 from ..errors import PeerFailed
 
-__all__ = ["HierarchicalCommunicator"]
+__all__ = ["HierarchicalCommunicator", "NodeCommunicator", "MASTERS"]
+
+#: ``root`` of a rooted reduce or gather meaning "every node's master" (each
+#: gets the result; :class:`NodeCommunicator` roots its collectives there).
+MASTERS = "masters"
 
 _YES, _NO = np.ones(1, dtype=np.int8), np.zeros(1, dtype=np.int8)
 
@@ -63,6 +67,7 @@ class HierarchicalCommunicator(Communicator):
                              f"master {local.master_rank} got inter={inter!r}")
         self._local, self._inter, self._is_master = local, inter, is_master
         self._lm = local.master_rank
+        self._alone = local.size == 1  # a node of one process: no local steps at all
         shape = None
         if is_master:
             parts = inter.all_gather([np.array([local.size, local.master_rank], dtype=np.int64)])[0]
@@ -100,15 +105,18 @@ class HierarchicalCommunicator(Communicator):
     def _steps(self, first, middle, share):
         """``first()`` in every process of the node, ``middle(value, failed)`` in
         the node master, ``share(value, failed)`` in every process; the first
-        error is raised after all three, in every process."""
+        error is raised after all three, in every process. ``middle`` gets the
+        local failure as its reason (naming this node), which the other nodes
+        then name in their :class:`PeerFailed`."""
         err = value = None
         try:
             value = first()
         except Exception as exc:  # noqa: BLE001 - raised after the next steps
             err = exc
         if self._is_master:
+            reason = False if err is None else self._reason(err)[:200]
             try:
-                value = middle(value, err is not None)
+                value = middle(value, reason)
             except Exception as exc:  # noqa: BLE001
                 err = err or exc
                 value = None
@@ -120,8 +128,19 @@ class HierarchicalCommunicator(Communicator):
             raise err
         return value
 
+    def _reason(self, err) -> str:
+        """What failed in this node, as the other nodes' PeerFailed names it."""
+        if isinstance(err, PeerFailed) and err.args and isinstance(err.args[0], list):
+            ranks = err.args[0]  # the local ranks that flagged a failure
+            first = self.offsets[self.node]
+            return (f"local rank(s) {ranks} of node {self.node} (global rank(s) "
+                    f"{[first + r for r in ranks]}) failed")
+        return f"{type(err).__name__}: {err}"
+
     def _share(self, arrays, failed, receive=None):
         """Node master's ``arrays`` (None: nothing) in every process of the node."""
+        if self._alone:
+            return arrays
         payload = None
         if self._is_master:
             payload = [_NO] if arrays is None else [_YES, *arrays]
@@ -134,6 +153,12 @@ class HierarchicalCommunicator(Communicator):
             return None
         return list(got[1:])
 
+    def _verdict(self, value, bad):
+        """The third step when the result stays with the node masters: only
+        whether anything failed travels inside the node."""
+        self._share(None, bad)
+        return value if self._is_master else None
+
     # -- collectives -----------------------------------------------------------
 
     def barrier(self) -> None:
@@ -142,37 +167,56 @@ class HierarchicalCommunicator(Communicator):
             self._inter.barrier()
         self._local.barrier()
 
-    def _reduce(self, arrays, op, root, weight, failed, in_place=False):
+    def _node_part(self, arrays, op, weight, failed):
+        """Step 1 of a reduction: ``(the node's reduced arrays, the node's weight
+        in an avg)`` in the node master (None elsewhere, and where nothing)."""
         local, lm = self._local, self._lm
+        if self._alone:  # this process's arrays are the node's part
+            if arrays is None:
+                return None, None
+            return [np.asarray(a).astype(result_dtype(np.asarray(a).dtype, op), copy=False)
+                    for a in arrays], float(weight)
+        # both local calls run whatever happens: every process of the node
+        # must make the same calls
+        wsum = err = None
+        if op == "avg":  # the node's weight in the average among nodes
+            try:
+                ws = local.gather(None if arrays is None else [np.array([float(weight)])], lm,
+                                  failed=failed)
+                if ws:  # on the master; [] when no process of the node contributes
+                    wsum = sum(float(p[0]) for p in ws[0] if p is not None)
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+        try:
+            part = local.reduce(arrays, op, lm, weight=weight, failed=failed or err is not None)
+        except Exception as exc:  # noqa: BLE001
+            err = err or exc
+        if err is not None:
+            raise err
+        return part, wsum
+
+    def _reduce(self, arrays, op, root, weight, failed, in_place=False):
+        lm = self._lm
         root_node = root_local = None
-        if root is not None:
+        if root is not None and root is not MASTERS:
             root_node, root_local = self.where(root)
 
         def first():
-            # both local calls run whatever happens: every process of the node
-            # must make the same calls
-            wsum = err = None
-            if op == "avg":  # the node's weight in the average among nodes
-                try:
-                    ws = local.gather(None if arrays is None else [np.array([float(weight)])], lm,
-                                      failed=failed)
-                    if ws:  # on the master; [] when no process of the node contributes
-                        wsum = sum(float(p[0]) for p in ws[0] if p is not None)
-                except Exception as exc:  # noqa: BLE001
-                    err = exc
-            try:
-                part = local.reduce(arrays, op, lm, weight=weight, failed=failed or err is not None)
-            except Exception as exc:  # noqa: BLE001
-                err = err or exc
-            if err is not None:
-                raise err
-            return part, wsum
+            return self._node_part(arrays, op, weight, failed)
 
         def middle(value, bad):
             part, wsum = value if value is not None else (None, None)
             w = 1.0 if wsum is None else wsum
-            if root is None:
-                return self._inter.all_reduce(part, op, weight=w, failed=bad)
+            if root is None or root is MASTERS:
+                # MPI works in the node's part when that is ours to overwrite: a
+                # fresh local result, or the caller's own arrays when in place
+                fresh = part is not None and (arrays is None or not any(
+                    np.may_share_memory(p, a) for p, a in zip(part, arrays)))
+                if in_place and root is None and fresh and arrays is not None:
+                    # straight into this master's own arrays, which the node then shares
+                    return self._inter.all_reduce(part, op, weight=w, failed=bad, into=list(arrays))
+                return self._inter.all_reduce(part, op, weight=w, failed=bad,
+                                              in_place=bool(in_place or fresh))
             out = self._inter.reduce(part, op, root_node, weight=w, failed=bad)
             return out
 
@@ -186,10 +230,13 @@ class HierarchicalCommunicator(Communicator):
                 out = self._share(value, bad, receive)
                 if in_place and arrays is not None and out is not None and self._is_master:
                     for dst, src in zip(arrays, out):
-                        np.copyto(dst, cast_to(src, dst.dtype))
+                        if not np.shares_memory(dst, src):
+                            np.copyto(dst, cast_to(src, dst.dtype))
                     return list(arrays)
                 return out
             return self._steps(first, middle, share)
+        if root is MASTERS:
+            return self._steps(first, middle, self._verdict)
 
         def share(value, bad):
             mine = self.node == root_node and root_local != lm
@@ -211,10 +258,12 @@ class HierarchicalCommunicator(Communicator):
     def _gather(self, arrays, root, failed, join):
         local, lm = self._local, self._lm
         root_node = None
-        if root is not None:
+        if root is not None and root is not MASTERS:
             root_node, _ = self.where(root)
 
         def first():
+            if self._alone:
+                return None if arrays is None else [[a] for a in arrays]
             return local.gather(arrays, lm, failed=failed)
 
         def middle(parts, bad):
@@ -232,13 +281,19 @@ class HierarchicalCommunicator(Communicator):
                 lays.append(lay)
             head = np.frombuffer(pickle.dumps(lays, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             blob = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
-            if root is None:
+            if root is None or root is MASTERS:
                 got = self._inter.all_gather([head, blob], failed=bad)
             else:
                 got = self._inter.gather([head, blob], root_node, failed=bad)
             if got is None:
                 return None
             return [a for node in range(self.nodes) for a in (got[0][node], got[1][node])]
+
+        if root is MASTERS:
+            def verdict(packed, bad):
+                self._share(None, bad)
+                return self._unpack(packed, join) if self._is_master else None
+            return self._steps(first, middle, verdict)
 
         def share(packed, bad):
             # to every process (all_gather), or to the root when it is a worker
@@ -320,3 +375,70 @@ class HierarchicalCommunicator(Communicator):
         if self._inter is not None:
             self._inter.close()
         self._local.close()
+
+
+class NodeCommunicator(HierarchicalCommunicator):
+    """The communicator of every process of a fork that joined other nodes
+    (``synk.fork()`` under ``mpirun`` or ``srun``): a hierarchical
+    communicator whose rooted collectives are rooted at the masters.
+
+    ``rank`` and ``size`` are global (node-major), as in
+    :class:`HierarchicalCommunicator`; ``master_rank`` is the node master's
+    rank *inside its node*, as it is in a fork of one node, and it is the
+    only root a rooted collective takes: ``reduce`` and ``gather`` deliver
+    their result to every node's master, ``broadcast`` sends node 0's
+    master's arrays everywhere. So the code that runs a function's output
+    reductions or a shared-variable collective on one node runs unchanged
+    across nodes, and every node's call returns the same value.
+    ``first_master`` is the global rank of node 0's master; shared-memory
+    homes (``resident`` and the rest) are the node's own communicator's.
+    """
+
+    def __init__(self, local: Communicator, inter: Communicator | None):
+        super().__init__(local, inter)
+        self.first_master = self.master_rank
+        self.master_rank = local.master_rank
+        self.local_rank, self.local_size = local.rank, local.size
+        self.supports_resident = local.supports_resident
+
+    @property
+    def inter(self) -> Communicator | None:
+        """The communicator among node masters (in a node master), else None."""
+        return self._inter
+
+    def _at_masters(self, root, what: str):
+        if root != self.master_rank:
+            raise ValueError(f"{what}: across nodes a collective is rooted at the masters: root must be "
+                             f"master_rank ({self.master_rank}), got {root!r}")
+        return MASTERS
+
+    def reduce(self, arrays, op, root, weight=1.0, failed=False):
+        """``op`` over every process of every node; the result on every node master."""
+        return self._reduce(arrays, op, self._at_masters(root, "reduce"), weight, failed)
+
+    def gather(self, arrays, root, failed=False, join=None):
+        """Every process's arrays, node-major, on every node master."""
+        return self._gather(arrays, self._at_masters(root, "gather"), failed, join)
+
+    def broadcast(self, arrays, root, failed=False, receive=None):
+        """Node 0's master's arrays in every process of every node."""
+        self._at_masters(root, "broadcast")
+        return super().broadcast(arrays, self.first_master, failed, receive)
+
+    def reset(self) -> None:
+        self._local.reset()
+
+    def local_reset(self) -> None:
+        self._local.local_reset()
+
+    def resident(self, key, dtype, shape, fresh=False):
+        return self._local.resident(key, dtype, shape, fresh)
+
+    def existing(self, key, dtype, shape):
+        return self._local.existing(key, dtype, shape)
+
+    def drop_resident(self, key) -> None:
+        self._local.drop_resident(key)
+
+    def resident_ranges(self) -> list:
+        return self._local.resident_ranges()

@@ -59,13 +59,18 @@ from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
 #: Seconds a wait polls MPI with only a yield in between, before it sleeps:
-#: MPI progresses only inside its calls, so a large transfer wants them often.
-SPIN_SECONDS = 0.02
+#: MPI progresses only inside its calls, so a large transfer wants them often
+#: (a 64 MiB all-reduce took about 1.4x as long with 0.02 s, sleeping 100 us
+#: between polls for most of it); Open MPI's own blocking calls spin throughout.
+SPIN_SECONDS = 0.25
 #: Sleep between polls once the spin is over (seconds).
 POLL_SLEEP = 100e-6
 #: Bytes of each node's header slot in the agreement all-gather; a larger
 #: header (very many arrays) takes a second, variable-sized round.
 HEADER_SLOT = 512
+#: Reductions of at most this many bytes per node travel inside the agreement
+#: (one MPI exchange instead of two) and are combined on every node.
+INLINE_BYTES = 256
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 _NOTICE_TAG = 7
@@ -132,6 +137,22 @@ def _avg_scales(weights, mine):
     return float(mine) / total, None
 
 
+def _fit(into, layout, op):
+    """``into`` (arrays to receive an all-reduce's results) where MPI can write
+    each result there directly: C-contiguous, writeable, of the work dtype and
+    the shape; None entries elsewhere (those are copied in afterwards). None
+    when ``into`` is None."""
+    if into is None:
+        return None
+    out = []
+    for a, (dtype, shape) in zip(into, layout):
+        plan = reduce_plan(dtype, op)
+        ok = (plan is not None and isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
+              and a.dtype == plan[0] and a.shape == tuple(shape))
+        out.append(a if ok else None)
+    return out
+
+
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -180,6 +201,7 @@ class MpiCommunicator(Communicator):
         self._notice = None
         self._sent: list = []
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
+        self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
         comm_dup, req = comm.Idup()
         ctl_dup, req2 = comm.Idup()
@@ -281,11 +303,22 @@ class MpiCommunicator(Communicator):
 
     # -- agreement ---------------------------------------------------------
 
-    def _agree(self, what: str, arrays, weight=1.0, failed=False):
-        """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed."""
+    def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False):
+        """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
+
+        With ``inline``, arrays of at most ``INLINE_BYTES`` in all travel in the
+        header too, and ``(metas, payloads)`` is returned: each node's arrays'
+        bytes, or None where they did not travel.
+        """
         self._enter(what)
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
-        blob = pickle.dumps((layout, float(weight), bool(failed)), protocol=pickle.HIGHEST_PROTOCOL)
+        # a failure may come with its reason (a string: what failed where), cut to fit
+        flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
+        payload = None
+        if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
+                and not any(a.dtype.hasobject for a in arrays):
+            payload = [_as_bytes(a).tobytes() for a in arrays]
+        blob = pickle.dumps((layout, float(weight), flag, payload), protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
         room = HEADER_SLOT - 8
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
@@ -307,13 +340,16 @@ class MpiCommunicator(Communicator):
         metas = [pickle.loads(b) for b in blobs]
         failed_nodes = [r for r, m in enumerate(metas) if m[2]]
         if failed_nodes:
-            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure; nothing was combined")
-        for r, (lay, _, _) in enumerate(metas):
+            reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes if isinstance(metas[r][2], str))
+            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
+                             f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
+        for r, (lay, _, _, _) in enumerate(metas):
             for dtype, _ in lay or ():
                 if dtype.hasobject:
                     raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
                                     "arrays of numbers and booleans only")
-        return [(m[0], m[1]) for m in metas]
+        pairs = [(m[0], m[1]) for m in metas]
+        return (pairs, [m[3] for m in metas]) if inline else pairs
 
     # -- collectives -------------------------------------------------------
 
@@ -321,28 +357,55 @@ class MpiCommunicator(Communicator):
         self._enter("barrier")
         self._wait([self._comm.Ibarrier()], "barrier")
 
-    def _reduce(self, arrays, op, weight, failed, root, in_place=False):
+    def _reduce(self, arrays, op, weight, failed, root, in_place=False, into=None):
         what = "all_reduce" if root is None else "reduce"
         if op not in MPI_OPS:
             raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(MPI_OPS)}")
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"reduce: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas = self._agree(what, arrays, weight, failed)
+        metas, payloads = self._agree(what, arrays, weight, failed, inline=True)
         present, layout = agreed_layout(metas, op, who="node")
         if not present:
             return None
+        contrib = arrays
+        if op == "avg" and 0 < sum(1 for r in present if metas[r][1] > 0) < len(present):
+            # a node with no rows (weight 0: its master computed an empty batch) adds nothing
+            present = [r for r in present if metas[r][1] > 0]
+            contrib = arrays if self.rank in present else None
         weights = [metas[r][1] for r in present]
         pre = post = None
         if op == "avg":
-            pre, post = _avg_scales(weights, metas[self.rank][1] if arrays is not None else 0.0)
+            pre, post = _avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
         gets = root is None or self.rank == root
-        start = functools.partial(self._start_reduce, arrays, layout, op, pre, root, in_place, gets, metas)
+        if all(payloads[r] is not None for r in present):  # small: it all came with the agreement
+            return self._inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
+                if gets else None
+        into = into if root is None else None
+        fit = _fit(into, layout, op)
+        start = functools.partial(self._start_reduce, contrib, layout, op, pre, root,
+                                  in_place if fit is None else fit, gets, metas)
         reqs, jobs, keep = self._started(what, start)
         self._wait(reqs, what, keep)
         if not gets:
             return None
+        if into is not None:  # the results are in ``into`` already (or copied there)
+            return self._finish_reduce(into, layout, jobs, op, present, weights, post, True)
         return self._finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
+
+    @staticmethod
+    def _inline_reduce(arrays, layout, payloads, op, present, weights, in_place):
+        """A reduction whose every part came inside the agreement, combined here
+        as :func:`.ops.combine` does (every node the same, in node order)."""
+        out = []
+        for i, (dtype, shape) in enumerate(layout):
+            parts = [np.frombuffer(payloads[r][i], dtype=dtype).reshape(shape).copy() for r in present]
+            out.append(np.asarray(combine(parts, op, weights)))
+        if in_place and arrays is not None:
+            for a, res in zip(arrays, out):
+                np.copyto(a, cast_to(res, a.dtype))
+            return arrays
+        return out
 
     def _finish_reduce(self, arrays, layout, jobs, op, present, weights, post, in_place):
         """The results of a reduction whose requests completed, in their result dtypes."""
@@ -366,6 +429,19 @@ class MpiCommunicator(Communicator):
             return arrays
         return out
 
+    def _scratch(self, dtype, shape) -> np.ndarray:
+        """The receive buffer of an in-place all-reduce of this dtype and shape,
+        kept from one call to the next: its pages are faulted in once (a fresh
+        64 MiB buffer costs thousands of page faults per call). One per
+        layout, the last one used."""
+        key = (np.dtype(dtype).str, tuple(shape))
+        buf = self._recv.get(key)
+        if buf is None:
+            if len(self._recv) >= 8:
+                self._recv.clear()
+            buf = self._recv[key] = np.empty(shape, dtype=dtype)
+        return buf
+
     def _start_reduce(self, arrays, layout, op, pre, root, in_place, gets, metas):
         """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep)``."""
         MPI = self._MPI
@@ -382,17 +458,9 @@ class MpiCommunicator(Communicator):
             if count == 0:
                 jobs.append(("empty", None))
                 continue
-            inplace_ok = (in_place and root is None and mine is not None
-                          and mine.flags.c_contiguous and mine.flags.writeable
-                          and (mine.dtype == work or (mine.dtype.kind == "b" and work.kind == "u")))
-            if inplace_ok:  # MPI works in the caller's array: no copy
-                buf = mine.view(work) if mine.dtype != work else mine
-                if pre is not None:
-                    buf *= work.type(pre)
-                reqs.append(self._comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op[name]))
-                jobs.append(("mpi", buf))
-                keep.append(buf)
-                continue
+            # never MPI.IN_PLACE: Open MPI's Iallreduce of 64 MiB on 2 ranks took
+            # 87 ms in place against 34 ms into another buffer (the copy back
+            # into ``arrays``, in place, costs a few ms)
             if mine is None:
                 send = np.full(shape, identity(op, work), dtype=work)
             elif pre is not None:
@@ -401,7 +469,12 @@ class MpiCommunicator(Communicator):
                 send = np.ascontiguousarray(mine).view(work)
             else:
                 send = np.ascontiguousarray(mine, dtype=work)
-            recv = np.empty(shape, dtype=work) if gets else None
+            if isinstance(in_place, list) and in_place[i] is not None:  # straight into the caller's
+                recv = in_place[i]
+            elif in_place and root is None and mine is not None:  # copied out before anyone sees it
+                recv = self._scratch(work, shape)
+            else:
+                recv = np.empty(shape, dtype=work) if gets else None
             if root is None:
                 reqs.append(self._comm.Iallreduce(send, recv, mpi_op[name]))
             else:
@@ -450,15 +523,18 @@ class MpiCommunicator(Communicator):
         """
         return self._reduce(arrays, op, weight, failed, root)
 
-    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
+    def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False, into=None):
         """``op`` over every node's arrays; the result on every node.
 
         With ``in_place`` the result is written into this node's ``arrays``
         (through :func:`.ops.cast_to`: the ``avg`` of integers is rounded) and
-        they are returned; MPI then works in them, without copies, when their
-        dtype is the one reduced in. A node that gave None gets new arrays.
+        they are returned (MPI receives into a buffer kept for the next call,
+        then it is copied: Open MPI's ``Iallreduce`` is much slower in place).
+        ``into`` (arrays not overlapping ``arrays``) receives the result
+        instead, and is returned: MPI writes there directly where the dtype is
+        the one reduced in. A node that gave None gets new arrays.
         """
-        return self._reduce(arrays, op, weight, failed, None, in_place)
+        return self._reduce(arrays, op, weight, failed, None, in_place, into)
 
     def _gather(self, arrays, root, failed, join, what):
         if root is not None and not 0 <= root < self.size:

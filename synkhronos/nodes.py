@@ -1,0 +1,342 @@
+"""Several nodes: the same script on many machines under ``mpirun`` or ``srun``.
+
+Each launched copy of the script is the master of its node. ``synk.fork()``
+forks the node's workers as on one machine (:func:`launched` tells it that
+a launcher started it), and only then initialises MPI (``mpi4py.rc.initialize
+= False``, then ``MPI.Init_thread``: many MPI transports break in a process
+that forks after ``MPI_Init``) and joins the other nodes' masters
+(:func:`join`). Every process's communicator becomes a
+:class:`~synkhronos.collectives.hier.NodeCommunicator` over every process
+of every node, so function outputs and shared-variable collectives span
+the nodes with no change to the code that runs them. Workers never touch
+MPI. Without a launcher nothing here runs and mpi4py is never imported.
+
+Also here: the node's identity (:func:`world`), its share of a dataset
+(:func:`shard`), the check that every node distributes the same functions
+(:func:`check_same_functions`) and the values of node 0 for the collectives
+that take values (:func:`from_first_node`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import functools
+import os
+import pickle
+import sys
+import time
+import warnings
+
+import numpy as np
+
+from . import context
+from .batching import split
+from .errors import SynkError
+from .collectives import BACKENDS
+from .collectives.hier import NodeCommunicator
+
+__all__ = ["World", "world", "shard", "launched", "join", "join_worker", "check_same_functions",
+           "from_first_node", "share_host_cores", "warn_if_mpi_started", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
+
+#: Environment variables a launcher sets in every copy it starts (Open MPI,
+#: MPICH/Hydra and Intel MPI, PMIx and PMI-2 launchers, ``srun --mpi=...``).
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")
+#: Seconds a node whose node communicator was abandoned waits at exit before
+#: it aborts the MPI job (the other nodes raise and close meanwhile).
+ABORT_GRACE = 5.0
+#: ``SYNKHRONOS_NODES=0`` keeps a launched copy to its own node (no MPI at all).
+SWITCH = "SYNKHRONOS_NODES"
+
+
+def launched() -> bool:
+    """Whether an MPI launcher started this process (and joining is not switched off)."""
+    if os.environ.get(SWITCH, "").strip().lower() in ("0", "no", "false", "off"):
+        return False
+    return any(os.environ.get(v) for v in LAUNCHER_VARS)
+
+
+#: (copies on this host, this copy's index among them) as launchers tell it.
+HOST_VARS = (("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+             ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"), ("SLURM_NTASKS_PER_NODE", "SLURM_LOCALID"))
+
+
+def share_host_cores() -> None:
+    """Under a launcher that started several copies on this host without
+    binding them (``--bind-to none``): keep this copy to its own block of the
+    cores, as ``--bind-to`` would, so that the copies' workers, threads and
+    pinning do not pile onto the same cores. A copy the launcher bound (its
+    affinity is less than every core) is left as it is."""
+    for size_var, rank_var in HOST_VARS:
+        size, rank = os.environ.get(size_var, ""), os.environ.get(rank_var, "")
+        if size.isdigit() and rank.isdigit():
+            break
+    else:
+        return
+    size, rank = int(size), int(rank)
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return
+    if size <= 1 or not 0 <= rank < size or len(cores) < size or len(cores) < (os.cpu_count() or 0):
+        return
+    lo, hi = split(len(cores), size, rank)
+    os.sched_setaffinity(0, cores[lo:hi])
+
+
+def warn_if_mpi_started() -> None:
+    """Before forking under a launcher: warn when the script already started
+    MPI (``from mpi4py import MPI`` initialises it at import), since the
+    workers are then forked after ``MPI_Init``."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        warnings.warn("MPI was initialised before synk.fork() (an import of mpi4py.MPI does that): "
+                      "the workers are forked after MPI_Init, which some MPI transports do not "
+                      "support; import mpi4py.MPI after synk.fork(), or set mpi4py.rc.initialize = "
+                      "False before importing it", stacklevel=3)
+
+
+@functools.cache
+def _mpi():
+    """mpi4py's MPI, initialised now (after the fork), finalised at exit."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # MPI_Init after the workers are forked, not at import
+    mpi4py.rc.finalize = False    # finalised by _finalize, after close() at exit
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_SERIALIZED)
+        atexit.register(_finalize, MPI)
+    return MPI
+
+
+def _finalize(MPI) -> None:
+    """At exit, once every fork closed: ``MPI_Finalize`` (nothing is outstanding:
+    close() freed the communicators), unless a failure left a collective
+    abandoned, which Finalize could wait for forever: then the job is aborted."""
+    if MPI.Is_finalized():
+        return
+    if context.nodes_broken:
+        # the other nodes got this node's failure notice (or sent theirs): give
+        # them time to raise and close their forks before the job is stopped
+        time.sleep(ABORT_GRACE)
+        MPI.COMM_WORLD.Abort(1)
+    MPI.Finalize()
+
+
+def join(proc, check) -> None:
+    """In the node master, right after its workers were forked: start MPI, join
+    the other nodes' masters and make ``proc.comm`` the communicator over every
+    process of every node (the workers wait for it in :func:`join_worker`)."""
+    plan = getattr(proc.device, "plan", None)
+    if getattr(plan, "nccl", False):
+        # NCCL over every GPU of every node is designed (docs: Several machines),
+        # not built: across nodes a GPU fork reduces through the host path
+        warnings.warn("synkhronos: across nodes, GPU outputs and collectives go through the CPU "
+                      "path (NCCL across nodes is not supported yet)", stacklevel=2)
+        plan.nccl = False
+    MPI = _mpi()
+    inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
+    try:
+        with _between_commands(inter, proc.comm):  # the node table goes to the workers too
+            proc.comm = NodeCommunicator(proc.comm, inter)
+    except BaseException:
+        context.nodes_broken = context.nodes_broken or inter.broken is not None
+        inter.close()
+        raise
+
+
+def join_worker(proc) -> None:
+    """In a worker of a node, after opening its node's communicator: the
+    communicator over every node (made with the master's :func:`join`)."""
+    proc.comm = NodeCommunicator(proc.comm, None)
+
+
+def note_failure(proc) -> None:
+    """At close(), before the communicators close: remember whether the node
+    communicator was abandoned in a failure (MPI is then aborted at exit
+    rather than finalised); its closing barrier waits outside any command."""
+    inter = _inter(proc)
+    if inter is None:
+        return
+    if inter.broken is not None:
+        context.nodes_broken = True
+    inter.check = _liveness(inter.check)
+
+
+def _liveness(check):
+    """The check of a wait among node masters outside a command: only whether
+    this node's workers live (the command's deadline and slow-wait warning
+    belong to commands)."""
+    s = context.current()
+    return check if s is None else s.watch.poll
+
+
+@contextlib.contextmanager
+def _between_commands(*comms):
+    saved = [c.check for c in comms]
+    for c, check in zip(comms, saved):
+        c.check = _liveness(check)
+    try:
+        yield
+    finally:
+        for c, check in zip(comms, saved):
+            c.check = check
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """Where this node's master stands among every process of every node.
+
+    Attributes:
+        node: this node's index, 0 to ``nodes - 1`` (the launcher's rank).
+        nodes: the number of nodes (launched copies of the script); 1 without a launcher.
+        rank: this master's global rank (node-major: node 0's processes
+            first, each node's in its local rank order).
+        size: the number of processes of every node together.
+        local_size: this node's processes (its ``fork()``'s ``n_parallel``).
+        master_rank: the master's rank inside its node, as given to ``fork()``.
+        node_sizes: the number of processes of each node, in node order.
+        first_rank: the global rank of this node's first process.
+    """
+
+    node: int
+    nodes: int
+    rank: int
+    size: int
+    local_size: int
+    master_rank: int
+    node_sizes: tuple
+    first_rank: int
+
+
+def world() -> World:
+    """This node's place among all nodes: node index, node count, global rank and size.
+
+    Works with and without a launcher: on one machine it is node 0 of 1,
+    and the global rank and size are the fork's own.
+
+    Returns:
+        A read-only :class:`World` record.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+    """
+    proc = context.session().proc
+    comm = proc.comm
+    if isinstance(comm, NodeCommunicator):
+        return World(comm.node, comm.nodes, comm.rank, comm.size, proc.size, proc.master_rank,
+                     tuple(comm.node_sizes), comm.offsets[comm.node])
+    return World(0, 1, proc.rank, proc.size, proc.size, proc.master_rank, (proc.size,), 0)
+
+
+def shard(n_rows: int) -> slice:
+    """This node's rows of a dataset of ``n_rows`` rows, as a slice.
+
+    Every node loads (or keeps) only ``data[synk.shard(len(data))]`` and
+    passes it to its calls. Nodes get contiguous blocks in node order, sized
+    by their number of processes, so every process of every node computes
+    on about the same number of rows; together the blocks cover every row
+    once. Without a launcher it is every row.
+
+    Args:
+        n_rows: the number of rows of the whole dataset (the same on every node).
+
+    Returns:
+        ``slice(start, stop)`` of this node's rows.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        TypeError, ValueError: ``n_rows`` not a non-negative int.
+    """
+    if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)):
+        raise TypeError(f"n_rows must be an int (the dataset's number of rows), got {n_rows!r}")
+    if n_rows < 0:
+        raise ValueError(f"n_rows must be 0 or more, got {n_rows}")
+    w = world()
+    start, _ = split(int(n_rows), w.size, w.first_rank)
+    _, stop = split(int(n_rows), w.size, w.first_rank + w.local_size - 1)
+    return slice(start, stop)
+
+
+def _inter(proc):
+    comm = proc.comm
+    return comm.inter if isinstance(comm, NodeCommunicator) else None
+
+
+def check_same_functions(proc, entries) -> None:
+    """distribute() across nodes: every node must distribute the same functions.
+
+    ``entries()`` gives this node's ``(name, digest of the graph)`` per
+    function about to be distributed, in creation order (called only across
+    nodes). Every node raises the same
+    ValueError naming the first difference (count, then name and graph).
+    Nothing happens on one node.
+    """
+    inter = _inter(proc)
+    if inter is None:
+        return
+    error = None
+    try:
+        mine = list(entries())
+    except Exception as err:  # noqa: BLE001 - the others must hear of it, not wait
+        error, mine = err, f"{type(err).__name__}: {err}"
+    blob = np.frombuffer(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    with _between_commands(inter):
+        got = inter.all_gather([blob])[0]
+    if error is not None:
+        raise error
+    lists = [pickle.loads(np.asarray(b).tobytes()) for b in got]
+    for node, entry in enumerate(lists):
+        if isinstance(entry, str):
+            raise SynkError(f"distribute(): node {node} could not describe its functions: {entry}")
+    first = lists[0]
+    for node, mine in enumerate(lists[1:], start=1):
+        if len(mine) != len(first):
+            raise ValueError(f"distribute(): node 0 built {len(first)} new function(s) "
+                             f"{[n for n, _ in first]} but node {node} built {len(mine)} "
+                             f"{[n for n, _ in mine]}; every node's script must build the same "
+                             "functions in the same order")
+        for k, ((name0, d0), (name, d)) in enumerate(zip(first, mine)):
+            if d0 != d:
+                raise ValueError(f"distribute(): function #{k} differs between nodes: node 0 built "
+                                 f"{name0!r}, node {node} built {name!r} with a different graph; every "
+                                 "node's script must build the same functions in the same order")
+
+
+def from_first_node(proc, make):
+    """The values of a collective that takes values (scatter, set_value): node
+    0's master computes them with ``make()`` and sends them to every other
+    node's master, where ``make`` is not called (the script may pass None
+    there). On one node: ``make()``. An error in ``make()`` on node 0 raises
+    there and makes every other node raise ``PeerFailed`` naming it."""
+    inter = _inter(proc)
+    if inter is None:
+        return make()
+    with _between_commands(inter):
+        if inter.rank != 0:
+            return inter.broadcast(None, 0)
+        try:
+            arrays = [np.asarray(a) for a in make()]
+        except Exception as err:
+            try:
+                inter.broadcast(None, 0, failed=f"{type(err).__name__}: {err}"[:200])
+            except Exception:  # noqa: BLE001 - the PeerFailed of our own flag: ours is the error
+                pass
+            raise
+        return inter.broadcast(arrays, 0)
+
+
+def abandon_at_exit(proc) -> None:
+    """At exit with an uncaught exception in a node master's script: tell the
+    other nodes (they raise ``NodeFailedError`` naming this node within one
+    poll, instead of waiting for it in their next collective), and leave
+    the node communicator abandoned, so close() does not wait for them."""
+    inter = _inter(proc)
+    err = getattr(sys, "last_value", None)
+    if inter is None or err is None or inter.broken is not None:
+        return
+    inter.abort(f"node {inter.rank}'s script ended with an uncaught {type(err).__name__}: {err}"[:500])
+    context.nodes_broken = True

@@ -1,0 +1,302 @@
+"""One node of a synkhronos job under ``mpirun``: the same script on every node.
+
+Usage: ``mpirun -np N python nodes_script.py OUT SCENARIO SIZES``. ``SIZES``
+is the number of processes each node forks (``1,2``: node 0 forks 1, node 1
+forks 2, node 2 forks 1 again ...). Each node master writes its verdict
+(``verdict.<node>.json``) and, after close(), what of its own is left in
+/dev/shm (``shm.<node>.txt``). Scenarios:
+
+- ``ops``: identity and sharding, every output op with uneven rows per node
+  and per process, every collective and set_value/get_value with global
+  ranks, checked against numpy on the nodes' rows joined in node order; then
+  the distribute() mismatch (node 1 builds a different graph).
+- ``count``: a short ``ops`` then the distribute() mismatch in count.
+- ``kill``: a worker of node 1 is killed; every node's next call raises,
+  naming node 1's rank, within seconds; close() is clean.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import Verdict
+
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from synkhronos.batching import split
+
+MODE = "FAST_COMPILE"
+#: Rows per node (uneven), by node index.
+NODE_ROWS = (7, 12, 5)
+
+
+def node_index() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+def children() -> list[int]:
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def my_shm(prefixes) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(p) for p in prefixes))
+
+
+def check_identity(v, node, sizes, w):
+    n_nodes = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    node_sizes = tuple(sizes[k % len(sizes)] for k in range(n_nodes))
+    v.expect(w.node == node and w.nodes == n_nodes, f"world node/nodes {w}")
+    v.expect(w.node_sizes == node_sizes and w.size == sum(node_sizes), f"world sizes {w}")
+    v.expect(w.rank == sum(node_sizes[:node]) and w.first_rank == w.rank and w.master_rank == 0, f"rank {w}")
+    v.expect(w.local_size == node_sizes[node], f"local size {w}")
+    # shard: contiguous, in node order, covering every row once
+    for n_rows in (0, 1, 5, 101):
+        s = synk.shard(n_rows)
+        lo = split(n_rows, w.size, w.first_rank)[0]
+        hi = split(n_rows, w.size, w.first_rank + w.local_size - 1)[1]
+        v.expect((s.start, s.stop) == (lo, hi), f"shard({n_rows}) = {s}")
+    return node_sizes
+
+
+def all_rows(node_sizes):
+    """Every node's rows (node k: NODE_ROWS[k]), and each process's split."""
+    total = sum(NODE_ROWS[k % 3] for k in range(len(node_sizes)))
+    data = (np.arange(total * 3, dtype=np.float64).reshape(total, 3) % 11) - 4.5
+    per_node, start = [], 0
+    for k in range(len(node_sizes)):
+        n = NODE_ROWS[k % 3]
+        per_node.append(data[start:start + n])
+        start += n
+    return data, per_node
+
+
+def check_outputs(v, node, node_sizes):
+    x = pt.dmatrix("x")
+    f = synk.function([x], [
+        (x.mean(axis=0), "avg"), (x.sum(axis=0), "sum"), ((1 + 0.01 * x).prod(axis=0), "prod"),
+        (x.max(axis=0), "max"), (x.min(axis=0), "min"), (x * 2, "gather"), (x.sum(axis=0), None),
+        ((x > 0).sum(), "avg")], mode=MODE)
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    mine = per_node[node]
+    got = f(mine)
+    lo, hi = split(len(mine), node_sizes[node], 0)
+    # the int avg: each process's count of positives, weighted by its rows
+    procs = [rows[slice(*split(len(rows), node_sizes[k], r))]
+             for k, rows in enumerate(per_node) for r in range(node_sizes[k])]
+    counts = [(p > 0).sum() for p in procs if len(p)]
+    weights = [len(p) for p in procs if len(p)]
+    want = [data.mean(0), data.sum(0), (1 + 0.01 * data).prod(0), data.max(0), data.min(0), data * 2,
+            mine[lo:hi].sum(0), np.float64(np.dot(counts, weights) / sum(weights))]
+    names = ["avg", "sum", "prod", "max", "min", "gather", "None", "int avg"]
+    for name, g, w in zip(names, got, want):
+        v.expect(np.shape(g) == np.shape(w) and np.allclose(g, w), f"output {name}: {g} != {w}")
+    v.expect(np.asarray(got[7]).dtype == np.float64, f"int avg dtype {np.asarray(got[7]).dtype}")
+    # no rows on node 1 (its master computes the empty batch alone): the others' rows decide
+    f0 = synk.function([x], [(x.mean(axis=0), "avg"), (x.sum(axis=0), "sum"), (x * 2, "gather")], mode=MODE)
+    got = f0(mine[:0] if node == 1 else mine)
+    rest = np.concatenate([p for k, p in enumerate(per_node) if k != 1])
+    v.expect(np.array_equal(got[2], rest * 2), "gather without node 1's rows")
+    v.expect(np.allclose(got[0], rest.mean(0)) and np.allclose(got[1], rest.sum(0)),
+             f"node 1 without rows: {got[0]} vs {rest.mean(0)}")
+
+
+def check_collectives(v, node, node_sizes):
+    size = sum(node_sizes)
+    w = pytensor.shared(np.zeros(3), name="w")
+    rows = pytensor.shared(np.zeros((0, 2), dtype=np.int64), name="rows")
+    g = synk.function([], [(w.sum(), "sum"), (rows.sum(), "sum")], mode=MODE)
+    synk.distribute()
+    first = node == 0
+    for r in range(size):  # global ranks; node 0's values, the others pass None
+        synk.set_value(r, w, np.arange(3.0) + 10 * r if first else None)
+    for r in range(size):
+        got = synk.get_value(r, w)
+        v.expect(np.array_equal(got, np.arange(3.0) + 10 * r), f"get_value({r}) = {got}")
+    stacked = synk.gather(w)
+    want = np.stack([np.arange(3.0) + 10 * r for r in range(size)])
+    v.expect(np.array_equal(stacked, want), f"gather {stacked}")
+    lengths = synk.get_lengths(w)
+    v.expect(list(lengths) == [3] * size, f"get_lengths {lengths}")
+    v.expect(synk.get_shapes(w) == [(3,)] * size, f"get_shapes {synk.get_shapes(w)}")
+    out = g()
+    v.expect(np.isclose(out[0], want.sum()), f"function over set values {out[0]} vs {want.sum()}")
+    for op, fn in (("sum", np.sum), ("max", np.max), ("min", np.min), ("avg", np.mean)):
+        got = synk.reduce(w, op, in_place=False)
+        v.expect(np.allclose(got, fn(want, axis=0)), f"reduce {op} {got}")
+    synk.all_reduce(w, "sum")
+    v.expect(np.allclose(synk.gather(w), np.tile(want.sum(0), (size, 1))), "all_reduce sum")
+    synk.broadcast(w, np.array([1.0, 2.0, 3.0]) if first else None)
+    v.expect(np.array_equal(synk.gather(w), np.tile([1.0, 2.0, 3.0], (size, 1))), "broadcast values")
+    synk.reduce(w, "sum")  # in place: every node master's value
+    v.expect(np.array_equal(synk.get_value(sum(node_sizes[:node]), w), [size, 2.0 * size, 3.0 * size]),
+             "reduce in place on this node's master")
+    # scatter of uneven rows by global rank, then all_gather back
+    n_rows = 2 * size + 1
+    values = np.arange(n_rows * 2, dtype=np.int64).reshape(n_rows, 2)
+    synk.scatter(rows, values if first else None)
+    lengths = synk.get_lengths(rows)
+    v.expect(list(lengths) == [split(n_rows, size, r)[1] - split(n_rows, size, r)[0] for r in range(size)],
+             f"scatter lengths {lengths}")
+    for r in range(size):
+        lo, hi = split(n_rows, size, r)
+        v.expect(np.array_equal(synk.get_value(r, rows), values[lo:hi]), f"scatter rank {r}")
+    v.expect(np.array_equal(synk.gather(rows, nd_up=0), values), "gather nd_up=0")
+    v.expect(np.array_equal(g()[1], values.sum()), "function over scattered rows")
+    got = synk.all_gather(rows)
+    v.expect(np.array_equal(got, values), "all_gather")
+    v.expect(np.array_equal(synk.get_value(size - 1, rows), values), "all_gather stored everywhere")
+    try:
+        synk.get_value(size, w)
+        v.expect(False, "get_value(size) raised nothing")
+    except ValueError as err:
+        v.expect(f"0..{size - 1}" in str(err), f"get_value(size): {err}")
+
+
+def check_worker_raises(v, node, node_sizes):
+    """A worker of the last node raises (an Assert on its rows): that node's
+    call raises the worker's error, every other node's raises PeerFailed
+    naming the node; then every node's next call works."""
+    from pytensor.raise_op import Assert
+
+    x = pt.dmatrix("x")
+    f = synk.function([x], (Assert("row too large")(x.sum(axis=0), pt.all(x < 100)), "sum"), mode=MODE)
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    last = len(node_sizes) - 1
+    mine = per_node[node].copy()
+    if node == last:  # the last process of the node: a worker when the node has 2
+        mine[-1, 0] = 1000.0
+    try:
+        f(mine)
+        v.expect(False, "a worker's error raised nothing")
+    except Exception as err:  # noqa: BLE001
+        text = f"{type(err).__name__}: {err}"
+        if node == last and node_sizes[node] > 1:
+            v.expect("row too large" in text, f"the worker's own error on its node: {text}")
+        else:
+            wrong = f"local rank(s) [{node_sizes[last] - 1}] of node {last}"
+            v.expect(node == last or (f"node(s) [{last}]" in text and wrong in text),
+                     f"other nodes name the node and the rank: {text}")
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "the next call after a worker's error")
+
+
+def check_mismatch(v, node, scenario):
+    x = pt.dvector("x")
+    if scenario == "count":
+        fns = [synk.function([x], x.sum(), mode=MODE)]
+        if node == 1:
+            fns.append(synk.function([x], x.max(), mode=MODE))
+    else:
+        fns = [synk.function([x], x.sum() if node != 1 else x.max(), mode=MODE, name="h")]
+    try:
+        synk.distribute()
+        v.expect(False, "distribute() of different functions raised nothing")
+    except ValueError as err:
+        text = str(err)
+        want = "built 1 new function" if scenario == "count" else "function #0 differs between nodes"
+        v.expect(want in text and "node 1" in text, f"mismatch message: {text}")
+
+
+def scenario_kill(v, node, node_sizes):
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before the kill")
+    if node == 1:
+        victim = children()[0]
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.5)
+    t0 = time.perf_counter()
+    try:
+        f(per_node[node])
+        v.expect(False, "the call after the kill raised nothing")
+    except Exception as err:  # noqa: BLE001
+        took = time.perf_counter() - t0
+        text = f"{type(err).__name__}: {err}"
+        v.info["error"] = text
+        v.expect(took < 10, f"raised after {took:.1f} s")
+        v.expect("rank 1" in text and (node == 1 or "node(s) [1]" in text), f"error names node/rank: {text}")
+    # every node closes, then forks again (after MPI_Init this time) and goes on
+    prefix = synk.context.current().proc.prefix
+    synk.close()
+    v.expect(my_shm([prefix]) == [], f"left after close: {my_shm([prefix])}")
+    synk.fork(node_sizes[node], device="cpu")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "after close() and fork() again")
+
+
+def scenario_master_fails(v, node, node_sizes, how, out):
+    """Node 1's master ends (an uncaught exception, or SIGKILL) while node 0 calls."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before the failure")
+    prefix = synk.context.current().proc.prefix
+    (Path(out) / f"prefix.{node}.txt").write_text(prefix)
+    if node == 1:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("node 1's script failed on purpose")
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    try:
+        f(per_node[node])
+        v.expect(False, "the call after node 1 failed raised nothing")
+    except Exception as err:  # noqa: BLE001
+        took = time.perf_counter() - t0
+        v.info["error"] = f"{type(err).__name__}: {err}"
+        v.expect(took < 10, f"raised after {took:.1f} s")
+        v.expect("node 1" in str(err) and "on purpose" in str(err), f"error names node 1: {err}")
+
+
+def main() -> int:
+    out, scenario, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
+    node = node_index()
+    v = Verdict(out, node)
+    v.info["hostname"] = __import__("socket").gethostname()
+    v.info["netns"] = os.readlink("/proc/self/ns/net")
+    v.info["affinity_before"] = sorted(os.sched_getaffinity(0))
+    prefixes = []
+    error = None
+    try:
+        synk.fork(sizes[node % len(sizes)], device="cpu")
+        prefixes.append(synk.context.current().proc.prefix)
+        v.info["affinity"] = sorted(os.sched_getaffinity(0))
+        node_sizes = check_identity(v, node, sizes, synk.world())
+        if scenario in ("ops", "count"):
+            check_outputs(v, node, node_sizes)
+            if scenario == "ops":
+                check_collectives(v, node, node_sizes)
+                check_worker_raises(v, node, node_sizes)
+            check_mismatch(v, node, "count" if len(node_sizes) > 2 or scenario == "count" else "graph")
+        elif scenario == "kill":
+            scenario_kill(v, node, node_sizes)
+        elif scenario in ("raise", "sigkill"):
+            scenario_master_fails(v, node, node_sizes, scenario, out)
+    except BaseException as err:  # noqa: BLE001
+        if scenario == "raise" and node == 1:
+            v.write()
+            raise  # uncaught, no close(): the exit path tells the other nodes
+        error = err
+    synk.close()
+    (v.path.parent / f"shm.{node}.txt").write_text("\n".join(my_shm(prefixes)))
+    ok = v.write(error)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The same script on several nodes under ``mpirun``: synk.fork() on each,
+MPI among the node masters (real ``mpirun -np 2`` and ``-np 3`` jobs on
+this machine, each node forking 1 or 2 processes).
+
+Each job runs tests/mpi/nodes_script.py, whose node masters check their
+results against numpy on the nodes' rows joined in node order and write a
+verdict; here the exit status, every node's verdict and what each node left
+in /dev/shm (nothing) are checked. Jobs group many checks, since each one
+pays PyTensor's compile (FAST_COMPILE) on every node.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_mpi_comm import HERE, assert_all_ok, mpirun, needs_mpi
+
+TCP = ("--mca", "pml", "ob1", "--mca", "btl", "self,tcp")
+
+
+def _no_shm_left(out: Path, n: int) -> None:
+    for node in range(n):
+        left = (out / f"shm.{node}.txt").read_text()
+        assert left == "", f"node {node} left shared memory: {left}"
+
+
+@needs_mpi
+def test_two_nodes_one_and_two_processes(tmp_path):
+    """np 2, nodes of 1 and 2 processes, over shared memory: identity and
+    sharding; every output op with uneven rows per node and per process and
+    a node with no rows; every collective and set_value/get_value with
+    global ranks (node 0's values, None elsewhere); a worker of node 1
+    raising (node 1 raises its error, node 0 PeerFailed naming node 1's rank;
+    the next call works everywhere); the distribute() error when node 1 built
+    a different graph."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "ops", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+    # two unbound copies on this machine: each kept to its own block of the cores
+    before = verdicts[0]["affinity_before"]
+    if len(before) >= 2 and len(before) >= (os.cpu_count() or 0):
+        mine = [set(verdicts[r]["affinity"]) for r in (0, 1)]
+        assert not mine[0] & mine[1] and mine[0] | mine[1] == set(before), mine
+
+
+@needs_mpi
+def test_three_nodes_over_tcp(tmp_path):
+    """np 3 (2, 1 and 2 processes), MPI forced over TCP: the same checks, and
+    the distribute() error when node 1 built more functions than node 0."""
+    rc, output, verdicts = mpirun(tmp_path, 3, "nodes_script.py", "ops", "2,1", extra=TCP)
+    assert_all_ok(rc, output, verdicts, 3)
+    _no_shm_left(tmp_path, 3)
+
+
+@needs_mpi
+def test_worker_killed_on_node_one(tmp_path):
+    """A worker of node 1 killed with SIGKILL: node 1's next call raises
+    WorkerDiedError naming its rank, node 0's raises PeerFailed naming node 1
+    and that rank, both within seconds; close() is clean, nothing is left in
+    /dev/shm on either node, and every node forks again and goes on."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "kill", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    assert "WorkerDiedError" in verdicts[1]["error"] and "rank 1" in verdicts[1]["error"]
+    assert "node(s) [1]" in verdicts[0]["error"] and "rank 1 died" in verdicts[0]["error"]
+    _no_shm_left(tmp_path, 2)
+
+
+def test_without_launcher_one_node():
+    """Without a launcher: world() is node 0 of 1 with the fork's own ranks,
+    shard() is every row, and mpi4py is never imported."""
+    code = """
+import sys, synkhronos as synk
+assert synk.fork(2, device="cpu") == 2
+w = synk.world()
+assert (w.node, w.nodes, w.rank, w.size, w.local_size, w.node_sizes) == (0, 1, 0, 2, 2, (2,)), w
+assert synk.shard(7) == slice(0, 7), synk.shard(7)
+synk.close()
+sys.exit(3 if "mpi4py" in sys.modules else 0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE.parent, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_world_and_shard_errors():
+    import synkhronos as synk
+
+    with pytest.raises(RuntimeError, match="fork"):
+        synk.world()
+    with pytest.raises(TypeError, match="n_rows"):
+        synk.shard(2.5)
+    with pytest.raises(ValueError, match="n_rows"):
+        synk.shard(-1)
+
+
+def _prefix_left(out: Path, n: int) -> list:
+    prefixes = [(out / f"prefix.{node}.txt").read_text() for node in range(n)]
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(p) for p in prefixes)]
+
+
+@needs_mpi
+def test_uncaught_error_on_node_one(tmp_path):
+    """Node 1's script dies of an uncaught exception (no close()) while node 0
+    calls: node 0's call raises NodeFailedError naming node 1 and its error
+    within seconds (node 1's exit hook sends the notice), node 0 closes
+    cleanly, then the job is aborted (a failure notice leaves MPI unfinishable);
+    nothing is left in /dev/shm."""
+    import time
+
+    t0 = time.monotonic()
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "raise", "2,2")
+    assert time.monotonic() - t0 < 60
+    assert rc != 0
+    assert verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    assert "NodeFailedError: node 1" in verdicts[0]["error"] and "on purpose" in verdicts[0]["error"]
+    _no_shm_left(tmp_path, 1)
+    assert _prefix_left(tmp_path, 2) == []
+
+
+@needs_mpi
+def test_node_master_killed(tmp_path):
+    """Node 1's master killed with SIGKILL: mpirun stops the job within
+    seconds (node 0's polling waits let its SIGTERM handler run), and neither
+    node leaves anything in /dev/shm (node 1's workers clean up after their
+    master)."""
+    import time
+
+    t0 = time.monotonic()
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "sigkill", "2,2")
+    assert time.monotonic() - t0 < 60
+    assert rc != 0 and "signal 9" in output, output[-3000:]
+    time.sleep(1.0)  # node 1's orphaned workers unlink as they leave
+    assert _prefix_left(tmp_path, 2) == []
+
+
+def _final_numbers(out: str, epochs: int) -> list:
+    line = [ln for ln in out.splitlines() if ln.startswith(f"2 proc  epoch {epochs:2d}")]
+    assert len(line) == 1, out[-3000:]
+    words = line[0].replace("%", "").split()
+    return [float(words[i + 1]) for i, w in enumerate(words) if w in ("loss", "acc")]
+
+
+@needs_mpi
+def test_digits_demo_on_two_nodes(tmp_path):
+    """The digits demo (synkhronos.extensions' Adam step) under ``mpirun -np 2``,
+    one process per node, each node passing its shard of every minibatch,
+    trains as one node of 2 processes does: the same losses and accuracy up
+    to float32 rounding (make demo-mpi runs it for the full 20 epochs)."""
+    import os
+
+    from test_mpi_comm import MPIRUN
+
+    demo = str(HERE.parent / "demos" / "train_digits.py")
+    common = ["--epochs", "5", "--no-progress", "--no-baseline", "--results", str(tmp_path)]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    two_nodes = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+                                "osc", "^ucx", sys.executable, demo, "--workers", "1", *common],
+                               capture_output=True, text=True, timeout=300, env=env)
+    assert two_nodes.returncode == 0, two_nodes.stdout[-3000:] + two_nodes.stderr[-3000:]
+    assert "2 nodes, 2 processes in all" in two_nodes.stdout
+    one_node = subprocess.run([sys.executable, demo, "--workers", "2", *common],
+                              capture_output=True, text=True, timeout=300)
+    assert one_node.returncode == 0, one_node.stdout[-3000:] + one_node.stderr[-3000:]
+    assert _final_numbers(two_nodes.stdout, 5) == pytest.approx(_final_numbers(one_node.stdout, 5),
+                                                                rel=0.05, abs=1e-3)
+
+
+AGENT = """#!/bin/sh
+# Open MPI's rsh agent: "host command..." -> the command in that host's network
+# namespace, with a hostname (UTS namespace) and session directory of its own
+host="$1"; shift
+case "$host" in
+  {ip_a}) ns={ns_a} ;;
+  {ip_b}) ns={ns_b} ;;
+  *) echo "unknown host $host" >&2; exit 1 ;;
+esac
+mkdir -p "{tmp}/$ns"
+exec ip netns exec "$ns" unshare --uts /bin/sh -c \\
+  "hostname $ns; export TMPDIR={tmp}/$ns PRTE_MCA_prte_tmpdir_base={tmp}/$ns; $*"
+"""
+
+
+def _sh(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@needs_mpi
+def test_two_network_namespaces(tmp_path):
+    """Two "machines" of the test's own making: network namespaces joined by a
+    veth pair, each node in its own (and its own hostname), MPI over TCP
+    between them (Open MPI starts node 1's daemon through an rsh agent that
+    enters its namespace). The ops checks of 2 nodes of 2 processes pass.
+    Skipped where namespaces cannot be made (not root, no ``ip``/``unshare``)."""
+    import os
+    import shutil
+
+    from test_mpi_comm import JOB_LIMIT, MPIRUN
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs root, ip and unshare to make network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    ns_a, ns_b = f"synk13a{tag}", f"synk13b{tag}"
+    ip_a, ip_b = "10.213.0.1", "10.213.0.2"
+    made = []
+    try:
+        for ns in (ns_a, ns_b):
+            done = _sh("ip", "netns", "add", ns)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make a network namespace: {done.stderr.strip()}")
+            made.append(ns)
+        steps = [("ip", "link", "add", f"s13a{tag}", "type", "veth", "peer", "name", f"s13b{tag}"),
+                 ("ip", "link", "set", f"s13a{tag}", "netns", ns_a),
+                 ("ip", "link", "set", f"s13b{tag}", "netns", ns_b)]
+        for ns, dev, ip in ((ns_a, f"s13a{tag}", ip_a), (ns_b, f"s13b{tag}", ip_b)):
+            steps += [("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev),
+                      ("ip", "-n", ns, "link", "set", dev, "up"), ("ip", "-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _sh(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot connect the namespaces ({' '.join(step)}): {done.stderr.strip()}")
+        agent = tmp_path / "agent.sh"
+        agent.write_text(AGENT.format(ip_a=ip_a, ip_b=ip_b, ns_a=ns_a, ns_b=ns_b, tmp=tmp_path))
+        agent.chmod(0o755)
+        out = tmp_path / "out"
+        out.mkdir()
+        net = f"{ip_a.rsplit('.', 1)[0]}.0/24"
+        cmd = ["ip", "netns", "exec", ns_a, str(MPIRUN), "-np", "2", "--host", f"{ip_a}:1,{ip_b}:1",
+               "--mca", "plm_rsh_agent", str(agent), "--bind-to", "none", "--mca", "osc", "^ucx",
+               "--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", net,
+               "--mca", "oob_tcp_if_include", net, "-x", "PYTHONPATH", "-x", "SYNK_MPI_TEST_LIMIT",
+               sys.executable, str(HERE / "mpi" / "nodes_script.py"), str(out), "ops", "2,2"]
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   SYNK_MPI_TEST_LIMIT=str(JOB_LIMIT - 15),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_LIMIT, env=env)
+        import json
+
+        verdicts = {}
+        for path in out.glob("verdict.*.json"):
+            v = json.loads(path.read_text())
+            verdicts[v["rank"]] = v
+        assert_all_ok(done.returncode, done.stdout + done.stderr, verdicts, 2)
+        # node 1 ran in the other namespace (started by the agent, with its hostname)
+        assert verdicts[1]["hostname"] == ns_b and verdicts[0]["netns"] != verdicts[1]["netns"], verdicts
+        _no_shm_left(out, 2)
+    finally:
+        for ns in made:
+            _sh("ip", "netns", "del", ns)
+
+
+@needs_mpi
+def test_nodes_switched_off_under_mpirun(tmp_path):
+    """SYNKHRONOS_NODES=0: every launched copy is a node of its own (one
+    machine's fork, no MPI, mpi4py never imported)."""
+    from test_mpi_comm import MPIRUN
+
+    script = tmp_path / "alone.py"
+    script.write_text("import sys, synkhronos as synk\n"
+                      "synk.fork(1, device='cpu')\n"
+                      "w = synk.world()\n"
+                      "assert (w.node, w.nodes, w.size) == (0, 1, 1), w\n"
+                      "synk.close()\n"
+                      "sys.exit(3 if 'mpi4py' in sys.modules else 0)\n")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", SYNKHRONOS_NODES="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", "--mca", "osc", "^ucx",
+                           "-x", "SYNKHRONOS_NODES", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
