@@ -30,9 +30,7 @@ Usage::
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -42,9 +40,9 @@ import numpy as np  # noqa: E402
 
 import synkhronos.multiverso as mv  # noqa: E402
 from synkhronos.multiverso.keras_ext import MVCallback  # noqa: E402
+from mv_report import baseline, report  # noqa: E402 - this folder's shared report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TARGET_ACCURACY = 0.93
 
 
 def parse_args(argv=None):
@@ -183,83 +181,12 @@ def train(args, data):
     return history
 
 
-# ---------------------------------------------------------------------------
-# Report (the master)
-
-
-def baseline(args):
-    """The same training on 1 worker, in a child process (init() runs once per process)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "history.json")
-        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--workers", "1",
-                "--threads", str(args.threads), "--no-baseline", "--history", path]
-        subprocess.run(argv, check=True)
-        with open(path) as fh:
-            return json.load(fh)
-
-
-def plot(histories, args, name):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(args.results, exist_ok=True)
-    path = os.path.join(args.results, f"{name}.png")
-    fig, (ax_loss, ax_time, ax_acc) = plt.subplots(1, 3, figsize=(15, 4))
-    for h in histories:
-        label = f"{h['n']} worker{'s' if h['n'] > 1 else ''}"
-        epochs = np.arange(1, len(h["train_loss"]) + 1)
-        ax_loss.plot(epochs, h["train_loss"], label=f"train, {label}")
-        ax_loss.plot(epochs, h["val_loss"], "--", label=f"validation, {label}")
-        ax_time.plot(np.cumsum(h["epoch_s"]), h["val_loss"], marker=".", label=label)
-        ax_acc.plot(epochs, h["val_acc"], label=label)
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", yscale="log", title="loss per epoch")
-    ax_time.set(xlabel="training time (s)", ylabel="validation cross-entropy", yscale="log",
-                title="validation loss against wall-clock time")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy", ylim=(0.8, 1.0))
-    ax_acc.axhline(TARGET_ACCURACY, color="grey", lw=0.8, ls=":")
-    for ax in (ax_loss, ax_time, ax_acc):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"synkhronos.multiverso: {name}, sync every {args.freq} "
-                 f"minibatch(es) of {args.batch_size}, {'sync' if args.sync else 'async'} server")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def report(histories, args, name):
-    """Table, speed-up, plot and the accuracy check; the exit status."""
-    path = plot(histories, args, name)
-    print("\nworkers  threads each  train time (s)  time/epoch (s)  final val acc")
-    for h in histories:
-        train_s = sum(h["epoch_s"])
-        print(f"{h['n']:>7d}  {h['threads']:>12d}  {train_s:14.2f}  {train_s / len(h['epoch_s']):14.3f}"
-              f"  {h['val_acc'][-1]:13.2%}")
-    final = histories[-1]
-    if len(histories) > 1:
-        # epoch 1 is left out of the median: it includes first-call overheads
-        base, par = (np.median(h["epoch_s"][1:] or h["epoch_s"]) for h in histories)
-        total_base, total_par = (sum(h["epoch_s"]) for h in histories)
-        print(f"speed-up of {final['n']} workers over 1: {base / par:.2f}x (median epoch time), "
-              f"{total_base / total_par:.2f}x (total training time)")
-        print(f"(the 1-worker run used {histories[0]['threads']} threads, each of the {final['n']} "
-              f"workers {final['threads']}; the figure depends on what else runs on the machine)")
-    print(f"loss curves: {path}")
-    ok = final["val_acc"][-1] >= TARGET_ACCURACY
-    print(f"validation accuracy with {final['n']} workers: {final['val_acc'][-1]:.2%} "
-          f"({'reached' if ok else 'BELOW'} the {TARGET_ACCURACY:.0%} target)", flush=True)
-    return 0 if ok else 1
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.freq < 1:
         sys.exit(f"--freq must be at least 1, got {args.freq}")
     data = load_data(args.seed)
-    first = [] if args.no_baseline or mv.under_launcher() or args.workers == 1 else [baseline(args)]
+    first = [] if args.no_baseline or mv.under_launcher() or args.workers == 1 else [baseline(args, __file__)]
     mv.init(sync=args.sync, num_workers=None if mv.under_launcher() else args.workers)
     set_threads(args.threads)
     if mv.is_master_worker() and not first:
