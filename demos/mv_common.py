@@ -1,8 +1,9 @@
 """What the two parameter-server demos (mv_keras_digits.py, mv_torch_digits.py) share:
-the 1-worker baseline run, the loss plot and the report."""
+the command line, the data, the 1-worker baseline run, the loss plot and the report."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,55 @@ import tempfile
 import numpy as np
 
 TARGET_ACCURACY = 0.93
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(description, argv=None, threads_of="threads"):
+    """The demos' command line; ``threads_of`` names what ``--threads`` sets."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--workers", type=int, default=None,
+                   help="workers of the parallel run (default: one per core, at least 2)")
+    p.add_argument("--epochs", type=int, default=12, help="default: 12")
+    p.add_argument("--batch-size", type=int, default=64, help="default: 64")
+    p.add_argument("--learning-rate", type=float, default=0.001, help="Adam's (default: 0.001)")
+    p.add_argument("--hidden", type=int, default=256, help="width of the hidden layers (default: 256)")
+    p.add_argument("--freq", type=int, default=1, help="sync every FREQ minibatches (default: 1)")
+    p.add_argument("--sync", action="store_true", help="a sync server (default: async)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"{threads_of} per worker (default: the cores shared among the workers "
+                        "of the parallel run, at least 1; the 1-worker run gets as many, so the "
+                        "speed-up compares like with like)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the 1-worker run")
+    p.add_argument("--results", default=os.path.join(HERE, "results"),
+                   help="where the plot goes (default: demos/results)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--seed", type=int, default=0, help="default: 0")
+    p.add_argument("--history", help=argparse.SUPPRESS)   # the 1-worker child writes its history here
+    args = p.parse_args(argv)
+    if args.workers is None:
+        args.workers = max(2, len(os.sched_getaffinity(0)))
+    if args.threads is None:
+        args.threads = max(1, len(os.sched_getaffinity(0)) // args.workers)
+    return args
+
+
+def load_data(seed):
+    """Digits scaled to [0, 1], split 80/20; the training images also shifted by one pixel."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    x_train, x_val, y_train, y_val = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+    images, moved = x_train.reshape(-1, 8, 8), [x_train.reshape(-1, 8, 8)]
+    for axis, step in ((1, 1), (1, -1), (2, 1), (2, -1)):
+        m = np.roll(images, step, axis=axis)
+        edge = [slice(None)] * 3
+        edge[axis] = 0 if step > 0 else -1
+        m[tuple(edge)] = 0
+        moved.append(m)
+    return np.concatenate(moved).reshape(-1, 64), x_val, np.tile(y_train, len(moved)), y_val
 
 
 def baseline(args, script):
