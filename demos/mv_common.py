@@ -12,6 +12,8 @@ import tempfile
 
 import numpy as np
 
+import synkhronos.multiverso as mv
+
 TARGET_ACCURACY = 0.93
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,3 +132,30 @@ def report(histories, args, name):
     print(f"validation accuracy with {final['n']} workers: {final['val_acc'][-1]:.2%} "
           f"({'reached' if ok else 'BELOW'} the {TARGET_ACCURACY:.0%} target)", flush=True)
     return 0 if ok else 1
+
+
+def main(doc, script, train, set_threads, threads_of="threads", argv=None):
+    """A demo's whole run: ``train(args, data)`` on every worker (after
+    ``set_threads(n)``), the 1-worker baseline first, the report on the
+    master; returns the exit status. ``doc`` and ``script`` are the demo's
+    docstring and file."""
+    args = parse_args(doc.split("\n\n")[0], argv, threads_of)
+    if args.freq < 1:
+        sys.exit(f"--freq must be at least 1, got {args.freq}")
+    data = load_data(args.seed)
+    first = [] if args.no_baseline or mv.under_launcher() or args.workers == 1 else [baseline(args, script)]
+    mv.init(sync=args.sync, num_workers=None if mv.under_launcher() else args.workers)
+    set_threads(args.threads)
+    if mv.is_master_worker() and not first:
+        print(f"digits: {len(data[0])} training and {len(data[1])} validation images; "
+              f"{mv.workers_num()} workers, batch {args.batch_size}, {args.epochs} epochs", flush=True)
+    history = train(args, data)
+    status = 0
+    if mv.is_master_worker():
+        if args.history:
+            with open(args.history, "w") as fh:
+                json.dump(history, fh)
+        else:
+            status = report(first + [history], args, os.path.splitext(os.path.basename(script))[0])
+    mv.shutdown()
+    return status

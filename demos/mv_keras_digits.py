@@ -27,7 +27,6 @@ Usage::
     mpirun -np 2 python demos/mv_keras_digits.py
 """
 
-import json
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ import numpy as np  # noqa: E402
 
 import synkhronos.multiverso as mv  # noqa: E402
 from synkhronos.multiverso.keras_ext import MVCallback  # noqa: E402
-from mv_common import baseline, load_data, parse_args, report  # noqa: E402 - shared by the two demos
+from mv_common import main as run  # noqa: E402 - shared by the two demos
 
 # ---------------------------------------------------------------------------
 # Model
@@ -131,26 +130,7 @@ def train(args, data):
 
 
 def main(argv=None):
-    args = parse_args(__doc__.split("\n\n")[0], argv, "threads")
-    if args.freq < 1:
-        sys.exit(f"--freq must be at least 1, got {args.freq}")
-    data = load_data(args.seed)
-    first = [] if args.no_baseline or mv.under_launcher() or args.workers == 1 else [baseline(args, __file__)]
-    mv.init(sync=args.sync, num_workers=None if mv.under_launcher() else args.workers)
-    set_threads(args.threads)
-    if mv.is_master_worker() and not first:
-        print(f"digits: {len(data[0])} training and {len(data[1])} validation images; "
-              f"{mv.workers_num()} workers, batch {args.batch_size}, {args.epochs} epochs", flush=True)
-    history = train(args, data)
-    status = 0
-    if mv.is_master_worker():
-        if args.history:
-            with open(args.history, "w") as fh:
-                json.dump(history, fh)
-        else:
-            status = report(first + [history], args, "mv_keras_digits")
-    mv.shutdown()
-    return status
+    return run(__doc__, __file__, train, set_threads, "threads", argv)
 
 
 if __name__ == "__main__":

@@ -489,15 +489,13 @@ class Function:
         self._owner = None  # the Session (fork) it was built for
         self._cast_warned: set = set()  # (input position, dtype) of synk.data cast already
         self._spilled: set = set()  # output subsets whose outputs were too big to ride inline
-        self._plans = local.planned  # planned calls: _plan_key -> _Plan
+        self._planned = local.planned  # planned calls: _plan_key -> _Plan
+        self._input_names = [getattr(v, "name", None) for v in spec.inputs]
+        # per input: (dtype, ndim, plain), plain when PyTensor checks its type by
+        # dtype and ndim alone: an ndarray that already has both needs no
+        # conversion (the common case, made fast)
         self._types = [(np.dtype(v.type.dtype), v.type.ndim, all(d is None for d in v.type.shape))
                        for v in spec.inputs]
-        self._input_names = [getattr(v, "name", None) for v in spec.inputs]
-        # inputs whose type PyTensor checks by dtype and ndim alone: an ndarray
-        # that already has both needs no conversion (the common case, made fast)
-        self._plain_types = [
-            (np.dtype(v.type.dtype), v.type.ndim) if all(d is None for d in v.type.shape) else None
-            for v in spec.inputs]
 
     @property
     def name(self) -> str:
@@ -593,9 +591,8 @@ class Function:
         return values
 
     def _check_value(self, i, value):
-        plain = self._plain_types[i]
-        if plain is not None and type(value) is np.ndarray and value.dtype == plain[0] \
-                and value.ndim == plain[1]:
+        dtype, ndim, plain = self._types[i]
+        if plain and type(value) is np.ndarray and value.dtype == dtype and value.ndim == ndim:
             return value
         var = self._spec.inputs[i]
         label = f"input {var.name or i!r} of function {self.name!r}"
@@ -682,15 +679,14 @@ class Function:
             ValueError, IndexError: bad inputs or rows, named in the message.
             WorkerError or the worker's own exception type: a process failed.
         """
-        if (self._plans and not kwargs and output_subset is None and batch is None and batch_s is None
-                and type(num_slices) is int and num_slices == 1 and device_outputs is False
-                and self._owner is context.current()):
-            plan = self._plans.get(self._plan_key(args))
+        plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
+        if plannable and self._planned and self._owner is context.current():
+            plan = self._planned.get(self._plan_key(args))
             if plan is not None:
                 return self._call_planned(plan, args)
-        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
+        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
 
-    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs):
+    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable):
         """A call, checked and prepared from scratch (and planned for the next
         calls of the same kind when it can be)."""
         s = context.session()
@@ -699,7 +695,7 @@ class Function:
                 f"function {self.name!r} was built for a fork that was closed (synk.close()); "
                 "build it again with synk.function() after this synk.fork()")
         s.usable()
-        self._plans.clear()  # this call may move scratch memory that a plan writes into
+        self._planned.clear()  # this call may move scratch memory that a plan writes into
         spec = self._spec
         batch_s = self._check_batch_s(batch_s, s.n_parallel)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
@@ -736,8 +732,7 @@ class Function:
         inline = self._inline(s.proc, subset)
         call = CallSpec(spec.fid, refs, batch_ref, n_rows, int(num_slices), subset, batch_s, inline)
         wire = call.to_wire()
-        if (not kwargs and subset is None and batch is None and batch_s is None and num_slices == 1
-                and device_outputs is False):
+        if plannable:
             self._plan(args, values, call, wire, own)
         results = s.run(Command.CALL, wire, local=lambda proc, _: execute_call(proc, call, own))
         return self._finish(s, call, results, device_outputs)
@@ -748,7 +743,7 @@ class Function:
             results, spilled = combine_inline(s.proc, results, self._local.plan(s.proc, call.subset)[0])
             if spilled:  # outputs this big reduce faster through the communicator
                 self._spilled.add(call.subset)
-                self._plans.clear()
+                self._planned.clear()
         results = s.proc.device.to_user(results, device_outputs)
         if call.subset is not None:
             return results
@@ -802,10 +797,10 @@ class Function:
                 dst = d.data
                 pieces = [(None, None)] if rows is None else [(0, rows[0]), (rows[1], call.n_rows)]
                 copies.append((i, dst, [(lo, hi) for lo, hi in pieces if lo is None or hi > lo]))
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
+        if len(self._planned) >= _MAX_PLANS:
+            self._planned.clear()
         share = share_of(self._owner.proc, call, keep=True, own_keys=own.keys())
-        self._plans[key] = _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
+        self._planned[key] = _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
                                  copies, mine, share if share.fn is not None else None)
 
     def _call_planned(self, plan, args):
@@ -944,6 +939,12 @@ class Function:
 
 
 _MISSING = object()
+
+
+def _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs) -> bool:
+    """Whether a call's keywords let it be planned (inputs in order, all of them, whole)."""
+    return (not kwargs and output_subset is None and batch is None and batch_s is None
+            and type(num_slices) is int and num_slices == 1 and device_outputs is False)
 #: Planned calls kept per function (input shapes seen lately).
 _MAX_PLANS = 8
 

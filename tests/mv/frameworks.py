@@ -36,24 +36,9 @@ import torch._dynamo  # noqa: E402,F401 - the first optimizer step imports it: o
 
 import synkhronos.multiverso as mv  # noqa: E402
 from synkhronos.errors import SynkError  # noqa: E402
+from scenarios import check, raises  # noqa: E402 - this folder's checks
 
 N_IN, ROWS, BATCH = 8, 64, 16
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(f"worker {mv.worker_id()}: {what}")
-
-
-def raises(exc, fragment, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc as err:
-        check(fragment in str(err), f"{exc.__name__} without {fragment!r}: {err}")
-        return
-    except Exception as err:  # noqa: BLE001
-        raise AssertionError(f"expected {exc.__name__} ({fragment}), got {type(err).__name__}: {err}")
-    raise AssertionError(f"expected {exc.__name__} ({fragment}), nothing raised")
 
 
 def shard(me):
