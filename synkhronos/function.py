@@ -203,6 +203,7 @@ class Share:
     error: Any = None         # what went wrong while working this out
     args: list | None = None  # the inputs (None where the master passes its own), if kept
     fn: Any = None            # the compiled function, if kept
+    trust: bool = False       # the kept inputs need no conversion: PyTensor may skip its checks
 
 
 def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
@@ -238,9 +239,31 @@ def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
         try:
             share.args = _local_inputs(proc, call, lo, hi, dict.fromkeys(own_keys))
             share.fn = proc.functions[call.fid].compiled(call.subset)
+            share.trust = all(_plain_input(var) for var in spec.inputs)
         except Exception:  # the call itself reports it
             share.args = share.fn = None
     return share
+
+
+def _plain_input(var) -> bool:
+    """Whether PyTensor checks a value for input ``var`` by dtype and ndim alone
+    (no static shape): a value that has both, aligned, needs no conversion.
+    Shared memory views and the master's planned inputs are checked for that."""
+    shape = getattr(var.type, "shape", None)
+    return shape is not None and all(d is None for d in shape)
+
+
+def _run_kept(fn, args, trust: bool):
+    """``fn(*args)``; with ``trust``, without PyTensor's input checks (the
+    inputs are known to be right: kept shared-memory views, or planned
+    inputs whose dtype, ndim and alignment were checked)."""
+    if not trust:
+        return fn(*args)
+    try:
+        fn.trust_input = True  # inside try: an interrupt before it still resets it
+        return fn(*args)
+    finally:
+        fn.trust_input = False
 
 
 def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
@@ -269,7 +292,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
             proc.device.keep_on_device(proc)
             with interruptible:  # a worker: the master may stop this when it abandons the call
                 if share.fn is not None:
-                    outs = share.fn(*args)
+                    outs = _run_kept(share.fn, args, share.trust)
                 else:
                     outs = lf.run(args, call.subset, call.num_slices,
                                   None if call.n_rows is None else share.hi - share.lo, ops, share.rows)
@@ -767,7 +790,7 @@ class Function:
         key = []
         for value, (dtype, ndim, plain) in zip(args, self._types):
             if type(value) is np.ndarray:
-                if not plain or value.dtype != dtype or value.ndim != ndim:
+                if not plain or value.dtype != dtype or value.ndim != ndim or not value.flags.aligned:
                     return None
                 key.append(value.shape)
             elif isinstance(value, Data):
