@@ -96,27 +96,20 @@ def combine(parts, op: str, weights=None, out=None):
     :func:`cast_to` (rounded, never truncated).
     """
     dtype = parts[0].dtype
+    if out is None and not parts[0].shape and dtype.kind in _SCALAR_KINDS.get(op, ""):
+        return _combine_scalars(parts, op, weights)
     if op != "avg":  # every other op keeps the dtype
         if out is not None and out.dtype != dtype:
             out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
             return out
-        if out is None and dtype.kind == "f" and op in _SCALAR_OPS and not parts[0].shape:
-            return _fold_scalars(parts, op)
         return _fold(REDUCE_OPS[op], parts, out)
     rdtype = result_dtype(dtype, op)
     if out is not None and out.dtype != rdtype:
         out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
         return out
     n = len(parts)
-    if weights is None:
-        w = [1.0] * n
-    else:
-        w = [float(x) for x in weights]  # lists: tiny, fast
-    total = sum(w)
-    w = [x / total for x in w] if total > 0 else [1.0 / n] * n
+    w = _normalized(weights, n)
     scalar = rdtype.type
-    if out is None and rdtype.kind == "f" and not parts[0].shape:
-        return _avg_scalars(parts, w, scalar)
     if dtype.kind not in "fc":
         # integers and booleans: accumulate in float64 (PyTensor's mean of ints)
         parts = [np.asarray(p, dtype=rdtype) for p in parts]
@@ -132,35 +125,44 @@ def combine(parts, op: str, weights=None, out=None):
     return acc
 
 
-#: Ops whose 0-d float parts combine as numpy scalars (see :func:`_fold_scalars`).
-_SCALAR_OPS = {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b}
+def _normalized(weights, n: int) -> list:
+    """``avg``'s weights as fractions of their total (equal when they add up to 0)."""
+    w = [1.0] * n if weights is None else [float(x) for x in weights]  # lists: tiny, fast
+    total = sum(w)
+    return [x / total for x in w] if total > 0 else [1.0 / n] * n
 
 
-def _fold_scalars(parts, op: str) -> np.ndarray:
-    """:func:`_fold` of 0-d float parts, as numpy scalars: the same IEEE operations
-    in the same order (numpy's scalar arithmetic of a float type is that of
-    its array loops), without a ufunc call's overhead (~1 us each), which a
-    loop of small calls pays on every output."""
-    step = _SCALAR_OPS[op]
-    acc = parts[0][()]
-    for x in parts[1:]:
-        acc = step(acc, x[()])
-    return np.asarray(acc)
+#: The dtype kinds whose 0-d parts each op combines as numpy scalars: the
+#: float ones (and every kind for avg, whose result is a float).
+_SCALAR_KINDS = {"sum": "f", "prod": "f", "avg": "fbiu"}
 
 
-def _avg_scalars(parts, w, scalar) -> np.ndarray:
-    """The ``avg`` of 0-d parts whose result is a float (``scalar`` its type), as
-    numpy scalars, in :func:`combine`'s order: the sum times the one weight
-    when the weights are equal, else the sum of ``part * weight``."""
+def _combine_scalars(parts, op: str, weights) -> np.ndarray:
+    """:func:`combine` of 0-d parts whose result is a float, as numpy scalars: the
+    same IEEE operations in the same order (numpy's scalar arithmetic of a
+    float type is that of its array loops), without a ufunc call's overhead
+    (~1 us each), which a loop of small calls pays on every output."""
     values = [x[()] for x in parts]
-    if type(values[0]) is not scalar:  # integers and booleans: in float64
+    acc = values[0]
+    if op == "sum":
+        for x in values[1:]:
+            acc = acc + x
+        return np.asarray(acc)
+    if op == "prod":
+        for x in values[1:]:
+            acc = acc * x
+        return np.asarray(acc)
+    w = _normalized(weights, len(values))
+    scalar = type(acc)
+    if parts[0].dtype.kind != "f":  # integers and booleans: in float64
+        scalar = np.float64
         values = [scalar(x) for x in values]
-    if w.count(w[0]) == len(w):
         acc = values[0]
+    if w.count(w[0]) == len(w):  # the sum times the one weight
         for x in values[1:]:
             acc = acc + x
         return np.asarray(acc * scalar(w[0]))
-    acc = values[0] * scalar(w[0])
+    acc = acc * scalar(w[0])
     for x, wi in zip(values[1:], w[1:]):
         acc = acc + x * scalar(wi)
     return np.asarray(acc)
