@@ -315,9 +315,8 @@ class Lane:
                 results[k] = concat(parts)
             elif len(parts) == 1:
                 results[k] = np.array(first, copy=True)
-            else:
-                out = combine(parts, op, weights)
-                results[k] = np.array(out, copy=True) if any(out is p for p in parts) else out
+            else:  # with two parts or more, combine() returns new memory
+                results[k] = combine(parts, op, weights)
         return results
 
     @staticmethod

@@ -60,11 +60,16 @@ def test_0d_parts_match_the_array_path_bit_for_bit():
     assert checked == 3000
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int64"])
-def test_0d_result_is_a_new_array(dtype):
-    parts = [np.asarray(np.dtype(dtype).type(3)), np.asarray(np.dtype(dtype).type(5))]
-    for op in OPS:
-        out = combine(parts, op, [1.0, 1.0])
-        assert all(out is not p and not np.shares_memory(out, p) for p in parts)
-    assert combine(parts, "avg").item() == 4.0
-    assert combine(parts, "sum").item() == 8
+@pytest.mark.parametrize("shape", [(), (3,)])
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bool"])
+def test_two_parts_or_more_give_new_memory(dtype, shape):
+    """The lanes of planned calls return combine()'s result without a copy."""
+    for n in (2, 3):
+        parts = [np.full(shape, k + 3).astype(dtype) for k in range(n)]
+        for op in OPS:
+            for weights in (None, [1.0] * n, list(range(1, n + 1))):
+                out = combine(parts, op, weights)
+                assert all(out is not p and not np.shares_memory(out, p) for p in parts), (op, n)
+    parts = [np.full(shape, 3).astype(dtype), np.full(shape, 5).astype(dtype)]
+    if dtype != "bool":
+        assert np.all(combine(parts, "avg") == 4.0) and np.all(combine(parts, "sum") == 8)
