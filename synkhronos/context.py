@@ -189,13 +189,15 @@ def serialized(fn):
     return wrapper
 
 
-def refuse_nested(what: str) -> None:
+def refuse_nested(what) -> None:
     """RuntimeError if this thread is inside a running command already (a signal
     handler or a custom Op's ``perform`` calling synkhronos during a call): the
     re-entrant lock lets it through, and its messages would mix into the
-    running command's."""
+    running command's. ``what`` names the call: a name, or a command (its
+    name is looked up only for the message)."""
     s = _current
     if s is not None and s.in_flight == threading.get_ident():
+        what = what if isinstance(what, str) else what.name.lower()
         raise RuntimeError(f"synkhronos {what}() was called while another synkhronos command "
                            "is running in this thread (from a signal handler, or from code "
                            "that a synkhronos function runs); nested commands are not "

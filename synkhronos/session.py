@@ -182,7 +182,7 @@ class Session:
         process (a worker's carries its rank and traceback).
         """
         self.usable()
-        context.refuse_nested(cmd.name.lower())
+        context.refuse_nested(cmd)
         self.in_flight = threading.get_ident()
         try:
             return self._run(cmd, payload, local, body)
