@@ -300,6 +300,8 @@ class Lane:
                 weights.append(self.weight)
             elif area.state() == INLINE:
                 arrays, weight = area.get()
+                if len(arrays) != len(mine):
+                    return None
                 sets.append(arrays)
                 weights.append(weight)
             else:
