@@ -256,7 +256,7 @@ class Lane:
     replies are ordinary: anything else takes :func:`execute_call` and
     :func:`combine_inline`, which raise the errors."""
 
-    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas")
+    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks")
 
     def __init__(self, proc, call: CallSpec, share: Share):
         spec = proc.functions[call.fid].spec
@@ -270,6 +270,7 @@ class Lane:
                       for k, op in self.reduced]
         self.areas = [None if r == proc.rank else proc.control.reply_area(r)
                       for r in range(proc.size)] if proc.is_master else None
+        self.ranks = list(range(proc.size))
 
     def run(self, proc, own=()):
         """``(outs, mine)``: this process's outputs, and its reducible ones in the
@@ -292,7 +293,7 @@ class Lane:
     def combine(self, outs, mine):
         """Master-side, once every worker answered: the results, the very values
         :func:`combine_inline` gives; None where a reply is out of the ordinary
-        (no rows, too big for its area, another layout), for it to handle."""
+        (no rows, too big for its area), for it to handle."""
         sets, weights = [], []
         for area in self.areas:
             if area is None:
@@ -306,20 +307,7 @@ class Lane:
                 weights.append(weight)
             else:
                 return None
-        results = list(outs)
-        for j, (k, op) in enumerate(self.reduced):
-            parts = [arrays[j] for arrays in sets]
-            first = parts[0]
-            for part in parts:
-                if part.shape != first.shape or part.dtype != first.dtype:
-                    return None
-            if op == "gather":
-                results[k] = concat(parts)
-            elif len(parts) == 1:
-                results[k] = np.array(first, copy=True)
-            else:  # with two parts or more, combine() returns new memory
-                results[k] = combine(parts, op, weights)
-        return results
+        return _combine_sets(self.ranks, sets, weights, self.reduced, list(outs))
 
     @staticmethod
     def of(proc, call: CallSpec, share: Share):
@@ -515,42 +503,44 @@ def combine_inline(proc, own, ops) -> tuple:
     big for its reply area."""
     outs, mine, weight = own
     ctl = proc.control
-    present, weights, spilled = [], [], False
+    ranks, sets, weights, spilled = [], [], [], False
     for r in range(proc.size):
         if r == proc.rank:
-            if mine is not None:
-                present.append((r, mine))
-                weights.append(weight)
-            continue
-        got, big = ctl.outputs(r)
-        spilled = spilled or big
+            got = None if mine is None else (mine, weight)
+        else:
+            got, big = ctl.outputs(r)
+            spilled = spilled or big
         if got is not None:
-            present.append((r, got[0]))
+            ranks.append(r)
+            sets.append(got[0])
             weights.append(got[1])
-    results, j = [None] * len(ops), 0
-    for k, op in enumerate(ops):
-        if op is None:
-            results[k] = None if outs is None else outs[k]
-            continue
-        parts = [arrs[j] for _, arrs in present]
-        j += 1
+    results = [None] * len(ops) if outs is None else list(outs)
+    return _combine_sets(ranks, sets, weights, [(k, op) for k, op in enumerate(ops) if op is not None],
+                         results), spilled
+
+
+def _combine_sets(ranks, sets, weights, reduced, results) -> list:
+    """Fill ``results[k]`` for each reduced output ``(k, op)`` (the ``j``-th) from
+    ``sets``, the reducible outputs of the contributing ``ranks`` in rank
+    order, with their ``weights``: joined (``gather``), a copy of the one part,
+    or :func:`combine` of them, which returns new memory for two parts or more."""
+    for j, (k, op) in enumerate(reduced):
+        parts = [arrays[j] for arrays in sets]
         if not parts:
-            continue
-        if op == "gather":
+            results[k] = None
+        elif op == "gather":
             results[k] = concat(parts)
-            continue
-        if len(parts) == 1:  # what combine() gives for one part, without its bookkeeping
+        elif len(parts) == 1:  # what combine() gives for one part, without its bookkeeping
             results[k] = np.array(parts[0], copy=True)
-            continue
-        first = (parts[0].dtype, parts[0].shape)
-        for (r, _), p in zip(present[1:], parts[1:]):
-            if (p.dtype, p.shape) != first:
-                raise ValueError(f"cannot {op}-reduce: rank {present[0][0]} holds "
-                                 f"[{(str(first[0]), first[1])}] but rank {r} holds "
-                                 f"[{(str(p.dtype), p.shape)}] (output #{k})")
-        out = combine(parts, op, weights)
-        results[k] = np.array(out, copy=True) if any(out is p for p in parts) else out
-    return results, spilled
+        else:
+            first = parts[0]
+            for r, p in zip(ranks[1:], parts[1:]):
+                if p.shape != first.shape or p.dtype != first.dtype:
+                    raise ValueError(f"cannot {op}-reduce: rank {ranks[0]} holds "
+                                     f"[{(str(first.dtype), first.shape)}] but rank {r} holds "
+                                     f"[{(str(p.dtype), p.shape)}] (output #{k})")
+            results[k] = combine(parts, op, weights)
+    return results
 
 
 def _as_result(out, op) -> np.ndarray:
