@@ -37,16 +37,16 @@ class ReplyArea:
     and the reader reuses the views it made for that version.
     """
 
-    __slots__ = ("_mv", "_words", "_floats", "_head", "_cap", "_layout", "_ends", "_version", "_views")
+    __slots__ = ("_mv", "_words", "_weight", "_head", "_cap", "_layout", "_ends", "_version", "_views")
 
     def __init__(self, area: np.ndarray):
         self._mv = memoryview(area)
         self._cap = area.nbytes
         self._words = area.view(np.int64)
-        self._floats = area.view(np.float64)
         # the header's words one at a time: a memoryview reads and writes them
         # in a third of a numpy element access's time, on every call
         self._head = self._mv[:_HEAD * 8].cast("q")
+        self._weight = self._mv[:_HEAD * 8].cast("d")  # word 1, the weight, as a float
         self._layout = None    # writer: the layout in the header now, and where each array ends
         self._ends = ()
         self._version = -1     # reader: the header version its views were made for
@@ -64,7 +64,7 @@ class ReplyArea:
         ends = self._ends
         for a, start, end in zip(arrays, ends, ends[1:]):
             self._mv[start:start + a.nbytes] = np.ascontiguousarray(a).tobytes()
-        self._floats[1] = weight
+        self._weight[1] = weight
         self._head[0] = INLINE
         return True
 
@@ -111,7 +111,7 @@ class ReplyArea:
                 views.append(np.frombuffer(self._mv, dtype, count, offset).reshape(shape))
                 offset = _align(offset + count * dtype.itemsize)
             self._views, self._version = views, version
-        return self._views, float(self._floats[1])
+        return self._views, self._weight[1]
 
 
 #: Words before the layout: state, weight, count, header version.
