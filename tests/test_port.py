@@ -99,7 +99,7 @@ def test_profile_workers_writes_one_profile_per_worker_rank(tmp_path, monkeypatc
     for r in workers:
         names = _profile_names(f"synk_worker_{r}.prof")
         assert "_work_to_profile" in names, f"rank {r}: the user's function is not in its profile"
-        assert "execute_call" in names
+        assert "worker_call" in names  # the CALL handler (its lane or execute_call runs the share)
 
 
 def test_profile_workers_into_a_directory(tmp_path):
