@@ -17,7 +17,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from . import context, nodes
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import cast_to, parse_op
+from .collectives.ops import agreed_layout, cast_to, combine, parse_op
 from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
@@ -547,13 +547,107 @@ def _memory_in_use(proc, exclude) -> list:
 
 def _send(s, spec: CollectiveSpec):
     """Run ``spec`` in every process; the workers get it as a plain tuple (a
-    dataclass takes several times longer to pickle, on every collective)."""
+    dataclass takes several times longer to pickle, on every collective).
+    Small values take the inline path (:func:`_send_inline`)."""
+    if spec.kind in _INLINE_KINDS:
+        got = _send_inline(s, spec)
+        if got is not _NOT_INLINE:
+            return got
     wire = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
     return s.run(Command.COLLECTIVE, wire, lambda proc, _: _run(proc, spec))
 
 
 def worker_collective(proc, wire: tuple):
+    if wire[0] is _INLINE:
+        return _run_inline(proc, *wire[1:])
     return _run(proc, CollectiveSpec(*wire))
+
+
+# ---------------------------------------------------------------------------
+# Small values inline: within one fork, on host memory, collectives whose values
+# fit the communicator's inline areas skip its slots, pickled headers and
+# barriers. broadcast sends the master's values in the command itself; reduce
+# and gather read the workers' values from their areas once they answered;
+# all_reduce has the workers write theirs and wait once for the master's
+# result. Values are combined in rank order with the same ops.combine, so the
+# bits are those of the communicator's path.
+
+#: The first item of an inline command's wire tuple (a CollectiveSpec's is a kind).
+_INLINE = None
+_INLINE_KINDS = frozenset(("broadcast", "all_reduce", "reduce", "gather"))
+#: What :func:`_send_inline` returns when the collective must take the communicator's path.
+_NOT_INLINE = object()
+
+
+def _inline_values(proc, spec: CollectiveSpec):
+    """The master's values of ``spec``'s variables if the inline path can take them, else None."""
+    comm = proc.comm
+    if not comm.within_fork or proc.device.keeps_values_on_device:
+        return None
+    values = [proc.shareds[sid].get_value(borrow=True) for sid in spec.sids]
+    for a in values:
+        if type(a) is not np.ndarray or not a.dtype.isnative or a.dtype.hasobject:
+            return None
+    return values if comm.fits_inline(values) else None
+
+
+def _send_inline(s, spec: CollectiveSpec):
+    """``spec`` by the inline path, or ``_NOT_INLINE`` when its values do not fit."""
+    proc = s.proc
+    values = _inline_values(proc, spec)
+    if values is None:
+        return _NOT_INLINE
+    kind, sids = spec.kind, spec.sids
+    if kind == "broadcast":
+        s.run(Command.COLLECTIVE, (_INLINE, kind, sids, [(a.dtype.str, a.shape, a.tobytes()) for a in values]))
+        return None
+    if kind == "all_reduce":
+        s.run(Command.COLLECTIVE, (_INLINE, kind, sids, spec.op),
+              lambda p, _: _inline_all_reduce(p, sids, spec.op, values))
+        return None
+    s.run(Command.COLLECTIVE, (_INLINE, kind, sids, None))
+    parts = proc.comm.inline_parts(values)
+    if parts is None:  # a worker's values did not fit (unequal shapes): the communicator's path
+        return _NOT_INLINE
+    vars_ = [proc.shareds[sid] for sid in sids]
+    if kind == "gather":
+        return [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
+    return _inline_reduce(parts, spec, vars_)
+
+
+def _inline_reduce(parts, spec: CollectiveSpec, vars_) -> list:
+    """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
+    agreed_layout([([(a.dtype, a.shape) for a in p], 1.0) for p in parts], spec.op)
+    got = []
+    for i, v in enumerate(vars_):
+        out = combine([p[i] for p in parts], spec.op)
+        out = np.array(out, copy=True) if any(out is p[i] for p in parts) else out
+        got.append(cast_to(np.asarray(out), v.type.dtype))
+    if spec.in_place:
+        for v, g in zip(vars_, got):
+            _assign(v, g)
+    return got
+
+
+def _inline_all_reduce(proc, sids, op, values=None) -> None:
+    vars_ = [proc.shareds[sid] for sid in sids]
+    if values is None:
+        values = [v.get_value(borrow=True) for v in vars_]
+    got = proc.comm.all_reduce_inline(values, op)
+    for dst, src in zip(_resident(proc, sids, vars_), got):
+        np.copyto(dst, src)
+
+
+def _run_inline(proc, kind, sids, arg) -> None:
+    """A worker's half of an inline collective."""
+    vars_ = [proc.shareds[sid] for sid in sids]
+    if kind == "broadcast":
+        for sid, var, (dtype, shape, raw) in zip(sids, vars_, arg):
+            _receive_into(proc, sid, var, np.frombuffer(raw, dtype).reshape(shape))
+    elif kind == "all_reduce":
+        _inline_all_reduce(proc, sids, arg)
+    else:
+        proc.comm.put_inline([v.get_value(borrow=True) for v in vars_])
 
 
 def _run(proc, spec: CollectiveSpec):

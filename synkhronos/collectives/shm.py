@@ -21,13 +21,17 @@ from ..control import acquire, drain
 from ..errors import PeerFailed
 from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, round_up, segment_exists
 from .base import Communicator
-from .ops import cast_to, combine, result_dtype
+from .inline import LAYOUT, VALUES, InlineArea
+from .ops import agreed_layout, cast_to, combine, result_dtype
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
 
 #: Reductions smaller than this (bytes) are done whole by each process that
 #: needs the result; larger ones are split in one chunk per process.
 CHUNK_THRESHOLD = 1 << 18
+#: Bytes of each process's inline area (and of the result area): collectives
+#: on shared variables whose values fit take the inline path (no slot, no barrier).
+INLINE_CAP = (1 << 16) + 4096
 _BOARD_WORDS = 8
 _W_RESULT_GEN, _W_VERDICT = 0, 1
 _DONE, _LARGE, _FAILED, _MISMATCH = range(4)
@@ -69,6 +73,11 @@ class ShmCommunicator(Communicator):
         self._result: Segment | None = None
         self._result_gen = 0
         self._slot_shrink, self._result_shrink = Shrink(), Shrink()
+        self._inline_seg = Segment(self.prefix + "inline", INLINE_CAP * (size + 1), create=create,
+                                   what="the communicator's inline areas")
+        areas = self._inline_seg.array(np.uint8, (size + 1, INLINE_CAP))
+        self._areas = [InlineArea(areas[r]) for r in range(size)]
+        self._result_area = InlineArea(areas[size])
 
     # -- synchronisation ---------------------------------------------------
 
@@ -480,6 +489,84 @@ class ShmCommunicator(Communicator):
         self.barrier()
         return out
 
+    # -- small values inline -------------------------------------------------
+
+    def fits_inline(self, arrays) -> bool:
+        """Whether ``arrays`` (numpy, native byte order) fit an inline area."""
+        return self._result_area.fits([(a.dtype, a.shape) for a in arrays])
+
+    def put_inline(self, arrays) -> None:
+        """Write this process's arrays into its inline area, for the master to read
+        once this process answered the command (:meth:`inline_parts`)."""
+        self._areas[self.rank].write(arrays)
+
+    def inline_parts(self, own) -> list | None:
+        """Master-side, once every process answered: every rank's arrays in rank
+        order (``own`` for the master's), views of their areas; None when some
+        process's arrays did not fit its area."""
+        parts = []
+        for r in range(self.size):
+            if r == self.rank:
+                parts.append(own)
+                continue
+            state, arrays, _ = self._areas[r].read()
+            if state != VALUES:
+                return None
+            parts.append(arrays)
+        return parts
+
+    def all_reduce_inline(self, arrays, op: str) -> list:
+        """all_reduce of small arrays in one hop each way: every process writes its
+        arrays into its area and signals, the master combines them in rank order
+        (cast to the arrays' dtype, as an in-place all_reduce stores them) into
+        the result area and lets the others go. Returns the result in every
+        process (in the others, views of the result area: copy them).
+
+        Raises:
+            ValueError: the processes' arrays differ in dtype or shape (the
+                master's error names them).
+        """
+        if self.rank != self.master_rank:
+            self._areas[self.rank].write(arrays)
+            self._arrive.release()
+            acquire(self._depart[self.rank], self.check)
+            if int(self._board[_W_VERDICT]) == _MISMATCH:
+                raise ValueError(f"cannot {op}-reduce arrays of different shapes or dtypes "
+                                 "(the master's error names them)")
+            return self._result_area.read()[1]
+        for _ in range(self.size - 1):
+            acquire(self._arrive, self.check)
+        verdict, out = _MISMATCH, None
+        try:
+            per_rank = self._inline_layouts_agree(arrays, op)
+            out = [cast_to(np.asarray(combine([p[i] for p in per_rank], op)), a.dtype)
+                   for i, a in enumerate(arrays)]
+            out = [np.array(o, copy=True) if any(o is p[i] for p in per_rank) else o
+                   for i, o in enumerate(out)]
+            self._result_area.write(out)
+            verdict = _DONE
+        finally:  # on any other failure the master's abort frees the others
+            self._board[_W_VERDICT] = verdict
+            for sem in self._depart.values():
+                sem.release()
+        return out
+
+    def _inline_layouts_agree(self, own, op: str) -> list:
+        """Master-side: every rank's arrays (views of their areas), in rank order."""
+        per_rank, layouts = [], []
+        for r in range(self.size):
+            if r == self.rank:
+                arrays, layout = own, [(a.dtype, a.shape) for a in own]
+            else:
+                state, arrays, layout = self._areas[r].read()
+                if state not in (VALUES, LAYOUT):
+                    raise ValueError(f"cannot {op}-reduce: rank {r} holds more arrays, or arrays of "
+                                     f"more dimensions, than rank {self.rank} does")
+            per_rank.append(arrays)
+            layouts.append((list(layout), 1.0))
+        agreed_layout(layouts, op)
+        return per_rank
+
     def close(self) -> None:
         for seg in self._peer_slots.values():
             seg.close()
@@ -500,6 +587,8 @@ class ShmCommunicator(Communicator):
         self._read_cache.clear()
         self._last_meta = None
         self._board = self._slot_gen = None
+        self._areas = self._result_area = None
+        self._inline_seg.close()
         close_semaphores([self._arrive, *self._depart.values(), *self._release.values()], unlink=self._create)
         self._board_seg.close()
 
