@@ -63,7 +63,7 @@ class InlineArea:
         self._wviews = []
         self._version = -1       # reader: the header version its views were made for
         self._rviews = []
-        self._rlayout = []
+        self._rlayout = ()
 
     def fits(self, layout) -> bool:
         need = area_bytes(layout)
@@ -127,5 +127,5 @@ class InlineArea:
                 w += 2 + ndim
             fits = area_bytes(layout) <= self._cap
             self._rviews = self._views(layout, w) if fits else None
-            self._rlayout, self._version = layout, version
+            self._rlayout, self._version = tuple(layout), version
         return state, (self._rviews if state == VALUES else None), self._rlayout

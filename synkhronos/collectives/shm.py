@@ -500,72 +500,57 @@ class ShmCommunicator(Communicator):
         once this process answered the command (:meth:`inline_parts`)."""
         self._areas[self.rank].write(arrays)
 
-    def inline_parts(self, own) -> list | None:
-        """Master-side, once every process answered: every rank's arrays in rank
-        order (``own`` for the master's), views of their areas; None when some
-        process's arrays did not fit its area."""
+    def inline_values(self, rank: int) -> list:
+        """The arrays that ``rank`` wrote into its inline area (views: copy them)."""
+        state, arrays, _ = self._areas[rank].read()
+        if state != VALUES:
+            raise RuntimeError(f"rank {rank}'s inline area holds no values (state {state})")
+        return arrays
+
+    def inline_parts(self, own, layout=None) -> list | None:
+        """Every rank's arrays in rank order (``own`` for this process's), views
+        of their areas; None when some process's arrays did not fit its area or,
+        given ``layout`` (``((dtype, shape), ...)``), have another layout.
+        Read once the writers are done: after their answer, or the inline barrier."""
         parts = []
         for r in range(self.size):
             if r == self.rank:
                 parts.append(own)
                 continue
-            state, arrays, _ = self._areas[r].read()
-            if state != VALUES:
+            state, arrays, got = self._areas[r].read()
+            if state != VALUES or (layout is not None and got != layout):
                 return None
             parts.append(arrays)
         return parts
 
-    def all_reduce_inline(self, arrays, op: str) -> list:
-        """all_reduce of small arrays in one hop each way: every process writes its
-        arrays into its area and signals, the master combines them in rank order
-        (cast to the arrays' dtype, as an in-place all_reduce stores them) into
-        the result area and lets the others go. Returns the result in every
-        process (in the others, views of the result area: copy them).
-
-        Raises:
-            ValueError: the processes' arrays differ in dtype or shape (the
-                master's error names them).
-        """
-        if self.rank != self.master_rank:
-            self._areas[self.rank].write(arrays)
-            self._arrive.release()
-            acquire(self._depart[self.rank], self.check)
-            if int(self._board[_W_VERDICT]) == _MISMATCH:
-                raise ValueError(f"cannot {op}-reduce arrays of different shapes or dtypes "
-                                 "(the master's error names them)")
-            return self._result_area.read()[1]
-        for _ in range(self.size - 1):
-            acquire(self._arrive, self.check)
-        verdict, out = _MISMATCH, None
-        try:
-            per_rank = self._inline_layouts_agree(arrays, op)
-            out = [cast_to(np.asarray(combine([p[i] for p in per_rank], op)), a.dtype)
-                   for i, a in enumerate(arrays)]
-            out = [np.array(o, copy=True) if any(o is p[i] for p in per_rank) else o
-                   for i, o in enumerate(out)]
-            self._result_area.write(out)
-            verdict = _DONE
-        finally:  # on any other failure the master's abort frees the others
-            self._board[_W_VERDICT] = verdict
-            for sem in self._depart.values():
-                sem.release()
-        return out
-
-    def _inline_layouts_agree(self, own, op: str) -> list:
-        """Master-side: every rank's arrays (views of their areas), in rank order."""
-        per_rank, layouts = [], []
+    def inline_layouts(self, own_layout) -> list:
+        """Per rank, the layout of the arrays in its area (``own_layout`` for
+        this process): for an error that names them. None where not even the
+        layout fit."""
+        out = []
         for r in range(self.size):
             if r == self.rank:
-                arrays, layout = own, [(a.dtype, a.shape) for a in own]
-            else:
-                state, arrays, layout = self._areas[r].read()
-                if state not in (VALUES, LAYOUT):
-                    raise ValueError(f"cannot {op}-reduce: rank {r} holds more arrays, or arrays of "
-                                     f"more dimensions, than rank {self.rank} does")
-            per_rank.append(arrays)
-            layouts.append((list(layout), 1.0))
-        agreed_layout(layouts, op)
-        return per_rank
+                out.append(tuple(own_layout))
+                continue
+            state, _, got = self._areas[r].read()
+            out.append(got if state in (VALUES, LAYOUT) else None)
+        return out
+
+    def inline_arrive(self) -> None:
+        """A worker, once it wrote its area: tell the master; with more than two
+        processes also wait until every worker did (it reads their areas too;
+        the master's area is written before the command is posted)."""
+        self._arrive.release()
+        if self.size > 2:
+            acquire(self._depart[self.rank], self.check)
+
+    def inline_await(self) -> None:
+        """The master's half of :meth:`inline_arrive`: return once every worker wrote its area."""
+        for _ in range(self.size - 1):
+            acquire(self._arrive, self.check)
+        if self.size > 2:
+            for sem in self._depart.values():
+                sem.release()
 
     def close(self) -> None:
         for seg in self._peer_slots.values():
