@@ -178,10 +178,12 @@ def targets_18(parts) -> list[dict]:
     for gap, got in (ov.get("after_idle") or {}).items():
         s, p = _med(got, "synk"), _med(got, "plain")
         r = _ratio(s, tight)
-        out.append(_target(f"a call after {gap} idle: ≤ 2 × the tight-loop call", s, r, "≤ 2",
-                           None if r is None else r <= 2.0,
+        busy = gap.endswith("busy")  # the goal: the workers sat idle, the master worked
+        what = (f"a call after the workers sat idle {gap.split()[0]} (the master busy): ≤ 2 × the tight-loop call"
+                if busy else f"a call after {gap} of time.sleep in the master (VM wake-up; reported, no goal)")
+        out.append(_target(what, s, r, "≤ 2" if busy else "—", (None if r is None else r <= 2.0) if busy else None,
                            f"{fmt_time(s)} vs {fmt_time(tight)} in a loop; the plain PyTensor call after "
-                           f"the same idle: {fmt_time(p)} ({fmt_ratio(_ratio(p, _med(ov, 'pytensor_call')))} "
+                           f"the same gap: {fmt_time(p)} ({fmt_ratio(_ratio(p, _med(ov, 'pytensor_call')))} "
                            "its own tight loop)"))
     for size in ("4MiB", "64MiB"):
         s, m = _med(synk, "all_reduce", size), _med(parts, "mpi", "all_reduce", size)

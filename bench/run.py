@@ -54,7 +54,7 @@ def parse_args(argv=None):
                    help="wait up to this long for the CPUs to be idle before measuring "
                         "(default: 60 for a full run, 0 with --quick)")
     p.add_argument("--retries", type=int, default=None, metavar="N",
-                   help=f"run a part again, up to N times, when other programs used more than {NOISY:.0%} "
+                   help=f"run a part again, up to N times, when other programs used more than {NOISY * 100:.0f}%% "
                         "of the CPUs meanwhile; the quietest attempt counts (default: 2, 0 with --quick)")
     p.add_argument("--fresh-compile-cache", choices=("auto", "yes", "no"), default="auto",
                    help="give synkhronos's parts an empty PyTensor compile cache, so the first-call "

@@ -196,24 +196,35 @@ def _out_4kib(w, x):
 IDLE_GAPS = (1e-3, 5e-3, 10e-3)
 
 
+def _busy(seconds: float) -> None:
+    """Work in the master (Python, no system call) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def after_idle(call, plain) -> dict:
-    """Median cost of one call after the workers sat idle for each gap (time.sleep
-    in the master), next to the plain PyTensor call after the same gap (the
-    machine's own cost of coming back from idle: caches, clock)."""
+    """Median cost of one call after the workers sat idle for each gap, two ways:
+    ``busy``, the master works during the gap (a loop with other work between
+    its calls: only the workers are idle), and ``sleep``, the master sleeps
+    too (time.sleep: the whole machine idles, and on a VM the master's own
+    wake-up is slow). Each next to the plain PyTensor call after the same gap."""
     out = {}
     reps = 40 if QUICK else 200
-    for gap in IDLE_GAPS:
-        synk_t, plain_t = [], []
-        for _ in range(reps):
-            time.sleep(gap)
-            t0 = time.perf_counter()
-            call()
-            synk_t.append(time.perf_counter() - t0)
-            time.sleep(gap)
-            t0 = time.perf_counter()
-            plain()
-            plain_t.append(time.perf_counter() - t0)
-        out[f"{gap * 1e3:g}ms"] = {"synk": bl.summarize(synk_t), "plain": bl.summarize(plain_t)}
+    for how, wait in (("busy", _busy), ("sleep", time.sleep)):
+        for gap in IDLE_GAPS:
+            synk_t, plain_t = [], []
+            for _ in range(reps):
+                wait(gap)
+                t0 = time.perf_counter()
+                call()
+                synk_t.append(time.perf_counter() - t0)
+                wait(gap)
+                t0 = time.perf_counter()
+                plain()
+                plain_t.append(time.perf_counter() - t0)
+            key = f"{gap * 1e3:g}ms" if how == "sleep" else f"{gap * 1e3:g}ms busy"
+            out[key] = {"synk": bl.summarize(synk_t), "plain": bl.summarize(plain_t)}
     return out
 
 

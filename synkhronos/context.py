@@ -38,7 +38,7 @@ class Process:
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
-        self.last_call = None  # worker: (message, CallSpec, Share) of the last call, kept
+        self.last_call = None  # worker: (message, CallSpec, Share, Lane or None) of the last call, kept
         self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
 
     def check_parent(self) -> None:

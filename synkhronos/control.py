@@ -54,6 +54,10 @@ class Command(enum.IntEnum):
     INIT_DEVICE = 6
 
 
+#: value -> Command, a dict lookup instead of the enum's call on every command
+_COMMANDS = {int(c): c for c in Command}
+
+
 def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
     """Take ``sem``: poll it for ``spin`` seconds, then sleep in slices; ``check()``
     runs between slices, and every ``CHECK_EVERY`` seconds while polling, so a
@@ -133,12 +137,15 @@ class ControlBlock:
         words = _HEADER_WORDS + 3 * size
         offset = -(-words * 8 // _PAGE) * _PAGE
         self._seg = Segment(prefix + "ctl", offset + _PAYLOAD_CAP + REPLY_CAP * size, create=create)
-        self._words = self._seg.array(np.int64, (words,))
-        self._status = self._words[_HEADER_WORDS:_HEADER_WORDS + size]
-        self._err_gen = self._words[_HEADER_WORDS + size:_HEADER_WORDS + 2 * size]
-        # the sequence number of the last command each worker answered: the
-        # master's truth for who is done (the done semaphore only wakes it)
-        self._acked = self._words[_HEADER_WORDS + 2 * size:_HEADER_WORDS + 3 * size]
+        # the header's words, read and written one at a time (a memoryview: a
+        # third of a numpy element access's cost, on every command): per rank
+        # its status, its error generation, and the sequence number of the
+        # last command it answered (the master's truth for who is done; the
+        # done semaphore only wakes it)
+        self._words = self._seg.buffer()[:words * 8].cast("q")
+        self._status = _HEADER_WORDS
+        self._err_gen = _HEADER_WORDS + size
+        self._acked = _HEADER_WORDS + 2 * size
         self._taken_seq = 0
         self._payload = self._seg.buffer()[offset:offset + _PAYLOAD_CAP]
         replies = self._seg.array(np.uint8, (size, REPLY_CAP), offset + _PAYLOAD_CAP)
@@ -184,10 +191,13 @@ class ControlBlock:
             self._words[_W_GEN] = self._overflow_gen
             self._words[_W_BODY] += 1
             self._last_body = None
-        self._status[:] = _STATUS_OK
-        self._words[_W_LEN] = n
-        self._words[_W_CMD] = int(cmd)
-        self._words[_W_SEQ] += 1
+        words = self._words
+        for r in self.go:  # a failure of an earlier command, also one never collected
+            if words[self._status + r] != _STATUS_OK:
+                words[self._status + r] = _STATUS_OK
+        words[_W_LEN] = n
+        words[_W_CMD] = int(cmd)
+        words[_W_SEQ] += 1
         for sem in self.go.values():
             sem.release()
 
@@ -213,14 +223,19 @@ class ControlBlock:
         area.put_absent()  # read once: the name is gone
         return (arrays, weight), True
 
+    def reply_area(self, rank: int) -> ReplyArea:
+        """Worker ``rank``'s reply area (master-side: read once it answered)."""
+        return self._replies[rank]
+
     def pending(self) -> list[int]:
         """The ranks that have not answered the last command yet."""
-        seq = self._words[_W_SEQ]
-        return [r for r in self.go if self._acked[r] != seq]
+        words, seq = self._words, self._words[_W_SEQ]
+        return [r for r in self.go if words[self._acked + r] != seq]
 
     def any_failed(self) -> bool:
         """Whether a worker reported an error for the current command."""
-        return any(self._status[r] for r in self.go)
+        words = self._words
+        return any(words[self._status + r] for r in self.go)
 
     def collect(self, check: Callable[[], None]) -> dict[int, bytes]:
         """Wait until every worker finished the command; return their errors by rank.
@@ -228,22 +243,25 @@ class ControlBlock:
         May be called again after ``check()`` raised (Ctrl-C, a timeout): it
         goes on waiting for the workers that have not answered yet.
         """
-        seq, acked = self._words[_W_SEQ], self._acked
+        words = self._words
+        seq = words[_W_SEQ]
         for rank in self.go:
-            while acked[rank] != seq:  # a token may be another rank's: then that one is done too
+            at = self._acked + rank
+            while words[at] != seq:  # a token may be another rank's: then that one is done too
                 acquire(self.done, check)
         if self._overflow is not None:  # every worker has read it: a large payload's memory goes now
             self._overflow.close()
             self._overflow = None
         errors = {}
         for rank in self.go:
-            if self._status[rank] == _STATUS_ERROR:
-                if self._err_gen[rank] == _ERR_NO_ROOM:
+            if words[self._status + rank] == _STATUS_ERROR:
+                gen = words[self._err_gen + rank]
+                if gen == _ERR_NO_ROOM:
                     errors[rank] = pack_exception(MemoryError(
                         f"worker rank {rank} failed, and /dev/shm had no room left for its "
                         "error report; see the memory errors above or free shared memory"), rank)
                     continue
-                name = f"{self.prefix}err{rank}.{self._err_gen[rank]}"
+                name = f"{self.prefix}err{rank}.{gen}"
                 try:
                     seg = Segment(name)
                     n = int(seg.array(np.int64, (1,))[0])
@@ -261,23 +279,24 @@ class ControlBlock:
         self._words[_W_EPOCH] += 1
 
     def epoch(self) -> int:
-        return int(self._words[_W_EPOCH])
+        return self._words[_W_EPOCH]
 
     # -- worker side -------------------------------------------------------
 
     def aborted(self) -> bool:
-        return bool(self._words[_W_ABORT])
+        return self._words[_W_ABORT] != 0
 
     def receive(self, rank: int, check: Callable[[], None]):
         """Block until the next command for this worker; return ``(cmd, payload)``."""
         acquire(self.go[rank], check, spin=context.spin.idle)
-        self._taken_seq = int(self._words[_W_SEQ])
-        cmd = Command(int(self._words[_W_CMD]))
-        gen = int(self._words[_W_BODY])
+        words = self._words
+        self._taken_seq = words[_W_SEQ]
+        cmd = _COMMANDS[words[_W_CMD]]
+        gen = words[_W_BODY]
         if gen == self._message[0]:  # the very message of the last command: unpickled already
             return cmd, self._message[1]
-        n = int(self._words[_W_LEN])
-        overflow = int(self._words[_W_GEN])
+        n = words[_W_LEN]
+        overflow = words[_W_GEN]
         if overflow == 0:
             body = self._payload[:n]
         else:
@@ -318,15 +337,15 @@ class ControlBlock:
                 seg = Segment(f"{self.prefix}err{rank}.{self._err_seq}", 8 + len(error), create=True,
                               what=f"the error report of worker rank {rank}")
             except (MemoryError, OSError):  # a full /dev/shm: the master still learns of a failure
-                self._err_gen[rank] = _ERR_NO_ROOM
+                self._words[self._err_gen + rank] = _ERR_NO_ROOM
             else:
                 seg.array(np.int64, (1,))[0] = len(error)
                 seg.buffer()[8:8 + len(error)] = error
                 seg.owner = False  # the master reads and unlinks it
                 seg.close()
-                self._err_gen[rank] = self._err_seq
-            self._status[rank] = _STATUS_ERROR
-        self._acked[rank] = self._taken_seq
+                self._words[self._err_gen + rank] = self._err_seq
+            self._words[self._status + rank] = _STATUS_ERROR
+        self._words[self._acked + rank] = self._taken_seq
         self.done.release()
 
     def close(self) -> None:
@@ -334,8 +353,9 @@ class ControlBlock:
             return
         self._closed = True
         self._payload.release()
+        self._words.release()
         # views keep the mapping alive: drop every one, so the block is unmapped now
-        self._words = self._status = self._err_gen = self._acked = self._replies = None
+        self._words = self._replies = None
         self._last_body = None
         self._message = (-1, None)
         close_semaphores([*self.go.values(), self.done], unlink=self.create)

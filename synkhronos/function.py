@@ -18,6 +18,7 @@ from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import OUTPUT_OPS, cast_to, check_op, combine, result_dtype
 from .context import interruptible
 from .control import Command
+from .replies import INLINE
 from .data import Data, attach, fit_scratch
 from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
@@ -203,6 +204,7 @@ class Share:
     error: Any = None         # what went wrong while working this out
     args: list | None = None  # the inputs (None where the master passes its own), if kept
     fn: Any = None            # the compiled function, if kept
+    trust: bool = False       # the kept inputs need no conversion: PyTensor may skip its checks
 
 
 def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
@@ -238,9 +240,112 @@ def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
         try:
             share.args = _local_inputs(proc, call, lo, hi, dict.fromkeys(own_keys))
             share.fn = proc.functions[call.fid].compiled(call.subset)
+            share.trust = all(_plain_input(var) for var in spec.inputs)
         except Exception:  # the call itself reports it
             share.args = share.fn = None
     return share
+
+
+class Lane:
+    """A kept :class:`Share` of an inline call, run with what every call of its
+    kind shares worked out once: the inputs, the function, which outputs are
+    reduced and which change dtype; in the master also the reply areas to
+    read, in rank order. A worker's message names its lane by being the very
+    message of the last call; the master's lane is part of the plan. Used only
+    for an active share with nothing to check per call, and only while the
+    replies are ordinary: anything else takes :func:`execute_call` and
+    :func:`combine_inline`, which raise the errors."""
+
+    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas")
+
+    def __init__(self, proc, call: CallSpec, share: Share):
+        spec = proc.functions[call.fid].spec
+        ops = proc.functions[call.fid].plan(proc, call.subset)[0]
+        chosen = range(len(spec.outputs)) if call.subset is None else call.subset
+        self.fn, self.args, self.trust, self.weight = share.fn, share.args, share.trust, share.weight
+        self.reduced = [(k, op) for k, op in enumerate(ops) if op is not None]
+        # per reduced output: the dtype it is sent in, where its reduction changes it (avg of ints)
+        dtypes = [np.dtype(spec.outputs[i].type.dtype) for i in chosen]
+        self.casts = [None if result_dtype(dtypes[k], op) == dtypes[k] else result_dtype(dtypes[k], op)
+                      for k, op in self.reduced]
+        self.areas = [None if r == proc.rank else proc.control.reply_area(r)
+                      for r in range(proc.size)] if proc.is_master else None
+
+    def run(self, proc, own=()):
+        """``(outs, mine)``: this process's outputs, and its reducible ones in the
+        dtype of their reduction (what :func:`_reply_inline` sends). ``own``
+        lists ``(position, value)`` of the inputs the master passes itself."""
+        args = self.args
+        if own:
+            args = list(args)
+            for i, value in own:
+                args[i] = value
+        proc.device.keep_on_device(proc)
+        with interruptible:  # a worker: the master may stop this when it abandons the call
+            outs = _run_kept(self.fn, args, self.trust)
+        mine = [np.asarray(outs[k]) for k, _ in self.reduced]
+        for j, dtype in enumerate(self.casts):
+            if dtype is not None:
+                mine[j] = mine[j].astype(dtype)
+        return outs, mine
+
+    def combine(self, outs, mine):
+        """Master-side, once every worker answered: the results, the very values
+        :func:`combine_inline` gives; None where a reply is out of the ordinary
+        (no rows, too big for its area, another layout), for it to handle."""
+        sets, weights = [], []
+        for area in self.areas:
+            if area is None:
+                sets.append(mine)
+                weights.append(self.weight)
+            elif area.state() == INLINE:
+                arrays, weight = area.get()
+                sets.append(arrays)
+                weights.append(weight)
+            else:
+                return None
+        results = list(outs)
+        for j, (k, op) in enumerate(self.reduced):
+            parts = [arrays[j] for arrays in sets]
+            first = parts[0]
+            for part in parts:
+                if part.shape != first.shape or part.dtype != first.dtype:
+                    return None
+            if op == "gather":
+                results[k] = concat(parts)
+            elif len(parts) == 1:
+                results[k] = np.array(first, copy=True)
+            else:  # with two parts or more, combine() returns new memory
+                results[k] = combine(parts, op, weights)
+        return results
+
+    @staticmethod
+    def of(proc, call: CallSpec, share: Share):
+        """The lane of ``share``, or None where the call needs :func:`execute_call`."""
+        if not call.inline or share.fn is None or not share.active:
+            return None
+        return Lane(proc, call, share)
+
+
+def _plain_input(var) -> bool:
+    """Whether PyTensor checks a value for input ``var`` by dtype and ndim alone
+    (no static shape): a value that has both, aligned, needs no conversion.
+    Shared memory views and the master's planned inputs are checked for that."""
+    shape = getattr(var.type, "shape", None)
+    return shape is not None and all(d is None for d in shape)
+
+
+def _run_kept(fn, args, trust: bool):
+    """``fn(*args)``; with ``trust``, without PyTensor's input checks (the
+    inputs are known to be right: kept shared-memory views, or planned
+    inputs whose dtype, ndim and alignment were checked)."""
+    if not trust:
+        return fn(*args)
+    try:
+        fn.trust_input = True  # inside try: an interrupt before it still resets it
+        return fn(*args)
+    finally:
+        fn.trust_input = False
 
 
 def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
@@ -269,7 +374,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
             proc.device.keep_on_device(proc)
             with interruptible:  # a worker: the master may stop this when it abandons the call
                 if share.fn is not None:
-                    outs = share.fn(*args)
+                    outs = _run_kept(share.fn, args, share.trust)
                 else:
                     outs = lf.run(args, call.subset, call.num_slices,
                                   None if call.n_rows is None else share.hi - share.lo, ops, share.rows)
@@ -459,12 +564,16 @@ def worker_call(proc, wire: tuple) -> None:
     same bytes) runs on the share kept from then."""
     kept = proc.last_call
     if kept is not None and kept[0] is wire:
-        call, share = kept[1], kept[2]
+        call, share, lane = kept[1], kept[2], kept[3]
     else:
         call = CallSpec(*wire)
         share = share_of(proc, call, keep=True)
-        proc.last_call = (wire, call, share) if share.fn is not None else None
-    execute_call(proc, call, share=share)
+        lane = Lane.of(proc, call, share)
+        proc.last_call = (wire, call, share, lane) if share.fn is not None else None
+    if lane is None:
+        execute_call(proc, call, share=share)
+        return
+    proc.control.put_outputs(proc.rank, lane.run(proc)[1], lane.weight)
 
 
 # ---------------------------------------------------------------------------
@@ -767,7 +876,7 @@ class Function:
         key = []
         for value, (dtype, ndim, plain) in zip(args, self._types):
             if type(value) is np.ndarray:
-                if not plain or value.dtype != dtype or value.ndim != ndim:
+                if not plain or value.dtype != dtype or value.ndim != ndim or not value.flags.aligned:
                     return None
                 key.append(value.shape)
             elif isinstance(value, Data):
@@ -799,9 +908,11 @@ class Function:
                 copies.append((i, dst, [(lo, hi) for lo, hi in pieces if lo is None or hi > lo]))
         if len(self._planned) >= _MAX_PLANS:
             self._planned.clear()
-        share = share_of(self._owner.proc, call, keep=True, own_keys=own.keys())
+        proc = self._owner.proc
+        share = share_of(proc, call, keep=True, own_keys=own.keys())
         self._planned[key] = _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
-                                 copies, mine, share if share.fn is not None else None)
+                                 copies, mine, share if share.fn is not None else None,
+                                 Lane.of(proc, call, share))
 
     def _call_planned(self, plan, args):
         s = context.session()
@@ -809,8 +920,15 @@ class Function:
             value = args[i]
             for lo, hi in pieces:
                 dst[lo:hi] = value[lo:hi]
+        call, lane = plan.call, plan.lane
+        if lane is not None:
+            own = [(i, args[i] if rows is None else args[i][rows]) for i, rows in plan.mine]
+            outs, mine = s.run(Command.CALL, plan.wire, body=plan.body, local=lambda proc, _: lane.run(proc, own))
+            results = lane.combine(outs, mine)
+            if results is None:  # out of the ordinary: the general path sorts it out
+                return self._finish(s, call, (outs, mine, lane.weight), False)
+            return self._shape_result(s.proc.device.to_user(results, False))
         own = {i: args[i] if rows is None else args[i][rows] for i, rows in plan.mine}
-        call = plan.call
         results = s.run(Command.CALL, plan.wire, body=plan.body,
                         local=lambda proc, _: execute_call(proc, call, own, plan.share))
         return self._finish(s, call, results, False)
@@ -959,6 +1077,7 @@ class _Plan:
     copies: list     # (input, scratch array, [(lo, hi) rows to copy]) per numpy input others read
     mine: list       # (input, slice of the master's rows or None for all) per numpy input
     share: Share | None  # the master's share, kept
+    lane: Lane | None    # the master's share as a lane, where it can run as one
 
 
 def _is_minibatch(value) -> bool:

@@ -198,7 +198,9 @@ class Session:
             self._settle()
         if self.close_requested:
             raise _closed_meanwhile(cmd.name.lower())
-        dropped, self.dropped = self.dropped, []
+        dropped = self.dropped
+        if dropped:
+            self.dropped = []
         try:
             if dropped or body is None:
                 ctl.post(cmd, (dropped, payload))
@@ -208,14 +210,23 @@ class Session:
             self.dropped[:0] = dropped
             raise
         self._begin_wait()
-        result = local_err = stop = None
-        aborted = False
         try:
-            if local is not None:
-                result = local(self.proc, payload)
+            result = None if local is None else local(self.proc, payload)
         except WorkerDiedError:
             raise
         except BaseException as err:  # also Ctrl-C: free the workers, then re-raise
+            return self._end(cmd, err)
+        errors, stop = self._collect(None)
+        if errors or stop is not None or self.close_requested:
+            self._end(cmd, None, errors, stop)
+        return result  # every process did its part
+
+    def _end(self, cmd: Command, err, errors=None, stop=None):
+        """The end of a command that did not go well: ``err`` is what this process
+        raised (the workers are freed and waited for first), ``errors`` and
+        ``stop`` what collecting their answers gave. Raises the most telling error."""
+        local_err, aborted = None, False
+        if err is not None:
             err = as_interrupt(err)
             if _is_stop(err):
                 stop = err
@@ -224,7 +235,7 @@ class Session:
             if not isinstance(err, PeerFailed):
                 self.abort()
                 aborted = True
-        errors, stop = self._collect(stop)
+            errors, stop = self._collect(stop)
         if stop is None and self.close_requested:  # the workers answered before a wait noticed it
             stop = _CloseRequested()
         if errors is None:  # abandoned, and some workers are still busy with it
@@ -236,9 +247,7 @@ class Session:
         unpacked = {rank: unpack_exception(blob) for rank, blob in errors.items()}
         if local_err is not None:
             unpacked[self.proc.rank] = local_err
-        if unpacked:
-            raise _most_telling(unpacked)
-        return result
+        raise _most_telling(unpacked)
 
     def _collect(self, stop):
         """Wait for every worker's answer to the posted command.

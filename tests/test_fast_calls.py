@@ -62,6 +62,37 @@ def test_planned_calls_match_pytensor_as_values_and_shapes_change(forked, rng):
         d.free_memory()
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_lanes_give_the_bits_of_the_communicator_path(forked, rng, dtype):
+    """The same graph twice: one function's outputs ride back inline (its planned
+    calls run as lanes), the other's always go through the shared-memory
+    communicator. Every output of every call has the same bytes, also with
+    fewer rows than processes (a worker with nothing to add) and with the
+    rows per process uneven (avg weights)."""
+    def build():
+        x = pt.matrix("x", dtype=dtype)
+        v = pt.vector("v", dtype=dtype)
+        outs = [((x * v).mean(), "avg"), (x.max(), "max"), (x.min(axis=0), "min"),
+                ((x + 1).prod(axis=0), "prod"), (x.sum(axis=1), "gather"), (x.shape[0], "avg"),
+                ((x > 0).mean(), "avg"), ((x * v).sum(), "sum"), (x.sum(), None), (x[:, 0].mean(), "avg")]
+        return synk.function([x, v], outs, bcast_inputs=[v], mode=MODE)
+
+    inline, through_comm = build(), build()
+    through_comm._spilled.add(None)  # never inline: the communicator reduces every call
+    rows = 4
+    for i in range(90):
+        if i % 6 == 0:
+            rows = int(rng.choice([1, 2, 3, 5, 8, 13]))
+        x = (rng.standard_normal((rows, 3)) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
+        v = rng.standard_normal(3).astype(dtype)
+        got, want = inline(x, v), through_comm(x, v)
+        for k, (g, w) in enumerate(zip(got, want)):
+            g, w = np.asarray(g), np.asarray(w)
+            assert (g.dtype, g.shape) == (w.dtype, w.shape), (i, k)
+            assert g.tobytes() == w.tobytes(), f"call {i} ({rows} rows), output {k}: {g!r} != {w!r}"
+    assert inline._planned and all(p.lane is not None for p in inline._planned.values())
+
+
 def test_planned_calls_see_a_resized_data_input(forked):
     x = pt.dvector("x")
     f = synk.function([x], (x.sum(), "sum"), mode=MODE)

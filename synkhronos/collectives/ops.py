@@ -96,6 +96,8 @@ def combine(parts, op: str, weights=None, out=None):
     :func:`cast_to` (rounded, never truncated).
     """
     dtype = parts[0].dtype
+    if out is None and not parts[0].shape and dtype.kind in _SCALAR_KINDS.get(op, ""):
+        return _combine_scalars(parts, op, weights)
     if op != "avg":  # every other op keeps the dtype
         if out is not None and out.dtype != dtype:
             out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
@@ -106,16 +108,11 @@ def combine(parts, op: str, weights=None, out=None):
         out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
         return out
     n = len(parts)
-    if weights is None:
-        w = [1.0] * n
-    else:
-        w = [float(x) for x in weights]  # lists: tiny, fast
-    total = sum(w)
-    w = [x / total for x in w] if total > 0 else [1.0 / n] * n
+    w = _normalized(weights, n)
+    scalar = rdtype.type
     if dtype.kind not in "fc":
         # integers and booleans: accumulate in float64 (PyTensor's mean of ints)
         parts = [np.asarray(p, dtype=rdtype) for p in parts]
-    scalar = rdtype.type
     if w.count(w[0]) == n:
         acc = _fold(np.add, parts, out)
         acc *= scalar(w[0])
@@ -126,6 +123,49 @@ def combine(parts, op: str, weights=None, out=None):
         np.multiply(x, scalar(wi), out=tmp)
         acc += tmp
     return acc
+
+
+def _normalized(weights, n: int) -> list:
+    """``avg``'s weights as fractions of their total (equal when they add up to 0)."""
+    w = [1.0] * n if weights is None else [float(x) for x in weights]  # lists: tiny, fast
+    total = sum(w)
+    return [x / total for x in w] if total > 0 else [1.0 / n] * n
+
+
+#: The dtype kinds whose 0-d parts each op combines as numpy scalars: the
+#: float ones (and every kind for avg, whose result is a float).
+_SCALAR_KINDS = {"sum": "f", "prod": "f", "avg": "fbiu"}
+
+
+def _combine_scalars(parts, op: str, weights) -> np.ndarray:
+    """:func:`combine` of 0-d parts whose result is a float, as numpy scalars: the
+    same IEEE operations in the same order (numpy's scalar arithmetic of a
+    float type is that of its array loops), without a ufunc call's overhead
+    (~1 us each), which a loop of small calls pays on every output."""
+    values = [x[()] for x in parts]
+    acc = values[0]
+    if op == "sum":
+        for x in values[1:]:
+            acc = acc + x
+        return np.asarray(acc)
+    if op == "prod":
+        for x in values[1:]:
+            acc = acc * x
+        return np.asarray(acc)
+    w = _normalized(weights, len(values))
+    scalar = type(acc)
+    if parts[0].dtype.kind != "f":  # integers and booleans: in float64
+        scalar = np.float64
+        values = [scalar(x) for x in values]
+        acc = values[0]
+    if w.count(w[0]) == len(w):  # the sum times the one weight
+        for x in values[1:]:
+            acc = acc + x
+        return np.asarray(acc * scalar(w[0]))
+    acc = acc * scalar(w[0])
+    for x, wi in zip(values[1:], w[1:]):
+        acc = acc + x * scalar(wi)
+    return np.asarray(acc)
 
 
 def agreed_layout(metas, op: str, who: str = "rank"):
