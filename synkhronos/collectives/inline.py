@@ -1,9 +1,8 @@
 """Small values inline: one process's area of the shared-memory communicator's inline segment.
 
 Collectives on small shared variables skip the slots, their pickled headers
-and the barriers: each process writes its values into its own area, and the
-master writes an all_reduce's result into the result area. An area holds
-int64 words, then the arrays' bytes:
+and the barriers: each process writes its values into its own area, where the
+others read them (see shareds.py). An area holds int64 words, then the arrays' bytes:
 
     word 0   state: EMPTY, VALUES (layout and data), LAYOUT (the layout
              alone: the data did not fit), OVERSIZE (not even the layout fit)

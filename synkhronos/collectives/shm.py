@@ -29,8 +29,8 @@ __all__ = ["ShmCommunicator", "PeerFailed"]
 #: Reductions smaller than this (bytes) are done whole by each process that
 #: needs the result; larger ones are split in one chunk per process.
 CHUNK_THRESHOLD = 1 << 18
-#: Bytes of each process's inline area (and of the result area): collectives
-#: on shared variables whose values fit take the inline path (no slot, no barrier).
+#: Bytes of each process's inline area: collectives on shared variables whose
+#: values fit (64 KiB of data and their layout) take the inline path (no slot, no barrier).
 INLINE_CAP = (1 << 16) + 4096
 _BOARD_WORDS = 8
 _W_RESULT_GEN, _W_VERDICT = 0, 1
@@ -73,11 +73,10 @@ class ShmCommunicator(Communicator):
         self._result: Segment | None = None
         self._result_gen = 0
         self._slot_shrink, self._result_shrink = Shrink(), Shrink()
-        self._inline_seg = Segment(self.prefix + "inline", INLINE_CAP * (size + 1), create=create,
+        self._inline_seg = Segment(self.prefix + "inline", INLINE_CAP * size, create=create,
                                    what="the communicator's inline areas")
-        areas = self._inline_seg.array(np.uint8, (size + 1, INLINE_CAP))
+        areas = self._inline_seg.array(np.uint8, (size, INLINE_CAP))
         self._areas = [InlineArea(areas[r]) for r in range(size)]
-        self._result_area = InlineArea(areas[size])
 
     # -- synchronisation ---------------------------------------------------
 
@@ -493,7 +492,7 @@ class ShmCommunicator(Communicator):
 
     def fits_inline(self, arrays) -> bool:
         """Whether ``arrays`` (numpy, native byte order) fit an inline area."""
-        return self._result_area.fits([(a.dtype, a.shape) for a in arrays])
+        return self._areas[self.rank].fits([(a.dtype, a.shape) for a in arrays])
 
     def put_inline(self, arrays) -> None:
         """Write this process's arrays into its inline area, for the master to read
@@ -572,7 +571,7 @@ class ShmCommunicator(Communicator):
         self._read_cache.clear()
         self._last_meta = None
         self._board = self._slot_gen = None
-        self._areas = self._result_area = None
+        self._areas = None
         self._inline_seg.close()
         close_semaphores([self._arrive, *self._depart.values(), *self._release.values()], unlink=self._create)
         self._board_seg.close()
