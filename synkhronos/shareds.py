@@ -505,8 +505,11 @@ def _resident(proc, sids, vars_) -> list:
     can read (and all_reduce write) in place; copied only when an update or
     set_value has replaced a value since the last collective."""
     values = [v.get_value(borrow=True) for v in vars_]
-    if not proc.comm.supports_resident:
+    comm = proc.comm
+    if not comm.supports_resident:
         return values
+    if all(comm.existing(f"sv{sid}", a.dtype, a.shape) is a for sid, a in zip(sids, values)):
+        return values  # the usual case in a loop: every value is still its first home
     cache = []
 
     def taken():
@@ -623,7 +626,7 @@ def _send_inline(s, spec: CollectiveSpec):
         return _NOT_INLINE
     kind, wire = spec.kind, (_INLINE,) + key
     if kind in ("broadcast", "all_reduce"):
-        comm.put_inline(values)
+        comm.put_inline(values, layout)
     if kind == "broadcast":
         s.run(Command.COLLECTIVE, wire, body=body)
         return None
@@ -700,9 +703,10 @@ def _run_inline(proc, kind, sids, op) -> None:
             _receive_into(proc, sid, var, src)
         return
     values = [v.get_value(borrow=True) for v in vars_]
-    comm.put_inline(values)
+    layout = tuple((a.dtype, a.shape) for a in values)
+    comm.put_inline(values, layout)
     if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them
-        _all_reduce_here(proc, sids, vars_, values, tuple((a.dtype, a.shape) for a in values), op)
+        _all_reduce_here(proc, sids, vars_, values, layout, op)
 
 
 def _run(proc, spec: CollectiveSpec):

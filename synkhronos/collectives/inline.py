@@ -68,10 +68,12 @@ class InlineArea:
         need = area_bytes(layout)
         return need is not None and need <= self._cap
 
-    def write(self, arrays) -> bool:
-        """Write ``arrays`` (numpy); False when they do not fit (their layout
-        alone is then written if it fits, so that a reader can name it)."""
-        layout = tuple((a.dtype, a.shape) for a in arrays)
+    def write(self, arrays, layout=None) -> bool:
+        """Write ``arrays`` (numpy; ``layout``, if given, their ``((dtype, shape), ...)``);
+        False when they do not fit (their layout alone is then written if it
+        fits, so that a reader can name it)."""
+        if layout is None:
+            layout = tuple((a.dtype, a.shape) for a in arrays)
         if layout != self._layout:
             need = area_bytes(layout)
             if need is None or not self._write_layout(layout, need):

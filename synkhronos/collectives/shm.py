@@ -494,10 +494,10 @@ class ShmCommunicator(Communicator):
         """Whether ``arrays`` (numpy, native byte order) fit an inline area."""
         return self._areas[self.rank].fits([(a.dtype, a.shape) for a in arrays])
 
-    def put_inline(self, arrays) -> None:
-        """Write this process's arrays into its inline area, for the master to read
-        once this process answered the command (:meth:`inline_parts`)."""
-        self._areas[self.rank].write(arrays)
+    def put_inline(self, arrays, layout=None) -> None:
+        """Write this process's arrays (of ``layout``, if given) into its inline
+        area, for the others to read (:meth:`inline_parts`)."""
+        self._areas[self.rank].write(arrays, layout)
 
     def inline_values(self, rank: int) -> list:
         """The arrays that ``rank`` wrote into its inline area (views: copy them)."""
