@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from . import context, nodes
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import cast_to, parse_op
+from .collectives.ops import agreed_layout, cast_to, combine, parse_op
 from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
@@ -460,8 +461,11 @@ def _home(proc, sid, dtype, shape, taken, current=None) -> np.ndarray:
     homes of another shape or dtype are given up.
     """
     comm = proc.comm
+    first = comm.existing(f"sv{sid}", dtype, shape)
+    if current is not None and current is first:  # the usual case: a single home, still the value
+        return current
     keys = [f"sv{sid}{h}" for h in _HOMES]
-    homes = [comm.existing(key, dtype, shape) for key in keys]
+    homes = [first, *(comm.existing(key, dtype, shape) for key in keys[1:])]
     if current is not None and any(current is h for h in homes):
         return current
     ranges, free_key = None, None
@@ -501,8 +505,11 @@ def _resident(proc, sids, vars_) -> list:
     can read (and all_reduce write) in place; copied only when an update or
     set_value has replaced a value since the last collective."""
     values = [v.get_value(borrow=True) for v in vars_]
-    if not proc.comm.supports_resident:
+    comm = proc.comm
+    if not comm.supports_resident:
         return values
+    if all(comm.existing(f"sv{sid}", a.dtype, a.shape) is a for sid, a in zip(sids, values)):
+        return values  # the usual case in a loop: every value is still its first home
     cache = []
 
     def taken():
@@ -526,10 +533,11 @@ def _receive_into(proc, sid, var, src) -> np.ndarray:
     if not proc.comm.supports_resident or np.dtype(src.dtype) != np.dtype(var.type.dtype):
         _assign(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
-    view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}),
-                 current=var.get_value(borrow=True))
+    current = var.get_value(borrow=True)
+    view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}), current=current)
     np.copyto(view, src)
-    var.set_value(view, borrow=True)
+    if view is not current:
+        var.set_value(view, borrow=True)
     return view
 
 
@@ -547,13 +555,158 @@ def _memory_in_use(proc, exclude) -> list:
 
 def _send(s, spec: CollectiveSpec):
     """Run ``spec`` in every process; the workers get it as a plain tuple (a
-    dataclass takes several times longer to pickle, on every collective)."""
+    dataclass takes several times longer to pickle, on every collective).
+    Small values take the inline path (:func:`_send_inline`)."""
+    if spec.kind in _INLINE_KINDS:
+        got = _send_inline(s, spec)
+        if got is not _NOT_INLINE:
+            return got
     wire = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
     return s.run(Command.COLLECTIVE, wire, lambda proc, _: _run(proc, spec))
 
 
 def worker_collective(proc, wire: tuple):
+    if wire[0] is _INLINE:
+        return _run_inline(proc, *wire[1:])
     return _run(proc, CollectiveSpec(*wire))
+
+
+# ---------------------------------------------------------------------------
+# Small values inline: within one fork, on host memory, a collective whose
+# values fit the communicator's inline areas is one command round trip, with no
+# slot, pickled header or barrier. The master writes its values into its area
+# before it posts the command (broadcast, all_reduce); a worker reads them from
+# there, and writes its own into its area before it answers (reduce, gather,
+# all_reduce), where the master reads them once every worker answered. For
+# all_reduce every process combines every process's values itself, in rank
+# order, with the same ops.combine as the communicator's path: the same bits
+# everywhere (with more than two processes the workers first wait for each
+# other's values: the communicator's barrier, the master's half in the
+# command). The command is the same from call to call: pickled once.
+
+#: The first item of an inline command's wire tuple (a CollectiveSpec's is a kind).
+_INLINE = None
+_INLINE_KINDS = frozenset(("broadcast", "all_reduce", "reduce", "gather"))
+#: What :func:`_send_inline` returns when the collective must take the communicator's path.
+_NOT_INLINE = object()
+#: Pickled inline commands kept per session (a loop over many variable lists starts again).
+_MAX_BODIES = 256
+
+
+def _inline_body(s, key, layout, values):
+    """The pickled inline command ``key`` for ``values``, or None when they cannot go inline."""
+    got = s.inline_bodies.get(key)
+    if got is not None and got[1] == layout:
+        return got[0]
+    for a in values:
+        if type(a) is not np.ndarray or not a.dtype.isnative or a.dtype.hasobject:
+            return None
+    if not s.proc.comm.fits_inline(values):
+        return None
+    if len(s.inline_bodies) >= _MAX_BODIES:
+        s.inline_bodies.clear()
+    body = pickle.dumps(([], (_INLINE,) + key), protocol=pickle.HIGHEST_PROTOCOL)
+    s.inline_bodies[key] = (body, layout)
+    return body
+
+
+def _send_inline(s, spec: CollectiveSpec):
+    """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's."""
+    proc = s.proc
+    comm = proc.comm
+    # workers still busy with an abandoned command might read the master's area: the full path settles them first
+    if not comm.within_fork or proc.device.keeps_values_on_device or proc.control.pending():
+        return _NOT_INLINE
+    vars_ = [proc.shareds[sid] for sid in spec.sids]
+    values = [v.get_value(borrow=True) for v in vars_]
+    layout = tuple((a.dtype, a.shape) for a in values)
+    key = (spec.kind, tuple(spec.sids), spec.op)
+    body = _inline_body(s, key, layout, values)
+    if body is None:
+        return _NOT_INLINE
+    kind, wire = spec.kind, (_INLINE,) + key
+    if kind in ("broadcast", "all_reduce"):
+        comm.put_inline(values, layout)
+    if kind == "broadcast":
+        s.run(Command.COLLECTIVE, wire, body=body)
+        return None
+    if kind == "all_reduce":
+        # the master combines while the workers do: its half runs between post and collect
+        done = s.run(Command.COLLECTIVE, wire, lambda p, _: _all_reduce_here(p, key[1], vars_, values, layout,
+                                                                            spec.op), body=body)
+        if not done:
+            _raise_mismatch(comm, layout, spec.op)
+        return None
+    s.run(Command.COLLECTIVE, wire, body=body)
+    parts = comm.inline_parts(values, layout if kind == "reduce" else None)
+    if parts is None:
+        if kind == "gather":  # a worker's values did not fit (unequal lengths): the communicator's path
+            return _NOT_INLINE
+        _raise_mismatch(comm, layout, spec.op)
+    if kind == "gather":
+        return [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
+    return _inline_reduce(parts, spec, vars_)
+
+
+def _raise_mismatch(comm, layout, op):
+    """The error of an inline reduction whose processes hold different layouts."""
+    layouts = comm.inline_layouts(layout)
+    for r, got in enumerate(layouts):
+        if got is None:
+            raise ValueError(f"cannot {op}-reduce: rank {r} holds more shared variables, or of more "
+                             f"dimensions, than rank {comm.rank} does")
+    agreed_layout([(list(got), 1.0) for got in layouts], op)
+    raise RuntimeError(f"the processes' values of an inline {op}-reduce did not arrive")  # not reached
+
+
+def _inline_reduce(parts, spec: CollectiveSpec, vars_) -> list:
+    """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
+    got = []
+    for i, v in enumerate(vars_):
+        out = combine([p[i] for p in parts], spec.op)
+        out = np.array(out, copy=True) if any(out is p[i] for p in parts) else out
+        got.append(cast_to(np.asarray(out), v.type.dtype))
+    if spec.in_place:
+        for v, g in zip(vars_, got):
+            _assign(v, g)
+    return got
+
+
+def _all_reduce_here(proc, sids, vars_, values, layout, op) -> bool:
+    """One process's half of an inline all_reduce, once its values are in its
+    area; False, changing nothing, when some process's values differ in layout."""
+    comm = proc.comm
+    if proc.is_master:
+        comm.inline_await()
+    else:
+        comm.inline_arrive()
+    parts = comm.inline_parts(values, layout)
+    if parts is None:
+        return False
+    _store_all_reduce(proc, sids, vars_, parts, op)
+    return True
+
+
+def _store_all_reduce(proc, sids, vars_, parts, op) -> None:
+    """Combine every process's values (``parts``, in rank order) into this process's homes."""
+    homes = _resident(proc, sids, vars_)
+    for i, dst in enumerate(homes):
+        np.copyto(dst, cast_to(np.asarray(combine([p[i] for p in parts], op)), dst.dtype))
+
+
+def _run_inline(proc, kind, sids, op) -> None:
+    """A worker's half of an inline collective."""
+    comm = proc.comm
+    vars_ = [proc.shareds[sid] for sid in sids]
+    if kind == "broadcast":
+        for sid, var, src in zip(sids, vars_, comm.inline_values(proc.master_rank)):
+            _receive_into(proc, sid, var, src)
+        return
+    values = [v.get_value(borrow=True) for v in vars_]
+    layout = tuple((a.dtype, a.shape) for a in values)
+    comm.put_inline(values, layout)
+    if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them
+        _all_reduce_here(proc, sids, vars_, values, layout, op)
 
 
 def _run(proc, spec: CollectiveSpec):

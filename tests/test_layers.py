@@ -41,6 +41,7 @@ LAYERS = {
     # 2: operating-system resources
     "synkhronos.shmem": 2,
     "synkhronos.replies": 2,
+    "synkhronos.collectives.inline": 2,
     # 3: the control plane; the communicator interface
     "synkhronos.control": 3,
     "synkhronos.collectives.base": 3,

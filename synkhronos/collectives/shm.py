@@ -21,13 +21,17 @@ from ..control import acquire, drain
 from ..errors import PeerFailed
 from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, round_up, segment_exists
 from .base import Communicator
-from .ops import cast_to, combine, result_dtype
+from .inline import LAYOUT, VALUES, InlineArea
+from .ops import agreed_layout, cast_to, combine, result_dtype
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
 
 #: Reductions smaller than this (bytes) are done whole by each process that
 #: needs the result; larger ones are split in one chunk per process.
 CHUNK_THRESHOLD = 1 << 18
+#: Bytes of each process's inline area: collectives on shared variables whose
+#: values fit (64 KiB of data and their layout) take the inline path (no slot, no barrier).
+INLINE_CAP = (1 << 16) + 4096
 _BOARD_WORDS = 8
 _W_RESULT_GEN, _W_VERDICT = 0, 1
 _DONE, _LARGE, _FAILED, _MISMATCH = range(4)
@@ -69,6 +73,10 @@ class ShmCommunicator(Communicator):
         self._result: Segment | None = None
         self._result_gen = 0
         self._slot_shrink, self._result_shrink = Shrink(), Shrink()
+        self._inline_seg = Segment(self.prefix + "inline", INLINE_CAP * size, create=create,
+                                   what="the communicator's inline areas")
+        areas = self._inline_seg.array(np.uint8, (size, INLINE_CAP))
+        self._areas = [InlineArea(areas[r]) for r in range(size)]
 
     # -- synchronisation ---------------------------------------------------
 
@@ -480,6 +488,69 @@ class ShmCommunicator(Communicator):
         self.barrier()
         return out
 
+    # -- small values inline -------------------------------------------------
+
+    def fits_inline(self, arrays) -> bool:
+        """Whether ``arrays`` (numpy, native byte order) fit an inline area."""
+        return self._areas[self.rank].fits([(a.dtype, a.shape) for a in arrays])
+
+    def put_inline(self, arrays, layout=None) -> None:
+        """Write this process's arrays (of ``layout``, if given) into its inline
+        area, for the others to read (:meth:`inline_parts`)."""
+        self._areas[self.rank].write(arrays, layout)
+
+    def inline_values(self, rank: int) -> list:
+        """The arrays that ``rank`` wrote into its inline area (views: copy them)."""
+        state, arrays, _ = self._areas[rank].read()
+        if state != VALUES:
+            raise RuntimeError(f"rank {rank}'s inline area holds no values (state {state})")
+        return arrays
+
+    def inline_parts(self, own, layout=None) -> list | None:
+        """Every rank's arrays in rank order (``own`` for this process's), views
+        of their areas; None when some process's arrays did not fit its area or,
+        given ``layout`` (``((dtype, shape), ...)``), have another layout.
+        Read once the writers are done: after their answer, or the inline barrier."""
+        parts = []
+        for r in range(self.size):
+            if r == self.rank:
+                parts.append(own)
+                continue
+            state, arrays, got = self._areas[r].read()
+            if state != VALUES or (layout is not None and got != layout):
+                return None
+            parts.append(arrays)
+        return parts
+
+    def inline_layouts(self, own_layout) -> list:
+        """Per rank, the layout of the arrays in its area (``own_layout`` for
+        this process): for an error that names them. None where not even the
+        layout fit."""
+        out = []
+        for r in range(self.size):
+            if r == self.rank:
+                out.append(tuple(own_layout))
+                continue
+            state, _, got = self._areas[r].read()
+            out.append(got if state in (VALUES, LAYOUT) else None)
+        return out
+
+    def inline_arrive(self) -> None:
+        """A worker, once it wrote its area: tell the master; with more than two
+        processes also wait until every worker did (it reads their areas too;
+        the master's area is written before the command is posted)."""
+        self._arrive.release()
+        if self.size > 2:
+            acquire(self._depart[self.rank], self.check)
+
+    def inline_await(self) -> None:
+        """The master's half of :meth:`inline_arrive`: return once every worker wrote its area."""
+        for _ in range(self.size - 1):
+            acquire(self._arrive, self.check)
+        if self.size > 2:
+            for sem in self._depart.values():
+                sem.release()
+
     def close(self) -> None:
         for seg in self._peer_slots.values():
             seg.close()
@@ -500,6 +571,8 @@ class ShmCommunicator(Communicator):
         self._read_cache.clear()
         self._last_meta = None
         self._board = self._slot_gen = None
+        self._areas = None
+        self._inline_seg.close()
         close_semaphores([self._arrive, *self._depart.values(), *self._release.values()], unlink=self._create)
         self._board_seg.close()
 

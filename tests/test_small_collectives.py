@@ -1,0 +1,274 @@
+"""Collectives on small shared variables (the inline path of shareds.py) give the
+bits of the communicator's path and of numpy, in every process, for every op,
+dtype and shape; errors and the switch between small and large values stay right."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytensor
+import pytest
+from numpy.testing import assert_array_equal
+
+import synkhronos as synk
+from synkhronos import shareds
+from synkhronos.collectives import shm
+
+from conftest import MODE, worker_pids
+
+#: (dtype, shape) of the variables every fork holds: 0-d, vectors, matrices, empty.
+LAYOUTS = [("float32", ()), ("float64", (3,)), ("int64", (2, 3)), ("int32", ()), ("bool", (4,)),
+           ("uint8", (5,)), ("float32", (0, 3)), ("int8", (2, 2)), ("float64", ())]
+OPS = ["sum", "avg", "prod", "max", "min"]
+
+
+def _random_value(rng, dtype, shape):
+    if dtype == "bool":
+        return rng.random(shape) < 0.5
+    if dtype.startswith("float"):
+        return (rng.standard_normal(shape) * 10).astype(dtype)
+    small = np.iinfo(dtype).bits <= 8
+    return rng.integers(-3 if dtype != "uint8" else 0, 4 if small else 1000, size=shape).astype(dtype)
+
+
+def _numpy_reduce(parts, op, dtype):
+    """What the reduction stores in a variable of ``dtype``: a fold in rank order;
+    avg as the sum times the reciprocal of the count (integers in float64), rounded into integers."""
+    if op != "avg":
+        ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+        return np.asarray(functools.reduce(ufunc, parts)).astype(dtype)
+    work = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float64)
+    total = functools.reduce(np.add, [np.asarray(p, dtype=work) for p in parts])
+    mean = np.asarray(total * work.type(1.0 / len(parts)))
+    if np.dtype(dtype).kind != "f":
+        mean = mean.round()
+    return mean.astype(dtype)
+
+
+def _make_vars(n_sets=1):
+    vars_ = [pytensor.shared(np.zeros(shape, dtype=dtype), name=f"v{k}_{dtype}")
+             for k, (dtype, shape) in enumerate(LAYOUTS * n_sets)]
+    synk.function([], [v.sum() for v in vars_], mode=MODE)
+    synk.distribute()
+    return vars_
+
+
+def _set_per_rank(rng, n, vars_):
+    """A random value per variable per rank; returns them [rank][var]."""
+    values = [[_random_value(rng, v.dtype, v.get_value().shape) for v in vars_] for _ in range(n)]
+    for rank in range(n):
+        synk.set_value(rank, vars_, values[rank])
+    return values
+
+
+def _each(v, n):
+    return [synk.get_value(r, v) for r in range(n)]
+
+
+def _the_communicator_path(monkeypatch):
+    """Every collective from now on through the communicator, as before the inline path."""
+    monkeypatch.setattr(shareds, "_INLINE_KINDS", frozenset())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_inline_results_match_numpy_and_the_communicator_path(fork, n, monkeypatch):
+    fork(n)
+    rng = np.random.default_rng(n)
+    vars_ = _make_vars()
+    for case in range(40):
+        op = OPS[case % len(OPS)]
+        pick = [vars_[i] for i in sorted(rng.choice(len(vars_), size=1 + case % 4, replace=False))]
+        values = _set_per_rank(rng, n, vars_)
+        wanted = {id(v): _numpy_reduce([values[r][vars_.index(v)] for r in range(n)], op, v.dtype)
+                  for v in pick}
+        # all_reduce: every process holds the result, in the variable's dtype
+        synk.all_reduce(pick if case % 2 else pick[0] if len(pick) == 1 else pick, op=op)
+        for v in pick:
+            for r, got in enumerate(_each(v, n)):
+                assert got.dtype == np.dtype(v.dtype) and got.shape == wanted[id(v)].shape
+                assert_array_equal(got, wanted[id(v)], err_msg=f"{op} of {v.name} on rank {r}")
+        # reduce to the master, returned and in place
+        values = _set_per_rank(rng, n, vars_)
+        got = synk.reduce(pick, op=op, in_place=False)
+        for v, g in zip(pick, got):
+            assert_array_equal(g, _numpy_reduce([values[r][vars_.index(v)] for r in range(n)], op, v.dtype))
+            assert g.dtype == np.dtype(v.dtype)
+        # gather, stacked and concatenated
+        stacked = synk.gather(pick, nd_up=1)
+        for v, g in zip(pick, stacked):
+            assert_array_equal(g, np.stack([values[r][vars_.index(v)] for r in range(n)]))
+        # broadcast of the master's values, then of given ones
+        synk.broadcast(pick)
+        for v in pick:
+            for got in _each(v, n):
+                assert_array_equal(got, values[0][vars_.index(v)])
+    # bit for bit the communicator's path, on the same values
+    for op in OPS:
+        values = _set_per_rank(rng, n, vars_)
+        reduced = synk.reduce(vars_, op=op, in_place=False)
+        synk.all_reduce(vars_, op=op)
+        inline = [_each(v, n) for v in vars_]
+        with monkeypatch.context() as m:
+            _the_communicator_path(m)
+            for rank in range(n):
+                synk.set_value(rank, vars_, values[rank])
+            old_reduced = synk.reduce(vars_, op=op, in_place=False)
+            synk.all_reduce(vars_, op=op)
+            old = [_each(v, n) for v in vars_]
+        for v, a, b, ra, rb in zip(vars_, inline, old, reduced, old_reduced):
+            assert ra.dtype == rb.dtype and ra.tobytes() == rb.tobytes(), f"reduce {op} of {v.name}"
+            for r in range(n):
+                assert a[r].dtype == b[r].dtype and a[r].tobytes() == b[r].tobytes(), f"{op} of {v.name}"
+
+
+def test_many_variables_in_one_call_and_in_place_reduce(fork):
+    fork(3)
+    rng = np.random.default_rng(7)
+    vars_ = _make_vars(n_sets=3)
+    values = _set_per_rank(rng, 3, vars_)
+    synk.reduce(vars_, op="sum")  # in place: the master's variables change, the workers' do not
+    for k, v in enumerate(vars_):
+        assert_array_equal(v.get_value(), _numpy_reduce([values[r][k] for r in range(3)], "sum", v.dtype))
+        assert_array_equal(synk.get_value(2, v), values[2][k])
+    synk.broadcast(vars_, [values[1][k] for k in range(len(vars_))])
+    for k, v in enumerate(vars_):
+        for got in _each(v, 3):
+            assert_array_equal(got, values[1][k])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_variable_that_grows_past_the_inline_areas_and_shrinks_back(fork, n):
+    fork(n)
+    v = pytensor.shared(np.zeros(4), name="v")
+    w = pytensor.shared(np.zeros((), dtype=np.int64), name="w")
+    synk.function([], [v.sum(), w.sum()], mode=MODE)
+    synk.distribute()
+    big = shm.INLINE_CAP // 8 + 100  # float64 elements: more than an area holds
+    for step, length in enumerate([4, big, 3, 5 * big, 1, big, 4]):
+        synk.scatter(v, np.arange(n * length, dtype=np.float64) + step)  # every rank its own rows
+        parts = [np.arange(n * length, dtype=np.float64)[r * length:(r + 1) * length] + step for r in range(n)]
+        for op in ("sum", "avg", "max"):
+            for rank in range(n):
+                synk.set_value(rank, v, parts[rank])
+            synk.all_reduce([v, w], op=op)
+            for got in _each(v, n):
+                assert_array_equal(got, _numpy_reduce(parts, op, "float64"))
+        assert_array_equal(synk.gather(v, nd_up=0), np.concatenate([_numpy_reduce(parts, "max", "float64")] * n))
+
+
+def test_gather_of_unequal_lengths_across_the_threshold(fork):
+    fork(3)
+    v = pytensor.shared(np.zeros(2), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    big = np.arange(shm.INLINE_CAP // 8 + 10, dtype=np.float64)
+    synk.set_value(2, v, big)  # the master's fits its area, rank 2's does not
+    got = synk.gather(v, nd_up=0)
+    assert_array_equal(got, np.concatenate([np.zeros(2), np.zeros(2), big]))
+    with pytest.raises(ValueError, match=r"gather\(nd_up=1\) needs equal shapes"):
+        synk.gather(v, nd_up=1)
+    synk.set_value(1, v, np.ones(3))
+    assert_array_equal(synk.gather(v, nd_up=0), np.concatenate([np.zeros(2), np.ones(3), big]))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mismatched_shapes_raise_in_the_master_and_change_nothing(fork, n):
+    fork(n)
+    a = pytensor.shared(np.zeros(3), name="a")
+    b = pytensor.shared(np.ones(()), name="b")
+    synk.function([], [a.sum(), b.sum()], mode=MODE)
+    synk.distribute()
+    for bad in (np.full(4, 2.0), np.full(shm.INLINE_CAP // 8 + 1, 2.0)):  # fits its area, and does not
+        synk.set_value(n - 1, a, bad)
+        shown = rf"\[\('float64', \(3,\)\), \('float64', \(\)\)\] but rank {n - 1} holds " \
+                rf"\[\('float64', \({len(bad)},\)\), \('float64', \(\)\)\]"
+        for call in (lambda: synk.all_reduce([a, b], op="sum"), lambda: synk.reduce([a, b], op="max")):
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match=rf"cannot (sum|max)-reduce: rank 0 holds {shown}"):
+                call()
+            assert time.monotonic() - t0 < 5
+        assert_array_equal(synk.get_value(n - 1, a), bad)  # nothing changed anywhere
+        for r in range(n - 1):
+            assert_array_equal(synk.get_value(r, a), np.zeros(3))
+        for got in _each(b, n):
+            assert_array_equal(got, np.ones(()))
+    synk.set_value(n - 1, a, np.ones(3))
+    synk.all_reduce([a, b], op="sum")
+    for got in _each(a, n):
+        assert_array_equal(got, np.full(3, 1.0))
+    for got in _each(b, n):
+        assert_array_equal(got, np.full((), float(n)))
+
+
+def test_borrowed_values_stay_the_variables_after_small_collectives(fork):
+    """A value in its home is updated in place (as by the communicator's all_reduce);
+    one that is not is never written: a borrowed array keeps what it held."""
+    fork(2)
+    v = pytensor.shared(np.full(3, 2.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    mine = np.full(3, 5.0)
+    v.set_value(mine, borrow=True)
+    synk.all_reduce(v, op="sum")  # the worker holds 2.0
+    assert_array_equal(v.get_value(), np.full(3, 7.0))
+    assert_array_equal(mine, np.full(3, 5.0))
+    home = v.get_value(borrow=True)
+    synk.all_reduce(v, op="sum")
+    assert v.get_value(borrow=True) is home
+    assert_array_equal(home, np.full(3, 14.0))
+    synk.broadcast(v, np.full(3, 1.0))
+    assert_array_equal(synk.get_value(1, v), np.full(3, 1.0))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_worker_killed_or_stuck_during_a_small_all_reduce_is_noticed(fork, n):
+    fork(n, timeout=3)
+    v = pytensor.shared(np.ones(2), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(v, "sum")
+    pids = worker_pids()
+    os.kill(pids[n - 1], signal.SIGSTOP)  # stuck: the timeout ends the wait
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(synk.SynkTimeoutError):
+            synk.all_reduce(v, "sum")
+        assert time.monotonic() - t0 < 15
+    finally:
+        os.kill(pids[n - 1], signal.SIGCONT)
+    synk.broadcast(v, np.full(2, 3.0))  # it came back: usable again (the next command settles the old one)
+    synk.all_reduce(v, "sum")
+    for got in _each(v, n):
+        assert_array_equal(got, np.full(2, 3.0 * n))
+    os.kill(pids[n - 1], signal.SIGKILL)
+    with pytest.raises(synk.WorkerDiedError, match=f"rank {n - 1}"):
+        synk.all_reduce(v, "sum")
+
+
+def test_ctrl_c_anywhere_in_small_collectives_leaves_correct_collectives(fork):
+    fork(3)
+    s = pytensor.shared(np.arange(4.0), name="s")
+    synk.function([], s.sum(), mode=MODE)
+    synk.distribute()
+    master, hits = os.getpid(), 0
+    for trial in range(8):
+        timer = threading.Timer(0.002 + 0.003 * trial, os.kill, (master, signal.SIGINT))
+        timer.start()
+        try:
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                synk.all_reduce(s, "max")
+                synk.broadcast(s)
+                synk.reduce(s, "sum", in_place=False)
+        except KeyboardInterrupt:
+            hits += 1
+        timer.join()
+        synk.broadcast(s, np.arange(4.0) + trial)
+        synk.all_reduce(s, "sum")
+        assert_array_equal(synk.gather(s, nd_up=1), np.stack([3 * (np.arange(4.0) + trial)] * 3))
+    assert hits == 8
