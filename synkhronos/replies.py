@@ -37,7 +37,7 @@ class ReplyArea:
     and the reader reuses the views it made for that version.
     """
 
-    __slots__ = ("_mv", "_words", "_weight", "_head", "_cap", "_layout", "_ends", "_version", "_views")
+    __slots__ = ("_mv", "_words", "_weight", "_head", "_cap", "_layout", "_dst", "_version", "_views")
 
     def __init__(self, area: np.ndarray):
         self._mv = memoryview(area)
@@ -47,8 +47,8 @@ class ReplyArea:
         # in a third of a numpy element access's time, on every call
         self._head = self._mv[:_HEAD * 8].cast("q")
         self._weight = self._mv[:_HEAD * 8].cast("d")  # word 1, the weight, as a float
-        self._layout = None    # writer: the layout in the header now, and where each array ends
-        self._ends = ()
+        self._layout = None    # writer: the layout in the header now, and views where its arrays go
+        self._dst = []
         self._version = -1     # reader: the header version its views were made for
         self._views = []
 
@@ -60,10 +60,10 @@ class ReplyArea:
             if ends[-1] > self._cap:
                 return False
             self._write_header(layout)
-            self._ends = ends
-        ends = self._ends
-        for a, start, end in zip(arrays, ends, ends[1:]):
-            self._mv[start:start + a.nbytes] = np.ascontiguousarray(a).tobytes()
+            self._dst = [np.frombuffer(self._mv, a.dtype, a.size, start).reshape(a.shape)
+                         for a, start in zip(arrays, ends)]
+        for a, dst in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
+            dst[...] = a
         self._weight[1] = weight
         self._head[0] = INLINE
         return True
