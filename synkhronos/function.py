@@ -264,10 +264,12 @@ class Lane:
         chosen = range(len(spec.outputs)) if call.subset is None else call.subset
         self.fn, self.args, self.trust, self.weight = share.fn, share.args, share.trust, share.weight
         self.reduced = [(k, op) for k, op in enumerate(ops) if op is not None]
-        # per reduced output: the dtype it is sent in, where its reduction changes it (avg of ints)
+        # per reduced output: the dtype it is sent in, where its reduction changes it (avg of
+        # ints); None when no output's does
         dtypes = [np.dtype(spec.outputs[i].type.dtype) for i in chosen]
-        self.casts = [None if result_dtype(dtypes[k], op) == dtypes[k] else result_dtype(dtypes[k], op)
-                      for k, op in self.reduced]
+        casts = [None if result_dtype(dtypes[k], op) == dtypes[k] else result_dtype(dtypes[k], op)
+                 for k, op in self.reduced]
+        self.casts = casts if any(d is not None for d in casts) else None
         self.areas = [None if r == proc.rank else proc.control.reply_area(r)
                       for r in range(proc.size)] if proc.is_master else None
         self.ranks = list(range(proc.size))
@@ -285,9 +287,10 @@ class Lane:
         with interruptible:  # a worker: the master may stop this when it abandons the call
             outs = _run_kept(self.fn, args, self.trust)
         mine = [np.asarray(outs[k]) for k, _ in self.reduced]
-        for j, dtype in enumerate(self.casts):
-            if dtype is not None:
-                mine[j] = mine[j].astype(dtype)
+        if self.casts is not None:
+            for j, dtype in enumerate(self.casts):
+                if dtype is not None:
+                    mine[j] = mine[j].astype(dtype)
         return outs, mine
 
     def combine(self, outs, mine):
