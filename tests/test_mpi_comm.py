@@ -163,12 +163,16 @@ def test_dead_node_found_by_check(tmp_path):
 def test_dead_node_stops_the_job_through_sigterm(tmp_path):
     """Node 1 ends inside a collective under a plain mpirun: mpirun stops the
     job with SIGTERM, and the survivors, polling rather than blocked in MPI,
-    run their Python handler inside the wait."""
+    run their Python handler inside the wait. Under heavy load a survivor may
+    learn of the failure from MPI itself a moment before the SIGTERM comes
+    (NodeFailedError, seen once in a loaded full run): it too ends at once,
+    which is what matters; at least one survivor must have run its handler."""
     rc, output, verdicts = mpirun(tmp_path, 3, "comm_faults.py", "term")
     assert rc != 0
     assert sorted(verdicts) == [0, 2], output[-3000:]
     for v in verdicts.values():
-        assert v["raised"] == "Terminated" and v["elapsed"] < 10.0, v
+        assert v["raised"] in ("Terminated", "NodeFailedError") and v["elapsed"] < 10.0, v
+    assert any(v["raised"] == "Terminated" for v in verdicts.values()), verdicts
 
 
 @needs_mpi
