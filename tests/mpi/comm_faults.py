@@ -100,15 +100,16 @@ def main() -> int:
         v.info.update(raised=type(exc).__name__, message=str(exc))
     v.info["elapsed"] = time.perf_counter() - start
     v.info["broken"] = comm.broken
+    if mode == "term":  # mpirun's SIGKILL follows its SIGTERM closely: the verdict first, nothing else
+        v.expect(v.info["raised"] is not None, "the collective raised")
+        v.write()
+        os._exit(0)
     try:
         comm.barrier()
         v.info["after"] = "no error"
     except Exception as exc:  # noqa: BLE001
         v.info["after"] = f"{type(exc).__name__}: {exc}"
     v.expect(v.info["raised"] is not None, "the collective raised")
-    if mode == "term":
-        v.write()          # before mpirun's SIGKILL
-        os._exit(0)
     comm.close()
     v.info["closed"] = True
     ok = v.write()
