@@ -15,7 +15,7 @@ from pytensor.scalar import upcast
 from . import context
 from .arrays import concat
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import OUTPUT_OPS, cast_to, check_op, combine, result_dtype
+from .collectives.ops import OUTPUT_OPS, Reducer, cast_to, check_op, combine, result_dtype
 from .context import interruptible
 from .control import Command
 from .replies import INLINE
@@ -256,7 +256,7 @@ class Lane:
     replies are ordinary: anything else takes :func:`execute_call` and
     :func:`combine_inline`, which raise the errors."""
 
-    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks")
+    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers")
 
     def __init__(self, proc, call: CallSpec, share: Share):
         spec = proc.functions[call.fid].spec
@@ -273,6 +273,7 @@ class Lane:
         self.areas = [None if r == proc.rank else proc.control.reply_area(r)
                       for r in range(proc.size)] if proc.is_master else None
         self.ranks = list(range(proc.size))
+        self.reducers = [None] * len(self.reduced)  # master: each output's Reducer, kept
 
     def run(self, proc, own=()):
         """``(outs, mine)``: this process's outputs, and its reducible ones in the
@@ -310,7 +311,7 @@ class Lane:
                 weights.append(weight)
             else:
                 return None
-        return _combine_sets(self.ranks, sets, weights, self.reduced, list(outs))
+        return _combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers)
 
     @staticmethod
     def of(proc, call: CallSpec, share: Share):
@@ -522,11 +523,13 @@ def combine_inline(proc, own, ops) -> tuple:
                          results), spilled
 
 
-def _combine_sets(ranks, sets, weights, reduced, results) -> list:
+def _combine_sets(ranks, sets, weights, reduced, results, reducers=None) -> list:
     """Fill ``results[k]`` for each reduced output ``(k, op)`` (the ``j``-th) from
     ``sets``, the reducible outputs of the contributing ``ranks`` in rank
     order, with their ``weights``: joined (``gather``), a copy of the one part,
-    or :func:`combine` of them, which returns new memory for two parts or more."""
+    or :func:`combine` of them, which returns new memory for two parts or more.
+    ``reducers``, a list with an entry per reduced output, keeps the
+    :class:`~synkhronos.collectives.ops.Reducer` of each from call to call."""
     for j, (k, op) in enumerate(reduced):
         parts = [arrays[j] for arrays in sets]
         if not parts:
@@ -542,7 +545,13 @@ def _combine_sets(ranks, sets, weights, reduced, results) -> list:
                     raise ValueError(f"cannot {op}-reduce: rank {ranks[0]} holds "
                                      f"[{(str(first.dtype), first.shape)}] but rank {r} holds "
                                      f"[{(str(p.dtype), p.shape)}] (output #{k})")
-            results[k] = combine(parts, op, weights)
+            if reducers is None:
+                results[k] = combine(parts, op, weights)
+                continue
+            reducer = reducers[j]
+            if reducer is None or not reducer.fits(first, weights, len(parts)):
+                reducer = reducers[j] = Reducer(op, first.dtype, first.shape, weights, len(parts))
+            results[k] = reducer(parts)
     return results
 
 

@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from synkhronos.collectives.ops import combine, result_dtype
+from synkhronos.collectives.ops import Reducer, combine, result_dtype
 
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool"]
 OPS = ["avg", "sum", "prod", "max", "min"]
@@ -73,3 +73,39 @@ def test_two_parts_or_more_give_new_memory(dtype, shape):
     parts = [np.full(shape, 3).astype(dtype), np.full(shape, 5).astype(dtype)]
     if dtype != "bool":
         assert np.all(combine(parts, "avg") == 4.0) and np.all(combine(parts, "sum") == 8)
+
+
+def test_a_reducer_gives_the_bits_of_combine():
+    """Reducer (what a planned call keeps per output) against combine(), over
+    random ops, dtypes, shapes (0-d, vectors, matrices), part counts and weights."""
+    rng = np.random.default_rng(81)
+    shapes = [(), (1,), (5,), (2, 3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(3000):
+            dtype = DTYPES[rng.integers(len(DTYPES))]
+            op = OPS[rng.integers(len(OPS))]
+            shape = shapes[rng.integers(len(shapes))]
+            n = int(rng.integers(1, 5))
+            size = int(np.prod(shape))
+            parts = [_values(rng, dtype, size).reshape(shape) for _ in range(n)]
+            weights = _weights(rng, n)
+            reducer = Reducer(op, parts[0].dtype, shape, weights, n)
+            assert reducer.fits(parts[0], weights, n)
+            for _ in range(2):  # a reducer is used again and again
+                got, want = reducer(parts), combine(parts, op, weights)
+                assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
+                same = got.tobytes() == want.tobytes()
+                assert same or np.array_equal(got, want, equal_nan=True), (dtype, op, shape, weights, got, want)
+                parts = [_values(rng, dtype, size).reshape(shape) for _ in range(n)]
+
+
+def test_a_reducer_fits_only_what_it_was_made_for():
+    r = Reducer("avg", np.float32, (3,), [1.0, 2.0], 2)
+    part = np.zeros(3, np.float32)
+    assert r.fits(part, [1.0, 2.0], 2)
+    assert not r.fits(part, [2.0, 1.0], 2)
+    assert not r.fits(part, [1.0, 2.0], 3)
+    assert not r.fits(np.zeros(4, np.float32), [1.0, 2.0], 2)
+    assert not r.fits(part.astype(np.float64), [1.0, 2.0], 2)
+    assert Reducer("sum", np.int64, (), None, 2).fits(np.zeros((), np.int64), [5.0, 1.0], 2)  # weights: avg only

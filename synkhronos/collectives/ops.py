@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to",
-           "agreed_layout", "identity"]
+           "agreed_layout", "identity", "Reducer"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -166,6 +166,69 @@ def _combine_scalars(parts, op: str, weights) -> np.ndarray:
     for x, wi in zip(values[1:], w[1:]):
         acc = acc + x * scalar(wi)
     return np.asarray(acc)
+
+
+class Reducer:
+    """:func:`combine` of ``n`` parts of one dtype and shape with one set of
+    ``weights`` (``out`` None), with all that depends on those alone worked
+    out once: the path, the result type, the weights as fractions and as
+    scalars. A loop of calls reduces outputs of the same kind every time;
+    ``reducer(parts)`` gives the very bits of ``combine(parts, op, weights)``
+    (the same operations in the same order; tests check it)."""
+
+    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal")
+
+    def __init__(self, op: str, dtype, shape, weights, n: int):
+        self.op, self.dtype, self.shape, self.n = op, np.dtype(dtype), tuple(shape), n
+        self.weights = None if weights is None else list(weights)
+        self.scalar_path = not self.shape and self.dtype.kind in _SCALAR_KINDS.get(op, "")
+        self.convert, self.scales, self.equal = None, None, True
+        if op == "avg":
+            rdtype = result_dtype(self.dtype, op)
+            if self.dtype != rdtype:  # integers and booleans: in float64
+                self.convert = rdtype.type if self.scalar_path else rdtype
+            w = _normalized(weights, n)
+            self.equal = w.count(w[0]) == n
+            self.scales = [rdtype.type(x) for x in w]
+
+    def fits(self, first, weights, n: int) -> bool:
+        """Whether ``n`` parts like ``first`` with ``weights`` are what this reducer reduces."""
+        return (n == self.n and first.shape == self.shape and first.dtype == self.dtype
+                and (weights == self.weights if self.op == "avg" else True))
+
+    def __call__(self, parts) -> np.ndarray:
+        op, convert = self.op, self.convert
+        if self.scalar_path:
+            values = [x[()] for x in parts]
+            if convert is not None:
+                values = [convert(x) for x in values]
+            acc = values[0]
+            if op == "prod":
+                for x in values[1:]:
+                    acc = acc * x
+                return np.asarray(acc)
+            if op == "sum" or self.equal:
+                for x in values[1:]:
+                    acc = acc + x
+                return np.asarray(acc if op == "sum" else acc * self.scales[0])
+            acc = acc * self.scales[0]
+            for x, s in zip(values[1:], self.scales[1:]):
+                acc = acc + x * s
+            return np.asarray(acc)
+        if op != "avg":
+            return _fold(REDUCE_OPS[op], parts)
+        if convert is not None:
+            parts = [np.asarray(p, dtype=convert) for p in parts]
+        if self.equal:
+            acc = _fold(np.add, parts)
+            acc *= self.scales[0]
+            return acc
+        acc = np.asarray(np.multiply(parts[0], self.scales[0]))
+        tmp = np.empty_like(acc)
+        for x, s in zip(parts[1:], self.scales[1:]):
+            np.multiply(x, s, out=tmp)
+            acc += tmp
+        return acc
 
 
 def agreed_layout(metas, op: str, who: str = "rank"):
