@@ -185,9 +185,9 @@ def test_ctrl_c_anywhere_in_collectives_leaves_correct_collectives(fork):
     hits = 0
     for trial in range(12):
         timer = threading.Timer(0.002 + 0.003 * trial, os.kill, (MASTER_PID, signal.SIGINT))
-        timer.start()
-        try:  # until the Ctrl-C lands (a loaded machine may fire the timer late)
-            end = time.monotonic() + 30
+        try:  # start() inside: on a busy machine the signal may land before start() returns
+            timer.start()
+            end = time.monotonic() + 30  # until the Ctrl-C lands (a loaded machine may fire the timer late)
             while time.monotonic() < end:
                 synk.all_reduce(s, "max")
         except KeyboardInterrupt:
