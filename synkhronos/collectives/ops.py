@@ -93,36 +93,14 @@ def combine(parts, op: str, weights=None, out=None):
     the reciprocal of the count, row counts give the mean over all rows when
     parts split unevenly. The result has :func:`result_dtype` (float64 for the
     ``avg`` of integers); an ``out`` of another dtype receives it through
-    :func:`cast_to` (rounded, never truncated).
+    :func:`cast_to` (rounded, never truncated). A caller that reduces parts
+    of the same kind again and again keeps a :class:`Reducer` instead.
     """
-    dtype = parts[0].dtype
-    if out is None and not parts[0].shape and dtype.kind in _SCALAR_KINDS.get(op, ""):
-        return _combine_scalars(parts, op, weights)
-    if op != "avg":  # every other op keeps the dtype
-        if out is not None and out.dtype != dtype:
-            out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
-            return out
-        return _fold(REDUCE_OPS[op], parts, out)
-    rdtype = result_dtype(dtype, op)
-    if out is not None and out.dtype != rdtype:
+    first = parts[0]
+    if out is not None and out.dtype != result_dtype(first.dtype, op):
         out[...] = cast_to(np.asarray(combine(parts, op, weights)), out.dtype)
         return out
-    n = len(parts)
-    w = _normalized(weights, n)
-    scalar = rdtype.type
-    if dtype.kind not in "fc":
-        # integers and booleans: accumulate in float64 (PyTensor's mean of ints)
-        parts = [np.asarray(p, dtype=rdtype) for p in parts]
-    if w.count(w[0]) == n:
-        acc = _fold(np.add, parts, out)
-        acc *= scalar(w[0])
-        return acc
-    acc = np.asarray(np.multiply(parts[0], scalar(w[0]), out=out))
-    tmp = np.empty_like(acc)
-    for x, wi in zip(parts[1:], w[1:]):
-        np.multiply(x, scalar(wi), out=tmp)
-        acc += tmp
-    return acc
+    return Reducer(op, first.dtype, first.shape, weights, len(parts))(parts, out)
 
 
 def _normalized(weights, n: int) -> list:
@@ -137,44 +115,17 @@ def _normalized(weights, n: int) -> list:
 _SCALAR_KINDS = {"sum": "f", "prod": "f", "avg": "fbiu"}
 
 
-def _combine_scalars(parts, op: str, weights) -> np.ndarray:
-    """:func:`combine` of 0-d parts whose result is a float, as numpy scalars: the
-    same IEEE operations in the same order (numpy's scalar arithmetic of a
-    float type is that of its array loops), without a ufunc call's overhead
-    (~1 us each), which a loop of small calls pays on every output."""
-    values = [x[()] for x in parts]
-    acc = values[0]
-    if op == "sum":
-        for x in values[1:]:
-            acc = acc + x
-        return np.asarray(acc)
-    if op == "prod":
-        for x in values[1:]:
-            acc = acc * x
-        return np.asarray(acc)
-    w = _normalized(weights, len(values))
-    scalar = type(acc)
-    if parts[0].dtype.kind != "f":  # integers and booleans: in float64
-        scalar = np.float64
-        values = [scalar(x) for x in values]
-        acc = values[0]
-    if w.count(w[0]) == len(w):  # the sum times the one weight
-        for x in values[1:]:
-            acc = acc + x
-        return np.asarray(acc * scalar(w[0]))
-    acc = acc * scalar(w[0])
-    for x, wi in zip(values[1:], w[1:]):
-        acc = acc + x * scalar(wi)
-    return np.asarray(acc)
-
-
 class Reducer:
     """:func:`combine` of ``n`` parts of one dtype and shape with one set of
-    ``weights`` (``out`` None), with all that depends on those alone worked
-    out once: the path, the result type, the weights as fractions and as
-    scalars. A loop of calls reduces outputs of the same kind every time;
-    ``reducer(parts)`` gives the very bits of ``combine(parts, op, weights)``
-    (the same operations in the same order; tests check it)."""
+    ``weights``, with all that depends on those alone worked out once: the
+    path, the result type, the weights as fractions and as scalars. A loop
+    of calls reduces outputs of the same kind every time and keeps one.
+
+    0-d parts whose result is a float are combined as numpy scalars: the same
+    IEEE operations in the same order as the array loops (numpy's scalar
+    arithmetic of a float type is that of its array loops), without a ufunc
+    call's overhead (~1 us each); tests check the bytes against the array path.
+    """
 
     __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal")
 
@@ -185,8 +136,8 @@ class Reducer:
         self.convert, self.scales, self.equal = None, None, True
         if op == "avg":
             rdtype = result_dtype(self.dtype, op)
-            if self.dtype != rdtype:  # integers and booleans: in float64
-                self.convert = rdtype.type if self.scalar_path else rdtype
+            if self.dtype != rdtype:  # integers and booleans: in float64 (PyTensor's mean of ints)
+                self.convert = rdtype
             w = _normalized(weights, n)
             self.equal = w.count(w[0]) == n
             self.scales = [rdtype.type(x) for x in w]
@@ -196,39 +147,44 @@ class Reducer:
         return (n == self.n and first.shape == self.shape and first.dtype == self.dtype
                 and (weights == self.weights if self.op == "avg" else True))
 
-    def __call__(self, parts) -> np.ndarray:
-        op, convert = self.op, self.convert
-        if self.scalar_path:
-            values = [x[()] for x in parts]
-            if convert is not None:
-                values = [convert(x) for x in values]
-            acc = values[0]
-            if op == "prod":
-                for x in values[1:]:
-                    acc = acc * x
-                return np.asarray(acc)
-            if op == "sum" or self.equal:
-                for x in values[1:]:
-                    acc = acc + x
-                return np.asarray(acc if op == "sum" else acc * self.scales[0])
-            acc = acc * self.scales[0]
-            for x, s in zip(values[1:], self.scales[1:]):
-                acc = acc + x * s
-            return np.asarray(acc)
+    def __call__(self, parts, out=None) -> np.ndarray:
+        """The reduction of ``parts``; into ``out`` (of the result's dtype) if given."""
+        if self.scalar_path and out is None:
+            return self._scalars(parts)
+        op = self.op
         if op != "avg":
-            return _fold(REDUCE_OPS[op], parts)
-        if convert is not None:
-            parts = [np.asarray(p, dtype=convert) for p in parts]
+            return _fold(REDUCE_OPS[op], parts, out)
+        if self.convert is not None:
+            parts = [np.asarray(p, dtype=self.convert) for p in parts]
         if self.equal:
-            acc = _fold(np.add, parts)
+            acc = _fold(np.add, parts, out)
             acc *= self.scales[0]
             return acc
-        acc = np.asarray(np.multiply(parts[0], self.scales[0]))
+        acc = np.asarray(np.multiply(parts[0], self.scales[0], out=out))
         tmp = np.empty_like(acc)
         for x, s in zip(parts[1:], self.scales[1:]):
             np.multiply(x, s, out=tmp)
             acc += tmp
         return acc
+
+    def _scalars(self, parts) -> np.ndarray:
+        op = self.op
+        values = [x[()] for x in parts]
+        if self.convert is not None:
+            values = [self.convert.type(x) for x in values]
+        acc = values[0]
+        if op == "prod":
+            for x in values[1:]:
+                acc = acc * x
+            return np.asarray(acc)
+        if op == "sum" or self.equal:
+            for x in values[1:]:
+                acc = acc + x
+            return np.asarray(acc if op == "sum" else acc * self.scales[0])
+        acc = acc * self.scales[0]
+        for x, s in zip(values[1:], self.scales[1:]):
+            acc = acc + x * s
+        return np.asarray(acc)
 
 
 def agreed_layout(metas, op: str, who: str = "rank"):
