@@ -663,9 +663,8 @@ def _inline_reduce(parts, spec: CollectiveSpec, vars_) -> list:
     """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
     got = []
     for i, v in enumerate(vars_):
-        out = combine([p[i] for p in parts], spec.op)
-        out = np.array(out, copy=True) if any(out is p[i] for p in parts) else out
-        got.append(cast_to(np.asarray(out), v.type.dtype))
+        out = combine([p[i] for p in parts], spec.op)  # new memory, never a view of an area
+        got.append(cast_to(out, v.type.dtype))
     if spec.in_place:
         for v, g in zip(vars_, got):
             _assign(v, g)

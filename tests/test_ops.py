@@ -62,9 +62,10 @@ def test_0d_parts_match_the_array_path_bit_for_bit():
 
 @pytest.mark.parametrize("shape", [(), (3,)])
 @pytest.mark.parametrize("dtype", ["float32", "int64", "bool"])
-def test_two_parts_or_more_give_new_memory(dtype, shape):
-    """The lanes of planned calls return combine()'s result without a copy."""
-    for n in (2, 3):
+def test_the_result_is_new_memory(dtype, shape):
+    """The lanes of planned calls and the inline collectives return combine()'s
+    result without a copy."""
+    for n in (1, 2, 3):
         parts = [np.full(shape, k + 3).astype(dtype) for k in range(n)]
         for op in OPS:
             for weights in (None, [1.0] * n, list(range(1, n + 1))):
