@@ -62,6 +62,26 @@ def summarize(times: list[float]) -> dict:
             "p25": qs[0], "p75": qs[2], "n": len(times)}
 
 
+def mpi_slowest(comm, op: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
+    """Per repetition of ``op`` under MPI, each after a barrier, the slowest
+    rank's time (seconds), known to every rank."""
+    import numpy as np
+    from mpi4py import MPI
+
+    for _ in range(warmup):
+        comm.Barrier()
+        op()
+    times = np.empty(reps)
+    for i in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        op()
+        times[i] = time.perf_counter() - t0
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    return slowest.tolist()
+
+
 def measure(fn: Callable[[], object], *, warmup: int = 3, min_reps: int = 5,
             max_reps: int = 2000, budget_s: float = 1.0, warmup_s: float = 0.0) -> dict:
     """Time ``fn()`` call by call after ``warmup`` calls (and at least ``warmup_s``

@@ -28,28 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+import benchlib as bl
+
 HERE = Path(__file__).resolve().parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
 NBYTES = 64 << 20
 JOBS = (("synk 2x1", 2, ["synk", "1"]), ("synk 2x2", 2, ["synk", "2"]),
         ("mpi 2", 2, ["mpi", "0"]), ("mpi 4", 4, ["mpi", "0"]))
-
-
-def _slowest(comm, MPI, fn, reps: int, warmup: int = 3) -> list:
-    import numpy as np
-
-    for _ in range(warmup):
-        comm.Barrier()
-        fn()
-    times = np.empty(reps)
-    for i in range(reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times[i] = time.perf_counter() - t0
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return slowest.tolist()
 
 
 def job(kind: str, procs: int, reps: int, out: str) -> None:
@@ -67,7 +52,7 @@ def job(kind: str, procs: int, reps: int, out: str) -> None:
         w = pytensor.shared(np.ones(NBYTES // 4, dtype=np.float32), name="w")
         synk.function([], w.sum(), mode="FAST_COMPILE")
         synk.distribute()
-        times = _slowest(MPI.COMM_WORLD, MPI, lambda: synk.all_reduce(w, "sum"), reps)
+        times = bl.mpi_slowest(MPI.COMM_WORLD, lambda: synk.all_reduce(w, "sum"), reps)
         world = synk.world()
         info = {"nodes": world.nodes, "processes": world.size}
         synk.close()
@@ -76,8 +61,7 @@ def job(kind: str, procs: int, reps: int, out: str) -> None:
 
         send = np.ones(NBYTES // 4, dtype=np.float32)
         recv = np.empty_like(send)
-        times = _slowest(MPI.COMM_WORLD, MPI, lambda: MPI.COMM_WORLD.Allreduce(send, recv, op=MPI.SUM),
-                         reps)
+        times = bl.mpi_slowest(MPI.COMM_WORLD, lambda: MPI.COMM_WORLD.Allreduce(send, recv, op=MPI.SUM), reps)
         info = {"nodes": MPI.COMM_WORLD.Get_size(), "processes": MPI.COMM_WORLD.Get_size()}
     if MPI.COMM_WORLD.Get_rank() == 0:
         Path(out).write_text(json.dumps({"times": times, "median": float(np.median(times)), **info}))

@@ -21,18 +21,7 @@ rank, size = comm.Get_rank(), comm.Get_size()
 
 
 def timed(op, reps: int, warmup: int = 3) -> dict:
-    for _ in range(warmup):
-        comm.Barrier()
-        op()
-    times = np.empty(reps)
-    for i in range(reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        op()
-        times[i] = time.perf_counter() - t0
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return bl.summarize(slowest.tolist())
+    return bl.summarize(bl.mpi_slowest(comm, op, reps, warmup))
 
 
 def main() -> None:
