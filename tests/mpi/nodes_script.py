@@ -211,6 +211,20 @@ def check_mismatch(v, node, scenario):
         v.expect(want in text and "node 1" in text, f"mismatch message: {text}")
 
 
+def raises_soon(v, call, what: str) -> str:
+    """Expect ``call()`` to raise within 10 s; the error as "Type: message" ("" if none)."""
+    t0 = time.perf_counter()
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001
+        took = time.perf_counter() - t0
+        text = v.info["error"] = f"{type(err).__name__}: {err}"
+        v.expect(took < 10, f"raised after {took:.1f} s")
+        return text
+    v.expect(False, f"{what} raised nothing")
+    return ""
+
+
 def scenario_kill(v, node, node_sizes):
     x = pt.dmatrix("x")
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
@@ -220,16 +234,8 @@ def scenario_kill(v, node, node_sizes):
         victim = children()[0]
         os.kill(victim, signal.SIGKILL)
         time.sleep(0.5)
-    t0 = time.perf_counter()
-    try:
-        f(per_node[node])
-        v.expect(False, "the call after the kill raised nothing")
-    except Exception as err:  # noqa: BLE001
-        took = time.perf_counter() - t0
-        text = f"{type(err).__name__}: {err}"
-        v.info["error"] = text
-        v.expect(took < 10, f"raised after {took:.1f} s")
-        v.expect("rank 1" in text and (node == 1 or "node(s) [1]" in text), f"error names node/rank: {text}")
+    text = raises_soon(v, lambda: f(per_node[node]), "the call after the kill")
+    v.expect("rank 1" in text and (node == 1 or "node(s) [1]" in text), f"error names node/rank: {text}")
     # every node closes, then forks again (after MPI_Init this time) and goes on
     prefix = synk.context.current().proc.prefix
     synk.close()
@@ -252,15 +258,8 @@ def scenario_master_fails(v, node, node_sizes, how, out):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("node 1's script failed on purpose")
     time.sleep(0.5)
-    t0 = time.perf_counter()
-    try:
-        f(per_node[node])
-        v.expect(False, "the call after node 1 failed raised nothing")
-    except Exception as err:  # noqa: BLE001
-        took = time.perf_counter() - t0
-        v.info["error"] = f"{type(err).__name__}: {err}"
-        v.expect(took < 10, f"raised after {took:.1f} s")
-        v.expect("node 1" in str(err) and "on purpose" in str(err), f"error names node 1: {err}")
+    text = raises_soon(v, lambda: f(per_node[node]), "the call after node 1 failed")
+    v.expect("node 1" in text and "on purpose" in text, f"error names node 1: {text}")
 
 
 def main() -> int:
