@@ -208,24 +208,30 @@ def after_idle(call, plain) -> dict:
     ``busy``, the master works during the gap (a loop with other work between
     its calls: only the workers are idle), and ``sleep``, the master sleeps
     too (time.sleep: the whole machine idles, and on a VM the master's own
-    wake-up is slow). Each next to the plain PyTensor call after the same gap."""
+    wake-up is slow). Each next to the plain PyTensor call after the same gap.
+
+    The two series run one after the other, not interleaved: a plain call
+    and its gap between two synkhronos calls would leave the workers idle
+    for twice the gap (an earlier version of this benchmark did)."""
     out = {}
     reps = 40 if QUICK else 200
     for how, wait in (("busy", _busy), ("sleep", time.sleep)):
         for gap in IDLE_GAPS:
-            synk_t, plain_t = [], []
-            for _ in range(reps):
-                wait(gap)
-                t0 = time.perf_counter()
-                call()
-                synk_t.append(time.perf_counter() - t0)
-                wait(gap)
-                t0 = time.perf_counter()
-                plain()
-                plain_t.append(time.perf_counter() - t0)
+            synk_t, plain_t = _after_gaps(call, wait, gap, reps), _after_gaps(plain, wait, gap, reps)
             key = f"{gap * 1e3:g}ms" if how == "sleep" else f"{gap * 1e3:g}ms busy"
             out[key] = {"synk": bl.summarize(synk_t), "plain": bl.summarize(plain_t)}
     return out
+
+
+def _after_gaps(call, wait, gap: float, reps: int) -> list:
+    """Seconds of each of ``reps`` calls, each after ``wait(gap)``."""
+    times = []
+    for _ in range(reps):
+        wait(gap)
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _worker_cpu_seconds() -> float:

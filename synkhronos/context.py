@@ -39,6 +39,7 @@ class Process:
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
         self.last_call = None  # worker: (message, CallSpec, Share, Lane or None) of the last call, kept
+        self.reducers = {}    # collectives.ops.Reducer kept per (op, dtype, shape, parts), see kept_reducer
         self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
 
     def check_parent(self) -> None:

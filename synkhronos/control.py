@@ -232,6 +232,14 @@ class ControlBlock:
         words, seq = self._words, self._words[_W_SEQ]
         return [r for r in self.go if words[self._acked + r] != seq]
 
+    def all_answered(self) -> bool:
+        """Whether every worker answered the last command (:meth:`pending` is empty)."""
+        words, seq, acked = self._words, self._words[_W_SEQ], self._acked
+        for r in self.go:
+            if words[acked + r] != seq:
+                return False
+        return True
+
     def any_failed(self) -> bool:
         """Whether a worker reported an error for the current command."""
         words = self._words

@@ -256,7 +256,7 @@ class Lane:
     replies are ordinary: anything else takes :func:`execute_call` and
     :func:`combine_inline`, which raise the errors."""
 
-    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers")
+    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers", "kept")
 
     def __init__(self, proc, call: CallSpec, share: Share):
         spec = proc.functions[call.fid].spec
@@ -274,6 +274,7 @@ class Lane:
                       for r in range(proc.size)] if proc.is_master else None
         self.ranks = list(range(proc.size))
         self.reducers = [None] * len(self.reduced)  # master: each output's Reducer, kept
+        self.kept = None  # master: what the last combine checked, see _keep
 
     def run(self, proc, own=()):
         """``(outs, mine)``: this process's outputs, and its reducible ones in the
@@ -311,7 +312,28 @@ class Lane:
                 weights.append(weight)
             else:
                 return None
-        return _combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers)
+        kept = self.kept
+        if kept is not None and weights == kept[1] and _same_parts(sets, kept[0], mine, kept[2]):
+            results = list(outs)
+            for k, j, run in kept[3]:
+                results[k] = run([arrays[j] for arrays in sets])
+            return results
+        results = _combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers)
+        self.kept = self._keep(sets, weights, mine)
+        return results
+
+    def _keep(self, sets, weights, mine):
+        """What a combine that went through every check leaves for the next one:
+        the workers' arrays (the reply areas hand out the same list until their
+        layout changes), the weights, the master's layout and per output the
+        reduction to run. None with a single process (combine copies then), or
+        nothing to reduce (the checks would cost more than they save)."""
+        if len(sets) < 2 or not self.reduced:
+            return None
+        steps = [(k, j, concat if op == "gather" else self.reducers[j].run)
+                 for j, (k, op) in enumerate(self.reduced)]
+        return ([None if arrays is mine else arrays for arrays in sets], list(weights),
+                [(a.shape, a.dtype) for a in mine], steps)
 
     @staticmethod
     def of(proc, call: CallSpec, share: Share):
@@ -319,6 +341,19 @@ class Lane:
         if not call.inline or share.fn is None or not share.active:
             return None
         return Lane(proc, call, share)
+
+
+def _same_parts(sets, kept_sets, mine, layout) -> bool:
+    """Whether a combine's parts are those :meth:`Lane._keep` kept: the very
+    lists of the workers' arrays, and the master's own outputs of the same
+    shapes and dtypes (so every check of :func:`_combine_sets` holds again)."""
+    for arrays, kept in zip(sets, kept_sets):
+        if arrays is not kept and arrays is not mine:
+            return False
+    for a, (shape, dtype) in zip(mine, layout):
+        if a.shape != shape or a.dtype != dtype:
+            return False
+    return True
 
 
 def _plain_input(var) -> bool:

@@ -54,18 +54,26 @@ class ReplyArea:
 
     def put(self, arrays, weight: float) -> bool:
         """Write ``arrays`` (numpy) and ``weight``; False, writing nothing, when they do not fit."""
+        dst = self._dst  # none: the header's count may be stale, as after put_elsewhere
+        if not (dst and _same_arrays(arrays, dst)) and not self._new_layout(arrays):
+            return False
+        for a, dst in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
+            dst[...] = a
+        self._weight[1] = weight
+        self._head[0] = INLINE
+        return True
+
+    def _new_layout(self, arrays) -> bool:
+        """Write the header for ``arrays`` unless it is there already; False when they do not fit."""
         layout = [(a.dtype.char, a.shape) for a in arrays]
         if layout != self._layout:
             ends = _ends(arrays)
             if ends[-1] > self._cap:
                 return False
             self._write_header(layout)
-            self._dst = [np.frombuffer(self._mv, a.dtype, a.size, start).reshape(a.shape)
-                         for a, start in zip(arrays, ends)]
-        for a, dst in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
-            dst[...] = a
-        self._weight[1] = weight
-        self._head[0] = INLINE
+            # native byte order, as the reader takes the header's character codes
+            self._dst = [np.frombuffer(self._mv, np.dtype(char), a.size, start).reshape(a.shape)
+                         for (char, _), a, start in zip(layout, arrays, ends)]
         return True
 
     def _write_header(self, layout) -> None:
@@ -83,7 +91,7 @@ class ReplyArea:
         self._head[0] = ABSENT
 
     def put_elsewhere(self, generation: int) -> None:
-        self._layout = None  # word 2 no longer holds the count
+        self._layout, self._dst = None, []  # word 2 no longer holds the count
         self._head[2] = generation
         self._head[0] = ELSEWHERE
 
@@ -112,6 +120,18 @@ class ReplyArea:
                 offset = _align(offset + count * dtype.itemsize)
             self._views, self._version = views, version
         return self._views, self._weight[1]
+
+
+def _same_arrays(arrays, views) -> bool:
+    """Whether ``arrays`` have the dtypes (the very dtype objects, as a loop of
+    calls gives them) and shapes of ``views``, the writer's views for the
+    header in place: its quick check; False sends it to the full comparison."""
+    if len(arrays) != len(views):
+        return False
+    for a, v in zip(arrays, views):
+        if a.dtype is not v.dtype or a.shape != v.shape:
+            return False
+    return True
 
 
 #: Words before the layout: state, weight, count, header version.

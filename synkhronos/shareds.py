@@ -18,7 +18,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from . import context, nodes
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import agreed_layout, cast_to, combine, parse_op
+from .collectives.ops import agreed_layout, cast_to, kept_reducer, parse_op
 from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
@@ -62,7 +62,7 @@ def _resolve(shared_vars):
     for v in items:
         if not isinstance(v, SharedVariable):
             raise TypeError(f"expected PyTensor shared variables, got {v!r}")
-    if any(fid not in s.distributed for fid in s.proc.functions):
+    if len(s.distributed) != len(s.proc.functions):  # distributed only ever holds functions' ids
         distribute()
     sids = []
     for v in items:
@@ -508,7 +508,10 @@ def _resident(proc, sids, vars_) -> list:
     comm = proc.comm
     if not comm.supports_resident:
         return values
-    if all(comm.existing(f"sv{sid}", a.dtype, a.shape) is a for sid, a in zip(sids, values)):
+    for sid, a in zip(sids, values):
+        if comm.existing(f"sv{sid}", a.dtype, a.shape) is not a:
+            break
+    else:
         return values  # the usual case in a loop: every value is still its first home
     cache = []
 
@@ -579,7 +582,7 @@ def worker_collective(proc, wire: tuple):
 # there, and writes its own into its area before it answers (reduce, gather,
 # all_reduce), where the master reads them once every worker answered. For
 # all_reduce every process combines every process's values itself, in rank
-# order, with the same ops.combine as the communicator's path: the same bits
+# order, with the Reducer of ops.combine, as the communicator's path: the same bits
 # everywhere (with more than two processes the workers first wait for each
 # other's values: the communicator's barrier, the master's half in the
 # command). The command is the same from call to call: pickled once.
@@ -615,7 +618,7 @@ def _send_inline(s, spec: CollectiveSpec):
     proc = s.proc
     comm = proc.comm
     # workers still busy with an abandoned command might read the master's area: the full path settles them first
-    if not comm.within_fork or proc.device.keeps_values_on_device or proc.control.pending():
+    if not comm.within_fork or proc.device.keeps_values_on_device or not proc.control.all_answered():
         return _NOT_INLINE
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     values = [v.get_value(borrow=True) for v in vars_]
@@ -661,9 +664,10 @@ def _raise_mismatch(comm, layout, op):
 
 def _inline_reduce(parts, spec: CollectiveSpec, vars_) -> list:
     """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
-    got = []
+    got, kept = [], context.session().proc.reducers
     for i, v in enumerate(vars_):
-        out = combine([p[i] for p in parts], spec.op)  # new memory, never a view of an area
+        values = [p[i] for p in parts]
+        out = kept_reducer(kept, spec.op, values).run(values)  # new memory, never a view of an area
         got.append(cast_to(out, v.type.dtype))
     if spec.in_place:
         for v, g in zip(vars_, got):
@@ -690,7 +694,8 @@ def _store_all_reduce(proc, sids, vars_, parts, op) -> None:
     """Combine every process's values (``parts``, in rank order) into this process's homes."""
     homes = _resident(proc, sids, vars_)
     for i, dst in enumerate(homes):
-        np.copyto(dst, cast_to(np.asarray(combine([p[i] for p in parts], op)), dst.dtype))
+        values = [p[i] for p in parts]  # this process's may be dst itself: reduced into new memory first
+        np.copyto(dst, cast_to(kept_reducer(proc.reducers, op, values).run(values), dst.dtype))
 
 
 def _run_inline(proc, kind, sids, op) -> None:

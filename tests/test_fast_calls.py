@@ -164,6 +164,60 @@ def test_mismatched_output_shapes_in_an_inline_reduction_are_refused(fork):
     assert f(np.ones((4, 2))).tolist() == [[2.0, 2.0], [2.0, 2.0]]
 
 
+def test_kept_combines_follow_output_shapes_that_change_with_the_values(fork, rng):
+    """Output shapes that follow the input values, not the plan: the master's,
+    a worker's or both change from one planned call to the next. The master's
+    kept combine must notice either; processes that disagree are refused,
+    never summed into a wrong shape."""
+    fork(2)
+    k = pt.lvector("k")  # scattered, two rows per process: each one's first row is its output length
+    out = pt.arange(k[0]).astype("float64") + k[0]
+    f = synk.function([k], [(out, "sum"), (out, "avg"), (k.sum(), "sum")], mode=MODE)
+    m = 3
+    for i in range(150):
+        if rng.random() < 0.3:
+            m = int(rng.integers(0, 6))
+        w = m if rng.random() < 0.8 else int(rng.integers(0, 6))
+        a = np.array([m, 1, w, 1])
+        if w == m:
+            want = np.arange(m) + float(m)
+            got = f(a)
+            assert got[0].shape == (m,) and got[1].shape == (m,), (i, m)
+            assert got[0].tobytes() == (2 * want).tobytes(), (i, m)
+            assert got[1].tobytes() == want.tobytes(), (i, m)
+            assert got[2] == a.sum()
+        else:
+            with pytest.raises(ValueError, match=rf"cannot (sum|avg)-reduce: rank 0 holds .*\({m},\).* "
+                                                 rf"but rank 1 holds .*\({w},\)"):
+                f(a)
+
+
+def test_reply_areas_read_what_was_written_as_layouts_change(rng):
+    """One process's reply area as its writer and its reader see it (two views of
+    one buffer, as the worker and the master map it): layouts that change,
+    stay, shrink to nothing or go elsewhere and back always read back right."""
+    from synkhronos.replies import INLINE, ReplyArea
+    buf = np.zeros(REPLY_CAP, np.uint8)
+    writer, reader = ReplyArea(buf), ReplyArea(buf)
+    kinds = [("float32", (4,)), ("float64", ()), ("int64", (2, 3)), (">f4", (4,)), ("float32", (5,))]
+    for i in range(300):
+        if rng.random() < 0.1:
+            writer.put_elsewhere(i)
+            assert reader.state() != INLINE and reader.generation() == i
+            continue
+        picked = [kinds[j] for j in rng.integers(0, len(kinds), int(rng.integers(0, 3)))]
+        arrays = [rng.standard_normal(shape).astype(dtype) for dtype, shape in picked]
+        weight = float(rng.integers(1, 9))
+        assert writer.put(arrays, weight)
+        assert reader.state() == INLINE
+        got, got_weight = reader.get()
+        assert got_weight == weight and len(got) == len(arrays), i
+        for g, a in zip(got, arrays):
+            assert g.shape == a.shape and g.dtype == a.dtype.newbyteorder("=") and (g == a).all(), i
+    assert not writer.put([np.zeros(REPLY_CAP)], 1.0)  # too big: nothing written, the last values stay
+    assert [g.tolist() for g in reader.get()[0]] == [a.tolist() for a in arrays]
+
+
 @pytest.mark.parametrize("value, err, match", [
     (-1.0, ValueError, "idle_spin must be a finite number of seconds >= 0, got -1.0"),
     (float("inf"), ValueError, "idle_spin must be a finite number"),

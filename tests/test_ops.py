@@ -76,9 +76,37 @@ def test_the_result_is_new_memory(dtype, shape):
         assert np.all(combine(parts, "avg") == 4.0) and np.all(combine(parts, "sum") == 8)
 
 
-def test_a_reducer_gives_the_bits_of_combine():
-    """Reducer (what a planned call keeps per output) against combine(), over
-    random ops, dtypes, shapes (0-d, vectors, matrices), part counts and weights."""
+def _reference(parts, op, weights):
+    """What combine() promises, written out with plain numpy: a left fold in part
+    order; avg as the weighted sum in the result dtype, with the weights as
+    fractions of their total (the sum times the reciprocal when they are equal)."""
+    rdtype = result_dtype(parts[0].dtype, op)
+    if op != "avg":
+        ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+        acc = np.array(parts[0], copy=True)
+        for p in parts[1:]:
+            acc = ufunc(acc, p)
+        return np.asarray(acc)
+    parts = [np.asarray(p, dtype=rdtype) for p in parts]
+    w = [1.0] * len(parts) if weights is None else [float(x) for x in weights]
+    total = sum(w)
+    w = [x / total for x in w] if total > 0 else [1.0 / len(parts)] * len(parts)
+    if w.count(w[0]) == len(w):
+        acc = np.array(parts[0], copy=True)
+        for p in parts[1:]:
+            acc = np.add(acc, p)
+        return np.asarray(np.multiply(acc, rdtype.type(w[0])))
+    acc = np.multiply(parts[0], rdtype.type(w[0]))
+    for p, x in zip(parts[1:], w[1:]):
+        acc = np.add(acc, np.multiply(p, rdtype.type(x)))
+    return np.asarray(acc)
+
+
+def test_a_reducer_gives_the_bits_of_a_plain_numpy_fold():
+    """Reducer (what a planned call or an inline collective keeps per output),
+    into new memory and into a given array, and combine(), against the plain
+    numpy fold of _reference, over random ops, dtypes, shapes (0-d, vectors,
+    matrices), part counts and weights."""
     rng = np.random.default_rng(81)
     shapes = [(), (1,), (5,), (2, 3)]
     with warnings.catch_warnings():
@@ -94,10 +122,15 @@ def test_a_reducer_gives_the_bits_of_combine():
             reducer = Reducer(op, parts[0].dtype, shape, weights, n)
             assert reducer.fits(parts[0], weights, n)
             for _ in range(2):  # a reducer is used again and again
-                got, want = reducer(parts), combine(parts, op, weights)
-                assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
-                same = got.tobytes() == want.tobytes()
-                assert same or np.array_equal(got, want, equal_nan=True), (dtype, op, shape, weights, got, want)
+                want = _reference(parts, op, weights)
+                into = np.empty(shape, want.dtype)
+                for how, got in (("run", reducer.run(parts)), ("call", reducer(parts)),
+                                 ("out", reducer(parts, out=into)), ("combine", combine(parts, op, weights))):
+                    assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape, how
+                    same = got.tobytes() == want.tobytes()
+                    assert same or np.array_equal(got, want, equal_nan=True), \
+                        (how, dtype, op, shape, weights, got, want)
+                assert into.tobytes() == reducer(parts, out=into).tobytes()
                 parts = [_values(rng, dtype, size).reshape(shape) for _ in range(n)]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to",
-           "agreed_layout", "identity", "Reducer"]
+           "agreed_layout", "identity", "Reducer", "kept_reducer"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -127,7 +127,7 @@ class Reducer:
     call's overhead (~1 us each); tests check the bytes against the array path.
     """
 
-    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal")
+    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal", "run")
 
     def __init__(self, op: str, dtype, shape, weights, n: int):
         self.op, self.dtype, self.shape, self.n = op, np.dtype(dtype), tuple(shape), n
@@ -141,6 +141,18 @@ class Reducer:
             w = _normalized(weights, n)
             self.equal = w.count(w[0]) == n
             self.scales = [rdtype.type(x) for x in w]
+        #: ``run(parts)``: the reduction into new memory, by the path chosen here
+        self.run = self._run_path()
+
+    def _run_path(self):
+        if self.scalar_path:
+            return self._scalars
+        if self.op != "avg":
+            ufunc = REDUCE_OPS[self.op]
+            return lambda parts: _fold(ufunc, parts)
+        if self.equal and self.convert is None:
+            return self._avg_equal
+        return self._general
 
     def fits(self, first, weights, n: int) -> bool:
         """Whether ``n`` parts like ``first`` with ``weights`` are what this reducer reduces."""
@@ -149,8 +161,11 @@ class Reducer:
 
     def __call__(self, parts, out=None) -> np.ndarray:
         """The reduction of ``parts``; into ``out`` (of the result's dtype) if given."""
-        if self.scalar_path and out is None:
-            return self._scalars(parts)
+        if out is None:
+            return self.run(parts)
+        return self._general(parts, out)
+
+    def _general(self, parts, out=None) -> np.ndarray:
         op = self.op
         if op != "avg":
             return _fold(REDUCE_OPS[op], parts, out)
@@ -165,6 +180,15 @@ class Reducer:
         for x, s in zip(parts[1:], self.scales[1:]):
             np.multiply(x, s, out=tmp)
             acc += tmp
+        return acc
+
+    def _avg_equal(self, parts) -> np.ndarray:
+        """``avg`` with equal weights of float parts: the sum times the reciprocal."""
+        if self.n == 2 and self.shape:  # two arrays (not 0-d, whose sum is a scalar): no fold
+            acc = np.add(parts[0], parts[1])
+        else:
+            acc = _fold(np.add, parts)
+        acc *= self.scales[0]
         return acc
 
     def _scalars(self, parts) -> np.ndarray:
@@ -185,6 +209,23 @@ class Reducer:
         for x, s in zip(values[1:], self.scales[1:]):
             acc = acc + x * s
         return np.asarray(acc)
+
+
+#: Reducers a cache of :func:`kept_reducer` holds before it starts again.
+_MAX_KEPT = 256
+
+
+def kept_reducer(cache: dict, op: str, parts) -> Reducer:
+    """The :class:`Reducer` of equally weighted ``parts`` (equal dtypes and shapes,
+    checked by the caller) with ``op``, kept in ``cache`` from call to call."""
+    first = parts[0]
+    key = (op, first.dtype, first.shape, len(parts))
+    got = cache.get(key)
+    if got is None:
+        if len(cache) >= _MAX_KEPT:
+            cache.clear()
+        got = cache[key] = Reducer(op, first.dtype, first.shape, None, len(parts))
+    return got
 
 
 def agreed_layout(metas, op: str, who: str = "rank"):
