@@ -145,6 +145,8 @@ def overhead() -> dict:
     w4k = pytensor.shared(np.ones(1024, np.float32), name="w4k")  # a 4 KiB output
     out4k = synk.function([x], _out_4kib(w4k, x), name="out_4KiB")
     out4k_none = synk.function([x], (_out_4kib(w4k, x)[0], None), name="out_4KiB_no_reduce")
+    v4 = pytensor.shared(np.zeros(1, np.float32), name="v4")  # a 4-byte shared variable
+    synk.function([], v4.sum(), name="v4_holder")
     synk.distribute()
     a = np.ones(8, np.float32)
     d = synk.data(a)
@@ -167,6 +169,7 @@ def overhead() -> dict:
         "synk_call_out_4KiB": bl.measure(lambda: out4k(a), **kw),
         "synk_call_out_4KiB_no_reduce": bl.measure(lambda: out4k_none(a), **kw),
     }
+    res.update(alternating(lambda: tiny(a), lambda: tiny_none(a), lambda: synk.all_reduce(v4, op="sum"), kw))
     res["after_idle"] = after_idle(lambda: tiny(a), lambda: tiny.as_pytensor(a))
     res["idle_cpu"] = idle_cpu(lambda: tiny(a))
     pt_us = us(res["pytensor_call"])
@@ -182,9 +185,23 @@ def overhead() -> dict:
             us(res["synk_call_numpy"]) - us(res["synk_call_numpy_no_reduce"]),
         "avg reduction of a 4 KiB output (vs none)":
             us(res["synk_call_out_4KiB"]) - us(res["synk_call_out_4KiB_no_reduce"]),
+        "two functions in turn: a pair minus each alone":
+            us(res["pair_two_functions"]) - us(res["synk_call_numpy"]) - us(res["synk_call_numpy_no_reduce"]),
+        "a call and a 4 B all_reduce in turn: minus each alone":
+            us(res["pair_call_all_reduce"]) - us(res["synk_call_numpy"]) - us(res["all_reduce_4B"]),
     }
     d.free_memory()
     return res
+
+
+def alternating(call, other_call, collective, kw) -> dict:
+    """Loops that alternate, as training loops do (a step, then an all_reduce;
+    two functions): each pair against its parts alone, measured now too."""
+    return {
+        "all_reduce_4B": bl.measure(collective, **kw),
+        "pair_two_functions": bl.measure(lambda: (call(), other_call()), **kw),
+        "pair_call_all_reduce": bl.measure(lambda: (call(), collective()), **kw),
+    }
 
 
 def _out_4kib(w, x):

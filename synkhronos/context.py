@@ -38,7 +38,9 @@ class Process:
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
-        self.last_call = None  # worker: (message, CallSpec, Share, Lane or None) of the last call, kept
+        # worker: id(message) -> (message, CallSpec, Share, Lane or None) of the calls whose
+        # messages the control block keeps (function.worker_call)
+        self.kept_calls = {}
         self.reducers = {}    # collectives.ops.Reducer kept per (op, dtype, shape, parts), see kept_reducer
         self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
 
@@ -60,7 +62,7 @@ class Process:
     def close(self) -> None:
         for local in self.functions.values():
             local.close()
-        self.last_call = None
+        self.kept_calls.clear()
         for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()

@@ -32,7 +32,11 @@ SPIN_SECONDS = 200e-6
 CHECK_EVERY = 1e-3
 
 _HEADER_WORDS = 16
-_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT, _W_EPOCH, _W_BODY = range(7)
+_W_SEQ, _W_CMD, _W_LEN, _W_GEN, _W_ABORT, _W_EPOCH, _W_BODY, _W_KEEP, _W_PAYGEN = range(9)
+#: Kept messages (see ControlBlock.post): the workers hold those of the last
+#: this many new bodies unpickled, and the master sends one of them again as
+#: its generation alone.
+KEEP_WINDOW = 64
 #: The payload starts on the first page boundary after the header, which grows with the ranks.
 _PAGE = 4096
 _PAYLOAD_CAP = 1 << 20
@@ -151,8 +155,10 @@ class ControlBlock:
         replies = self._seg.array(np.uint8, (size, REPLY_CAP), offset + _PAYLOAD_CAP)
         self._replies = {r: ReplyArea(replies[r]) for r in range(size) if r != master_rank}
         self._out_seq = 0
-        self._last_body = None      # master: the body in the payload area now
+        self._top = 0               # master: the generation of the newest body written
+        self._kept = {}             # master: kept body (bytes) -> its generation
         self._message = (-1, None)  # worker: (body generation, its unpickled message)
+        self._kept_messages = {}    # worker: generation -> unpickled message, of kept bodies
         self._overflow: Segment | None = None
         self._overflow_gen = 0
         self._err_seq = 0
@@ -165,22 +171,45 @@ class ControlBlock:
     def post(self, cmd: Command, payload, body: bytes | None = None) -> None:
         """Write a command and its payload, then wake every worker.
 
-        ``body``, when given, is ``payload`` pickled already: a caller that
-        sends the same message call after call keeps it, and posting the very
-        same bytes object again copies nothing and lets the workers reuse
-        what they unpickled last time.
+        ``body``, when given, is ``payload`` pickled already, by a caller that
+        sends the same message again and again (a planned call, an inline
+        collective). Such a body is *kept*: every worker keeps what it
+        unpickled, under the body's generation, and while that generation is
+        among the last ``KEEP_WINDOW`` new ones, posting the same bytes again
+        sends only the generation: nothing is copied or unpickled, also in a
+        loop that alternates between several functions and collectives.
         """
-        if body is None:
+        keep = body is not None
+        if not keep:
             body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         n = len(body)
-        if body is self._last_body:
-            pass  # still in the payload area, and the workers still hold it unpickled
-        elif n <= _PAYLOAD_CAP:
+        words = self._words
+        gen = self._kept.get(body) if keep else None
+        fresh = gen is None or gen <= self._top - KEEP_WINDOW
+        if fresh:
+            gen = self._write_body(cmd, body, n, keep)
+        for r in self.go:  # a failure of an earlier command, also one never collected
+            if words[self._status + r] != _STATUS_OK:
+                words[self._status + r] = _STATUS_OK
+        words[_W_BODY] = gen
+        words[_W_LEN] = n
+        words[_W_CMD] = int(cmd)
+        words[_W_SEQ] += 1
+        for sem in self.go.values():
+            sem.release()
+        if fresh and words[_W_KEEP]:  # sent: from now on the workers hold it
+            self._kept[body] = gen
+            if len(self._kept) > 2 * KEEP_WINDOW:
+                self._kept = {b: g for b, g in self._kept.items() if g > gen - KEEP_WINDOW}
+
+    def _write_body(self, cmd: Command, body: bytes, n: int, keep: bool) -> int:
+        """Put a new body where the workers read it; returns its generation."""
+        words = self._words
+        if n <= _PAYLOAD_CAP:
             self._payload[:n] = body
-            self._words[_W_GEN] = 0
-            self._words[_W_BODY] += 1
-            self._last_body = body
+            words[_W_GEN] = 0
         else:
+            keep = False
             self._overflow_gen += 1
             old, self._overflow = self._overflow, Segment(
                 f"{self.prefix}pay{self._overflow_gen}", n, create=True,
@@ -188,18 +217,11 @@ class ControlBlock:
             self._overflow.buffer()[:n] = body
             if old is not None:
                 old.close()
-            self._words[_W_GEN] = self._overflow_gen
-            self._words[_W_BODY] += 1
-            self._last_body = None
-        words = self._words
-        for r in self.go:  # a failure of an earlier command, also one never collected
-            if words[self._status + r] != _STATUS_OK:
-                words[self._status + r] = _STATUS_OK
-        words[_W_LEN] = n
-        words[_W_CMD] = int(cmd)
-        words[_W_SEQ] += 1
-        for sem in self.go.values():
-            sem.release()
+            words[_W_GEN] = self._overflow_gen
+        self._top += 1
+        words[_W_KEEP] = int(keep)
+        words[_W_PAYGEN] = self._top
+        return self._top
 
     def outputs(self, rank: int):
         """Master-side, once worker ``rank`` answered: ``(got, big)``, ``got`` the
@@ -303,6 +325,18 @@ class ControlBlock:
         gen = words[_W_BODY]
         if gen == self._message[0]:  # the very message of the last command: unpickled already
             return cmd, self._message[1]
+        message = self._kept_messages.get(gen)
+        if message is None:
+            message = self._unpickle(gen)
+        self._message = (gen, message)
+        return cmd, message
+
+    def _unpickle(self, gen: int):
+        """The message of a new body (generation ``gen``), kept if the master keeps it."""
+        words = self._words
+        if words[_W_PAYGEN] != gen:  # never: the master sends a generation alone only while it is kept here
+            raise RuntimeError(f"command body {gen} is neither kept by this worker nor the one "
+                               f"written ({words[_W_PAYGEN]}): the master and the workers disagree")
         n = words[_W_LEN]
         overflow = words[_W_GEN]
         if overflow == 0:
@@ -312,8 +346,12 @@ class ControlBlock:
             body = bytes(seg.buffer()[:n])
             seg.close()
         message = pickle.loads(body)
-        self._message = (gen, message)
-        return cmd, message
+        if words[_W_KEEP]:
+            kept = self._kept_messages
+            kept[gen] = message
+            if len(kept) > 2 * KEEP_WINDOW:  # the master sends none of those again
+                self._kept_messages = {g: m for g, m in kept.items() if g > gen - KEEP_WINDOW}
+        return message
 
     def put_outputs(self, rank: int, arrays, weight: float) -> bool:
         """Worker-side, before :meth:`reply`: send ``arrays`` (a list of numpy
@@ -364,8 +402,9 @@ class ControlBlock:
         self._words.release()
         # views keep the mapping alive: drop every one, so the block is unmapped now
         self._words = self._replies = None
-        self._last_body = None
+        self._kept = {}
         self._message = (-1, None)
+        self._kept_messages = {}
         close_semaphores([*self.go.values(), self.done], unlink=self.create)
         if self._overflow is not None:
             self._overflow.close()

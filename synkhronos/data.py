@@ -311,7 +311,10 @@ def attach(proc, ref) -> np.ndarray:
 
 
 def forget(proc, uids) -> None:
-    """Close the mappings of Data objects the master reallocated or freed."""
+    """Close the mappings of Data objects the master reallocated or freed (and
+    forget the kept calls, whose shares may hold views of them)."""
+    if uids:
+        proc.kept_calls.clear()
     for uid in uids:
         hit = proc.data_cache.pop(uid, None)
         if hit is not None:

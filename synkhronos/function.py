@@ -598,17 +598,24 @@ def _as_result(out, op) -> np.ndarray:
     return arr.astype(result_dtype(arr.dtype, op), copy=False)
 
 
+#: Calls a worker keeps (a loop of several functions sends each one's kept message in turn).
+_MAX_KEPT_CALLS = 64
+
+
 def worker_call(proc, wire: tuple) -> None:
-    """A worker's CALL: the message of the last call again (the master sent the
-    same bytes) runs on the share kept from then."""
-    kept = proc.last_call
+    """A worker's CALL: a kept message again (the master sent the same bytes,
+    see ControlBlock.post) runs on the share kept for it."""
+    kept = proc.kept_calls.get(id(wire))
     if kept is not None and kept[0] is wire:
         call, share, lane = kept[1], kept[2], kept[3]
     else:
         call = CallSpec(*wire)
         share = share_of(proc, call, keep=True)
         lane = Lane.of(proc, call, share)
-        proc.last_call = (wire, call, share, lane) if share.fn is not None else None
+        if share.fn is not None:
+            if len(proc.kept_calls) >= _MAX_KEPT_CALLS:
+                proc.kept_calls.clear()
+            proc.kept_calls[id(wire)] = (wire, call, share, lane)
     if lane is None:
         execute_call(proc, call, share=share)
         return

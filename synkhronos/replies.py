@@ -12,8 +12,8 @@ An area holds int64 words, then the arrays' bytes:
              big for the area: in a segment of their own, see ControlBlock)
     word 1   the weight (float64 bits), for ``avg``
     word 2   the number of arrays, or the segment's generation for ELSEWHERE
-    word 3   the version of the header: the same layout call after call is
-             written once, and read once
+    word 3   the version of the layout: the writer gives each layout a version
+             of its own (never reused), the reader keeps its views per version
     then     per array: dtype character code, ndim, one word per dimension
 """
 
@@ -33,11 +33,15 @@ class ReplyArea:
     """One worker's reply area (a uint8 view of the control block), read and written in place.
 
     A loop of calls sends outputs of the same dtypes and shapes every time:
-    the writer then leaves the header as it is (word 3 counts its versions),
-    and the reader reuses the views it made for that version.
+    the writer then leaves the header as it is, and the reader reuses the
+    views it made for it. Word 3 names the layout: the writer gives each
+    layout it writes a version of its own, kept, and the reader keeps its
+    views per version, so a loop that alternates between functions (or
+    outputs of several layouts) reparses nothing.
     """
 
-    __slots__ = ("_mv", "_words", "_weight", "_head", "_cap", "_layout", "_dst", "_version", "_views")
+    __slots__ = ("_mv", "_words", "_weight", "_head", "_cap", "_layout", "_dst", "_layouts", "_versions",
+                 "_version", "_views", "_seen")
 
     def __init__(self, area: np.ndarray):
         self._mv = memoryview(area)
@@ -49,13 +53,16 @@ class ReplyArea:
         self._weight = self._mv[:_HEAD * 8].cast("d")  # word 1, the weight, as a float
         self._layout = None    # writer: the layout in the header now, and views where its arrays go
         self._dst = []
+        self._layouts = {}     # writer: layout -> (its version, the views where its arrays go)
+        self._versions = int(self._head[3])  # writer: the last version given (never given twice)
         self._version = -1     # reader: the header version its views were made for
         self._views = []
+        self._seen = {}        # reader: version -> views, of the layouts read before
 
     def put(self, arrays, weight: float) -> bool:
         """Write ``arrays`` (numpy) and ``weight``; False, writing nothing, when they do not fit."""
         dst = self._dst  # none: the header's count may be stale, as after put_elsewhere
-        if not (dst and _same_arrays(arrays, dst)) and not self._new_layout(arrays):
+        if not (dst and _same_arrays(arrays, dst)) and not self._switch(arrays):
             return False
         for a, dst in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
             dst[...] = a
@@ -63,20 +70,29 @@ class ReplyArea:
         self._head[0] = INLINE
         return True
 
-    def _new_layout(self, arrays) -> bool:
-        """Write the header for ``arrays`` unless it is there already; False when they do not fit."""
-        layout = [(a.dtype.char, a.shape) for a in arrays]
-        if layout != self._layout:
+    def _switch(self, arrays) -> bool:
+        """Put the header of the layout of ``arrays`` in place, unless it is there
+        already; False when they do not fit."""
+        layout = tuple((a.dtype.char, a.shape) for a in arrays)
+        if layout == self._layout:
+            return True
+        got = self._layouts.get(layout)
+        if got is None:
             ends = _ends(arrays)
             if ends[-1] > self._cap:
                 return False
-            self._write_header(layout)
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            self._versions += 1
             # native byte order, as the reader takes the header's character codes
-            self._dst = [np.frombuffer(self._mv, np.dtype(char), a.size, start).reshape(a.shape)
-                         for (char, _), a, start in zip(layout, arrays, ends)]
+            dst = [np.frombuffer(self._mv, np.dtype(char), a.size, start).reshape(a.shape)
+                   for (char, _), a, start in zip(layout, arrays, ends)]
+            got = self._layouts[layout] = (self._versions, dst)
+        self._write_header(layout, got[0])
+        self._layout, self._dst = layout, got[1]
         return True
 
-    def _write_header(self, layout) -> None:
+    def _write_header(self, layout, version: int) -> None:
         words, w = self._words, _HEAD
         for char, shape in layout:
             words[w] = ord(char)
@@ -84,8 +100,7 @@ class ReplyArea:
             words[w + 2:w + 2 + len(shape)] = shape
             w += 2 + len(shape)
         words[2] = len(layout)
-        words[3] += 1
-        self._layout = layout
+        words[3] = version
 
     def put_absent(self) -> None:
         self._head[0] = ABSENT
@@ -104,22 +119,35 @@ class ReplyArea:
 
     def get(self) -> tuple:
         """``(arrays, weight)`` of an INLINE reply: views of the area (no copy)."""
-        words = self._words
         version = self._head[3]
         if version != self._version:
-            layout, w = [], _HEAD
-            for _ in range(int(words[2])):
-                ndim = int(words[w + 1])
-                layout.append((np.dtype(chr(words[w])), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
-                w += 2 + ndim
-            offset = _align(w * 8)
-            views = []
-            for dtype, shape in layout:
-                count = math.prod(shape)
-                views.append(np.frombuffer(self._mv, dtype, count, offset).reshape(shape))
-                offset = _align(offset + count * dtype.itemsize)
+            views = self._seen.get(version)
+            if views is None:
+                views = self._read_views()
+                if len(self._seen) >= _MAX_LAYOUTS:
+                    self._seen.clear()
+                self._seen[version] = views
             self._views, self._version = views, version
         return self._views, self._weight[1]
+
+    def _read_views(self) -> list:
+        words = self._words
+        layout, w = [], _HEAD
+        for _ in range(int(words[2])):
+            ndim = int(words[w + 1])
+            layout.append((np.dtype(chr(words[w])), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
+            w += 2 + ndim
+        offset = _align(w * 8)
+        views = []
+        for dtype, shape in layout:
+            count = math.prod(shape)
+            views.append(np.frombuffer(self._mv, dtype, count, offset).reshape(shape))
+            offset = _align(offset + count * dtype.itemsize)
+        return views
+
+
+#: Layouts a reply area's writer and reader keep (each starts again past this many).
+_MAX_LAYOUTS = 64
 
 
 def _same_arrays(arrays, views) -> bool:

@@ -45,6 +45,7 @@ class Session:
         self.saved_affinity = None   # the master's cores before fork() pinned it
         self.collective_scratch = {}  # staging Data for values the master sends
         self.inline_bodies = {}      # shareds.py: pickled inline collective commands, reused
+        self.resolved = {}           # shareds.py: shared-variable arguments resolved to their ids, kept
         self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
         self.in_flight = None        # thread id while a command runs (nested calls are refused)
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it

@@ -55,9 +55,18 @@ def _as_list(shared_vars):
 
 
 def _resolve(shared_vars):
-    """Shared variables -> (session, vars, sids, single); errors name the variable."""
+    """Shared variables -> (session, vars, sids, single); errors name the variable.
+
+    What it found is kept per argument (by the identity of the variables,
+    which the kept entry keeps alive): a loop of collectives resolves once."""
     s = context.session()
     s.usable()
+    key = _resolve_key(shared_vars)
+    got = s.resolved.get(key)
+    if got is not None:
+        if len(s.distributed) != len(s.proc.functions):  # distributed only ever holds functions' ids
+            distribute()
+        return (s,) + got
     items, single = _as_list(shared_vars)
     for v in items:
         if not isinstance(v, SharedVariable):
@@ -75,7 +84,21 @@ def _resolve(shared_vars):
         twice = [v.name or repr(v) for k, v in enumerate(items) if sids.index(sids[k]) != k]
         raise ValueError(f"shared variables {twice} are listed more than once; list each once "
                          "(a collective would act on it once per listing)")
+    if key is not None:
+        if len(s.resolved) >= _MAX_BODIES:
+            s.resolved.clear()
+        s.resolved[key] = (items, sids, single)
     return s, items, sids, single
+
+
+def _resolve_key(shared_vars):
+    """The key of :func:`_resolve`'s cache for this argument: a variable's id,
+    a tuple of ids for a list or tuple of them; None for anything else."""
+    if isinstance(shared_vars, SharedVariable):
+        return id(shared_vars)
+    if type(shared_vars) in (list, tuple):
+        return tuple(map(id, shared_vars))
+    return None
 
 
 def _values_for(vars_, values, what: str, single: bool = False):
@@ -533,10 +556,15 @@ def _resident(proc, sids, vars_) -> list:
 def _receive_into(proc, sid, var, src) -> np.ndarray:
     """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
     value (memory allocated once, not at every broadcast)."""
-    if not proc.comm.supports_resident or np.dtype(src.dtype) != np.dtype(var.type.dtype):
+    current = var.get_value(borrow=True)
+    comm = proc.comm
+    if (type(current) is np.ndarray and current.dtype is src.dtype and current.shape == src.shape
+            and comm.supports_resident and comm.existing(f"sv{sid}", src.dtype, src.shape) is current):
+        current[...] = src  # the usual case in a loop: the value is its first home already
+        return current
+    if not comm.supports_resident or np.dtype(src.dtype) != np.dtype(var.type.dtype):
         _assign(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
-    current = var.get_value(borrow=True)
     view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}), current=current)
     np.copyto(view, src)
     if view is not current:
@@ -620,13 +648,17 @@ def _send_inline(s, spec: CollectiveSpec):
     # workers still busy with an abandoned command might read the master's area: the full path settles them first
     if not comm.within_fork or proc.device.keeps_values_on_device or not proc.control.all_answered():
         return _NOT_INLINE
+    key = (spec.kind, tuple(spec.sids), spec.op)
+    kept = s.inline_bodies.get(key)
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     values = [v.get_value(borrow=True) for v in vars_]
-    layout = tuple((a.dtype, a.shape) for a in values)
-    key = (spec.kind, tuple(spec.sids), spec.op)
-    body = _inline_body(s, key, layout, values)
-    if body is None:
-        return _NOT_INLINE
+    if kept is not None and _same_layout(values, kept[1]):  # the usual case in a loop
+        body, layout = kept
+    else:
+        layout = tuple((a.dtype, a.shape) for a in values)
+        body = _inline_body(s, key, layout, values)
+        if body is None:
+            return _NOT_INLINE
     kind, wire = spec.kind, (_INLINE,) + key
     if kind in ("broadcast", "all_reduce"):
         comm.put_inline(values, layout)
@@ -649,6 +681,17 @@ def _send_inline(s, spec: CollectiveSpec):
     if kind == "gather":
         return [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
     return _inline_reduce(parts, spec, vars_)
+
+
+def _same_layout(values, layout) -> bool:
+    """Whether ``values`` have the very dtypes (the same objects, as a loop gives
+    them) and the shapes of ``layout``; False sends the caller to the full check."""
+    if len(values) != len(layout):
+        return False
+    for a, (dtype, shape) in zip(values, layout):
+        if type(a) is not np.ndarray or a.dtype is not dtype or a.shape != shape:
+            return False
+    return True
 
 
 def _raise_mismatch(comm, layout, op):

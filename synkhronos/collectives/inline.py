@@ -74,12 +74,12 @@ class InlineArea:
         fits, so that a reader can name it)."""
         if layout is None:
             layout = tuple((a.dtype, a.shape) for a in arrays)
-        if layout != self._layout:
+        if layout is not self._layout and layout != self._layout:
             need = area_bytes(layout)
             if need is None or not self._write_layout(layout, need):
                 return False
         for view, a in zip(self._wviews, arrays):
-            np.copyto(view, a, casting="no")
+            view[...] = a  # of the layout's dtype (equal dtypes: byte order too) and shape
         self._words[0] = VALUES
         return True
 
