@@ -192,6 +192,73 @@ def test_kept_combines_follow_output_shapes_that_change_with_the_values(fork, rn
                 f(a)
 
 
+@pytest.mark.parametrize("window", [3, None])
+def test_loops_over_more_messages_than_the_workers_keep(fork, rng, monkeypatch, window):
+    """Calls of three functions and inline collectives of many kinds, in a loop
+    that goes through more kept messages than the workers keep (``window``
+    shrinks what they keep, so that the master sends forgotten ones again in
+    full): every call and collective gives what numpy gives."""
+    from synkhronos import control
+    if window is not None:
+        monkeypatch.setattr(control, "KEEP_WINDOW", window)  # before fork(): the workers inherit it
+    n = fork(3)
+    x = pt.dvector("x")
+    fs = [synk.function([x], (x.sum() + k, "sum"), mode=MODE) for k in range(5)]
+    vs = [pytensor.shared(np.zeros(2), name=f"v{k}") for k in range(3)]
+    synk.function([], sum(v.sum() for v in vs), mode=MODE)
+    synk.distribute()
+    for i in range(200):  # calls alone: kept messages only, sent again, forgotten and sent anew
+        k = int(rng.integers(len(fs)))
+        a = rng.standard_normal(6)
+        assert fs[k](a) == pytest.approx(a.sum() + n * k, rel=1e-12, abs=1e-12), (i, k)
+    steps = [("f", k) for k in range(3)] + [("all_reduce", op) for op in ("sum", "max", "min", "avg")] + \
+            [("broadcast", k) for k in range(3)] + [("reduce", op) for op in ("sum", "prod")]
+    for i in range(4 * len(steps)):
+        kind, arg = steps[int(rng.integers(len(steps)))] if i >= len(steps) else steps[i]
+        if kind == "f":
+            a = rng.standard_normal(6)
+            got, want = fs[arg](a), a.sum() + n * arg
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-12), (i, kind, arg)
+            continue
+        values = [rng.standard_normal(2) for _ in range(n)]
+        for r in range(n):
+            synk.set_value(r, vs, [values[r] * (k + 1) for k in range(3)])
+        if kind == "broadcast":  # all of vs[:2], or vs[1] or vs[2] alone
+            synk.broadcast(vs[:2] if arg == 0 else vs[arg])
+            for r in range(n):
+                for k in ((0, 1) if arg == 0 else (arg,)):
+                    np.testing.assert_allclose(synk.get_value(r, vs[k]), values[0] * (k + 1), rtol=1e-12,
+                                               err_msg=f"{i}: broadcast {arg}, rank {r}, v{k}")
+            continue
+        if kind == "all_reduce":
+            synk.all_reduce(vs[:2], op=arg)
+            want = {"sum": np.sum, "max": np.max, "min": np.min, "avg": np.mean}[arg](values, axis=0)
+        else:
+            got = synk.reduce(vs[:2], op=arg, in_place=False)
+            want = {"sum": np.sum, "prod": np.prod}[arg](values, axis=0)
+            np.testing.assert_allclose(got[0], want, rtol=1e-12, err_msg=f"{i}: reduce {arg}")
+            continue
+        for r in range(n):
+            np.testing.assert_allclose(synk.get_value(r, vs[0]), want, rtol=1e-12, err_msg=f"{i}: {kind} {arg}")
+
+
+def test_alternating_functions_see_a_resized_data_input(forked):
+    """Two functions in turn on one synk.data input, which is given new memory:
+    the workers' kept calls of both must let go of the old memory."""
+    x = pt.dvector("x")
+    f = synk.function([x], (x.sum(), "sum"), mode=MODE)
+    g = synk.function([x], (x.max(), "max"), mode=MODE)
+    d = synk.data(np.ones(12))
+    for _ in range(3):
+        assert f(d) == 12 and g(d) == 1
+    d.set_value(np.arange(1000.0))
+    for _ in range(3):
+        assert f(d) == sum(range(1000)) and g(d) == 999
+    d.set_value(np.full(6, 2.0))
+    assert f(d) == 12 and g(d) == 2
+    d.free_memory()
+
+
 def test_reply_areas_read_what_was_written_as_layouts_change(rng):
     """One process's reply area as its writer and its reader see it (two views of
     one buffer, as the worker and the master map it): layouts that change,
