@@ -254,6 +254,8 @@ def format_report(result) -> str:
     for label_, keys in (("multiprocessing.Pool(2).map, 2 trivial tasks", ("local", "pool_map")),
                          ("POSIX semaphore round trip (sleeping partner)", ("local", "semaphore_round_trip")),
                          ("POSIX semaphore round trip (spinning partner)", ("local", "semaphore_round_trip_spin")),
+                         ("Python floor of a 4 B all-reduce (spinning, no checks)",
+                          ("local", "python_floor_all_reduce")),
                          ("Open MPI barrier", ("mpi", "barrier")),
                          ("Open MPI all-reduce 4 B", ("mpi", "all_reduce", "4B")),
                          ("gloo barrier", ("gloo", "barrier")),

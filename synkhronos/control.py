@@ -156,9 +156,11 @@ class ControlBlock:
         self._replies = {r: ReplyArea(replies[r]) for r in range(size) if r != master_rank}
         self._out_seq = 0
         self._top = 0               # master: the generation of the newest body written
+        self._last_body = None      # master: the kept body of the last command
         self._kept = {}             # master: kept body (bytes) -> its generation
         self._message = (-1, None)  # worker: (body generation, its unpickled message)
         self._kept_messages = {}    # worker: generation -> unpickled message, of kept bodies
+        self.message_kept = False   # worker: whether the master may send the last message again
         self._overflow: Segment | None = None
         self._overflow_gen = 0
         self._err_seq = 0
@@ -179,20 +181,22 @@ class ControlBlock:
         sends only the generation: nothing is copied or unpickled, also in a
         loop that alternates between several functions and collectives.
         """
-        keep = body is not None
-        if not keep:
-            body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        n = len(body)
         words = self._words
-        gen = self._kept.get(body) if keep else None
-        fresh = gen is None or gen <= self._top - KEEP_WINDOW
-        if fresh:
-            gen = self._write_body(cmd, body, n, keep)
+        fresh = False
+        if body is None or body is not self._last_body:  # (the very last message again: all in place)
+            keep = body is not None
+            if not keep:
+                body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+            gen = self._kept.get(body) if keep else None
+            fresh = gen is None or gen <= self._top - KEEP_WINDOW
+            if fresh:
+                gen = self._write_body(cmd, body, len(body), keep)
+            words[_W_BODY] = gen
+            words[_W_LEN] = len(body)
+            self._last_body = body if keep else None
         for r in self.go:  # a failure of an earlier command, also one never collected
             if words[self._status + r] != _STATUS_OK:
                 words[self._status + r] = _STATUS_OK
-        words[_W_BODY] = gen
-        words[_W_LEN] = n
         words[_W_CMD] = int(cmd)
         words[_W_SEQ] += 1
         for sem in self.go.values():
@@ -326,8 +330,10 @@ class ControlBlock:
         if gen == self._message[0]:  # the very message of the last command: unpickled already
             return cmd, self._message[1]
         message = self._kept_messages.get(gen)
+        self.message_kept = message is not None
         if message is None:
             message = self._unpickle(gen)
+            self.message_kept = words[_W_KEEP] != 0
         self._message = (gen, message)
         return cmd, message
 
@@ -403,6 +409,7 @@ class ControlBlock:
         # views keep the mapping alive: drop every one, so the block is unmapped now
         self._words = self._replies = None
         self._kept = {}
+        self._last_body = None
         self._message = (-1, None)
         self._kept_messages = {}
         close_semaphores([*self.go.values(), self.done], unlink=self.create)

@@ -612,7 +612,7 @@ def worker_call(proc, wire: tuple) -> None:
         call = CallSpec(*wire)
         share = share_of(proc, call, keep=True)
         lane = Lane.of(proc, call, share)
-        if share.fn is not None:
+        if share.fn is not None and proc.control.message_kept:  # (else it never comes again)
             if len(proc.kept_calls) >= _MAX_KEPT_CALLS:
                 proc.kept_calls.clear()
             proc.kept_calls[id(wire)] = (wire, call, share, lane)

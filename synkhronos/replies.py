@@ -61,8 +61,11 @@ class ReplyArea:
 
     def put(self, arrays, weight: float) -> bool:
         """Write ``arrays`` (numpy) and ``weight``; False, writing nothing, when they do not fit."""
-        dst = self._dst  # none: the header's count may be stale, as after put_elsewhere
-        if not (dst and _same_arrays(arrays, dst)) and not self._switch(arrays):
+        dst = self._dst
+        if dst:
+            if not _same_arrays(arrays, dst) and not self._switch(arrays):
+                return False
+        elif (arrays or self._layout != ()) and not self._switch(arrays):  # (after put_elsewhere: None)
             return False
         for a, dst in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
             dst[...] = a
