@@ -312,6 +312,8 @@ class Lane:
                 weights.append(weight)
             else:
                 return None
+        if not self.reduced:  # every reply ordinary, nothing to combine
+            return list(outs)
         kept = self.kept
         if kept is not None and weights == kept[1] and _same_parts(sets, kept[0], mine, kept[2]):
             results = list(outs)
@@ -326,9 +328,8 @@ class Lane:
         """What a combine that went through every check leaves for the next one:
         the workers' arrays (the reply areas hand out the same list until their
         layout changes), the weights, the master's layout and per output the
-        reduction to run. None with a single process (combine copies then), or
-        nothing to reduce (the checks would cost more than they save)."""
-        if len(sets) < 2 or not self.reduced:
+        reduction to run. None with a single process (combine copies then)."""
+        if len(sets) < 2:
             return None
         steps = [(k, j, concat if op == "gather" else self.reducers[j].run)
                  for j, (k, op) in enumerate(self.reduced)]
