@@ -22,7 +22,7 @@ from ..errors import PeerFailed
 from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, round_up, segment_exists
 from .base import Communicator
 from .inline import LAYOUT, VALUES, InlineArea
-from .ops import agreed_layout, cast_to, combine, result_dtype
+from .ops import Reducer, agreed_layout, cast_to, combine, result_dtype
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
 
@@ -582,12 +582,17 @@ _BLOCK = 1 << 15
 
 
 def _reduce_into_all(flats, lo, hi, op, weights) -> None:
-    """Combine ``flats[*][lo:hi]`` block by block and write the result into every one."""
-    tmp = np.empty(min(_BLOCK, max(hi - lo, 0)), dtype=result_dtype(flats[0].dtype, op))
+    """Combine ``flats[*][lo:hi]`` block by block and write the result into every one
+    (one Reducer for every block: combine()'s very steps, worked out once)."""
+    dtype = flats[0].dtype
+    size = min(_BLOCK, max(hi - lo, 0))
+    tmp = np.empty(size, dtype=result_dtype(dtype, op))
+    reducer = Reducer(op, dtype, (size,), weights, len(flats))
     for start in range(lo, hi, _BLOCK):
         stop = min(start + _BLOCK, hi)
-        out = cast_to(combine([f[start:stop] for f in flats], op, weights, out=tmp[:stop - start]),
-                      flats[0].dtype)  # the avg of integers is rounded, never truncated
+        out = reducer([f[start:stop] for f in flats], out=tmp[:stop - start])
+        if out.dtype != dtype:
+            out = cast_to(out, dtype)  # the avg of integers is rounded, never truncated
         for f in flats:
             np.copyto(f[start:stop], out)
 
