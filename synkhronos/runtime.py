@@ -205,6 +205,11 @@ def _spawn_workers(proc: Process, groups, threads: int) -> dict:
                 pin(groups[rank])
             _become_worker(proc, rank, threads)
         pids[rank] = pid
+        if groups is not None:  # here too: fork() returns with every worker pinned, not only soon after
+            try:
+                os.sched_setaffinity(pid, groups[rank])
+            except (AttributeError, OSError):  # gone already (the master notices), or unsupported
+                pass
     return pids
 
 
