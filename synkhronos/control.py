@@ -187,12 +187,13 @@ class ControlBlock:
             keep = body is not None
             if not keep:
                 body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+            n = len(body)
             gen = self._kept.get(body) if keep else None
             fresh = gen is None or gen <= self._top - KEEP_WINDOW
             if fresh:
-                gen = self._write_body(cmd, body, len(body), keep)
+                gen = self._write_body(cmd, body, n, keep)
             words[_W_BODY] = gen
-            words[_W_LEN] = len(body)
+            words[_W_LEN] = n
             self._last_body = body if keep else None
         for r in self.go:  # a failure of an earlier command, also one never collected
             if words[self._status + r] != _STATUS_OK:

@@ -250,8 +250,8 @@ class Lane:
     """A kept :class:`Share` of an inline call, run with what every call of its
     kind shares worked out once: the inputs, the function, which outputs are
     reduced and which change dtype; in the master also the reply areas to
-    read, in rank order. A worker's message names its lane by being the very
-    message of the last call; the master's lane is part of the plan. Used only
+    read, in rank order. A worker finds its lane by the kept message (see
+    :func:`worker_call`); the master's lane is part of the plan. Used only
     for an active share with nothing to check per call, and only while the
     replies are ordinary: anything else takes :func:`execute_call` and
     :func:`combine_inline`, which raise the errors."""
@@ -650,8 +650,7 @@ class Function:
         # per input: (dtype, ndim, plain), plain when PyTensor checks its type by
         # dtype and ndim alone: an ndarray that already has both needs no
         # conversion (the common case, made fast)
-        self._types = [(np.dtype(v.type.dtype), v.type.ndim, all(d is None for d in v.type.shape))
-                       for v in spec.inputs]
+        self._types = [(np.dtype(v.type.dtype), v.type.ndim, _plain_input(v)) for v in spec.inputs]
 
     @property
     def name(self) -> str:
@@ -1110,6 +1109,8 @@ def _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs
     """Whether a call's keywords let it be planned (inputs in order, all of them, whole)."""
     return (not kwargs and output_subset is None and batch is None and batch_s is None
             and type(num_slices) is int and num_slices == 1 and device_outputs is False)
+
+
 #: Planned calls kept per function (input shapes seen lately).
 _MAX_PLANS = 8
 

@@ -557,14 +557,12 @@ def _receive_into(proc, sid, var, src) -> np.ndarray:
     """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
     value (memory allocated once, not at every broadcast)."""
     current = var.get_value(borrow=True)
-    comm = proc.comm
-    if (type(current) is np.ndarray and current.dtype is src.dtype and current.shape == src.shape
-            and comm.supports_resident and comm.existing(f"sv{sid}", src.dtype, src.shape) is current):
-        current[...] = src  # the usual case in a loop: the value is its first home already
-        return current
-    if not comm.supports_resident or np.dtype(src.dtype) != np.dtype(var.type.dtype):
+    # the value's own dtype object is the variable's: no dtype to build from its name in a loop
+    same_dtype = getattr(current, "dtype", None) is src.dtype or np.dtype(src.dtype) == np.dtype(var.type.dtype)
+    if not proc.comm.supports_resident or not same_dtype:
         _assign(var, np.array(src, copy=True))
         return var.get_value(borrow=True)
+    # _home returns the value itself at once while it is its first home (the usual case in a loop)
     view = _home(proc, sid, src.dtype, src.shape, lambda: _memory_in_use(proc, exclude={sid}), current=current)
     np.copyto(view, src)
     if view is not current:
@@ -624,9 +622,9 @@ _NOT_INLINE = object()
 _MAX_BODIES = 256
 
 
-def _inline_body(s, key, layout, values):
-    """The pickled inline command ``key`` for ``values``, or None when they cannot go inline."""
-    got = s.inline_bodies.get(key)
+def _inline_body(s, key, layout, values, got):
+    """The pickled inline command ``key`` for ``values`` (``got``: the one kept for
+    ``key``, if any), or None when they cannot go inline."""
     if got is not None and got[1] == layout:
         return got[0]
     for a in values:
@@ -656,7 +654,7 @@ def _send_inline(s, spec: CollectiveSpec):
         body, layout = kept
     else:
         layout = tuple((a.dtype, a.shape) for a in values)
-        body = _inline_body(s, key, layout, values)
+        body = _inline_body(s, key, layout, values, kept)
         if body is None:
             return _NOT_INLINE
     kind, wire = spec.kind, (_INLINE,) + key
@@ -680,7 +678,7 @@ def _send_inline(s, spec: CollectiveSpec):
         _raise_mismatch(comm, layout, spec.op)
     if kind == "gather":
         return [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
-    return _inline_reduce(parts, spec, vars_)
+    return _inline_reduce(proc, parts, spec, vars_)
 
 
 def _same_layout(values, layout) -> bool:
@@ -705,12 +703,12 @@ def _raise_mismatch(comm, layout, op):
     raise RuntimeError(f"the processes' values of an inline {op}-reduce did not arrive")  # not reached
 
 
-def _inline_reduce(parts, spec: CollectiveSpec, vars_) -> list:
+def _inline_reduce(proc, parts, spec: CollectiveSpec, vars_) -> list:
     """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
-    got, kept = [], context.session().proc.reducers
+    got = []
     for i, v in enumerate(vars_):
         values = [p[i] for p in parts]
-        out = kept_reducer(kept, spec.op, values).run(values)  # new memory, never a view of an area
+        out = kept_reducer(proc.reducers, spec.op, values).run(values)  # new memory, never a view of an area
         got.append(cast_to(out, v.type.dtype))
     if spec.in_place:
         for v, g in zip(vars_, got):

@@ -22,7 +22,7 @@ from ..errors import PeerFailed
 from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, round_up, segment_exists
 from .base import Communicator
 from .inline import LAYOUT, VALUES, InlineArea
-from .ops import Reducer, agreed_layout, cast_to, combine, result_dtype
+from .ops import Reducer, cast_to, combine, result_dtype
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
 
@@ -590,9 +590,8 @@ def _reduce_into_all(flats, lo, hi, op, weights) -> None:
     reducer = Reducer(op, dtype, (size,), weights, len(flats))
     for start in range(lo, hi, _BLOCK):
         stop = min(start + _BLOCK, hi)
-        out = reducer([f[start:stop] for f in flats], out=tmp[:stop - start])
-        if out.dtype != dtype:
-            out = cast_to(out, dtype)  # the avg of integers is rounded, never truncated
+        # the avg of integers is rounded, never truncated
+        out = cast_to(reducer([f[start:stop] for f in flats], out=tmp[:stop - start]), dtype)
         for f in flats:
             np.copyto(f[start:stop], out)
 
