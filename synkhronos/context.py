@@ -41,6 +41,8 @@ class Process:
         # worker: id(message) -> (message, CallSpec, Share, Lane or None) of the calls whose
         # messages the control block keeps (function.worker_call)
         self.kept_calls = {}
+        self.kept_inline = {}  # worker: id(message) -> shareds._WorkerPlan of kept inline collectives
+        self.published = {}    # worker: sid -> (variable, home, its shape, generation) published on its home board
         self.reducers = {}    # collectives.ops.Reducer kept per (op, dtype, shape, parts), see kept_reducer
         self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
 
@@ -63,6 +65,8 @@ class Process:
         for local in self.functions.values():
             local.close()
         self.kept_calls.clear()
+        self.kept_inline.clear()
+        self.published.clear()
         for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()

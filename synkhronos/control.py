@@ -316,6 +316,10 @@ class ControlBlock:
     def epoch(self) -> int:
         return self._words[_W_EPOCH]
 
+    def commands(self) -> int:
+        """How many commands the master has posted so far."""
+        return self._words[_W_SEQ]
+
     # -- worker side -------------------------------------------------------
 
     def aborted(self) -> bool:

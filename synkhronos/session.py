@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from . import context, signals
-from .control import ChildWatch, Command
+from .control import CHECK_EVERY, ChildWatch, Command
 from .errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
                      unpack_exception)
 
@@ -46,6 +46,7 @@ class Session:
         self.collective_scratch = {}  # staging Data for values the master sends
         self.inline_bodies = {}      # shareds.py: pickled inline collective commands, reused
         self.resolved = {}           # shareds.py: shared-variable arguments resolved to their ids, kept
+        self.inline_plans = {}       # shareds.py: kept plans of small broadcasts and all_reduces
         self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
         self.in_flight = None        # thread id while a command runs (nested calls are refused)
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it
@@ -57,6 +58,7 @@ class Session:
         self._wait_start = 0.0
         self._next_warning = 0.0
         self._next_signal = 0.0
+        self._next_alive = 0.0       # check_alive(): when the workers' liveness is checked next
 
     @property
     def n_parallel(self) -> int:
@@ -164,6 +166,27 @@ class Session:
             if errors:
                 log.debug("errors of an abandoned command, dropped: %s", sorted(errors))
         self._reset_after_abort()
+
+    def idle(self) -> bool:
+        """Whether the fork is usable and every worker is idle, with nothing to
+        settle or send first: the master may then read and write the values
+        the workers published (see :func:`synkhronos.shareds._Plan`)."""
+        return (not self._needs_reset and not self.close_requested and self.broken is None
+                and not self.closed and self.proc.control.all_answered())
+
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError (the fork broken) if a worker has died; checked
+        at most every ``CHECK_EVERY`` seconds, as a waiting master checks."""
+        now = time.monotonic()
+        if now < self._next_alive:
+            return
+        self._next_alive = now + CHECK_EVERY
+        try:
+            self.watch.poll()
+        except WorkerDiedError as err:
+            self.broken = err
+            self.abort()
+            raise
 
     def usable(self) -> None:
         if self.closed:

@@ -18,7 +18,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from . import context, nodes
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import agreed_layout, cast_to, kept_reducer, parse_op
+from .collectives.ops import agreed_layout, cast_to, kept_reducer, parse_op, result_dtype
 from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
@@ -26,7 +26,7 @@ from .data import Data, attach, fit_scratch, forget, ref, release_scratch
 from .distribute import distribute
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-           "set_value", "get_value", "get_lengths", "get_shapes"]
+           "set_value", "get_value", "get_lengths", "get_shapes", "publish_homes"]
 
 
 @dataclasses.dataclass
@@ -172,12 +172,15 @@ def broadcast(shared_vars, values=None, nccl=True):
             ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; values that do not match the variables in number.
     """
+    if values is None and _planned("broadcast", shared_vars, None, nccl):
+        return None
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None and nodes.world().node == 0:  # across nodes node 0's values are sent
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
-    _send(s, CollectiveSpec("broadcast", sids, cpu=cpu))
+    _send(s, CollectiveSpec("broadcast", sids, cpu=cpu),
+          plan_key=None if values is not None else ("broadcast", _resolve_key(shared_vars), None, nccl))
 
 
 @context.serialized
@@ -323,10 +326,13 @@ def all_reduce(shared_vars, op="avg", nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    op, cpu = parse_op(op)
+    if _planned("all_reduce", shared_vars, op, nccl):
+        return None
+    name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
-    _send(s, CollectiveSpec("all_reduce", sids, op=op, cpu=cpu))
+    _send(s, CollectiveSpec("all_reduce", sids, op=name, cpu=cpu),
+          plan_key=("all_reduce", _resolve_key(shared_vars), op, nccl))
 
 
 def _check_nccl(nccl) -> bool:
@@ -582,12 +588,13 @@ def _memory_in_use(proc, exclude) -> list:
     return ranges
 
 
-def _send(s, spec: CollectiveSpec):
+def _send(s, spec: CollectiveSpec, plan_key=None):
     """Run ``spec`` in every process; the workers get it as a plain tuple (a
     dataclass takes several times longer to pickle, on every collective).
-    Small values take the inline path (:func:`_send_inline`)."""
+    Small values take the inline path (:func:`_send_inline`), which keeps a
+    plan under ``plan_key`` (see :class:`_Plan`)."""
     if spec.kind in _INLINE_KINDS:
-        got = _send_inline(s, spec)
+        got = _send_inline(s, spec, plan_key)
         if got is not _NOT_INLINE:
             return got
     wire = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
@@ -596,7 +603,13 @@ def _send(s, spec: CollectiveSpec):
 
 def worker_collective(proc, wire: tuple):
     if wire[0] is _INLINE:
-        return _run_inline(proc, *wire[1:])
+        kept = proc.kept_inline.get(id(wire))
+        if kept is not None and kept.wire is wire and kept.run(proc):
+            return None
+        _run_inline(proc, *wire[1:])
+        if wire[1] in _PLANNED_KINDS and proc.control.message_kept:  # (else it never comes again)
+            _WorkerPlan.keep(proc, wire)
+        return None
     return _run(proc, CollectiveSpec(*wire))
 
 
@@ -639,8 +652,9 @@ def _inline_body(s, key, layout, values, got):
     return body
 
 
-def _send_inline(s, spec: CollectiveSpec):
-    """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's."""
+def _send_inline(s, spec: CollectiveSpec, plan_key=None):
+    """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's;
+    a broadcast or all_reduce that went through keeps its plan under ``plan_key``."""
     proc = s.proc
     comm = proc.comm
     # workers still busy with an abandoned command might read the master's area: the full path settles them first
@@ -662,6 +676,7 @@ def _send_inline(s, spec: CollectiveSpec):
         comm.put_inline(values, layout)
     if kind == "broadcast":
         s.run(Command.COLLECTIVE, wire, body=body)
+        _Plan.keep(s, plan_key, kind, vars_, layout, None, wire, body)
         return None
     if kind == "all_reduce":
         # the master combines while the workers do: its half runs between post and collect
@@ -669,6 +684,7 @@ def _send_inline(s, spec: CollectiveSpec):
                                                                             spec.op), body=body)
         if not done:
             _raise_mismatch(comm, layout, spec.op)
+        _Plan.keep(s, plan_key, kind, vars_, layout, spec.op, wire, body)
         return None
     s.run(Command.COLLECTIVE, wire, body=body)
     parts = comm.inline_parts(values, layout if kind == "reduce" else None)
@@ -753,6 +769,241 @@ def _run_inline(proc, kind, sids, op) -> None:
     if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them
         _all_reduce_here(proc, sids, vars_, values, layout, op)
 
+
+# ---------------------------------------------------------------------------
+# Kept plans: a loop of the same small broadcast or all_reduce. Once one went
+# through by the inline path, its plan is kept: in the master per argument (the
+# variables, op and nccl as the caller gave them), in a worker per kept
+# message. The next one checks only what can have changed since: that the fork
+# is idle and has no new function to distribute, and that each variable still
+# holds the very array the plan holds (all_reduce writes its result into it;
+# a broadcast's master values need only the plan's dtypes and shapes). Anything
+# else takes the full path, which plans again.
+#
+# Direct: a worker's values change only while it runs a command. A worker
+# that kept a plan publishes on its home board, before every answer, whether
+# each variable of it still holds that home (ShmCommunicator.publish_home).
+# The master records the generations published right after a round trip that
+# found every process's values of the plan's dtypes and shapes; while every
+# worker is idle and publishes the same ones, the same arrays still are the
+# values, so the master does the whole collective itself, with no command: it
+# reads every process's value where it lives, reduces them with the same
+# Reducer, in rank order, and writes the result (or, for a broadcast, its
+# values) into every process's home. The workers find them there at their
+# next command. Liveness is checked as often as a waiting master checks it.
+
+#: The inline collectives that keep plans.
+_PLANNED_KINDS = frozenset(("broadcast", "all_reduce"))
+#: Plans a session, or a worker, keeps before it starts again.
+_MAX_PLANS = 64
+
+
+def _planned(kind, shared_vars, op, nccl) -> bool:
+    """Run the master's kept plan of this collective, if there is one and it still
+    holds; False when the full path must run (no plan, or it no longer holds)."""
+    s = context.current()
+    if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
+        return False
+    plan = s.inline_plans.get((kind, _resolve_key(shared_vars), op, nccl))
+    return plan is not None and plan.run()
+
+
+class _Plan:
+    """The master's kept plan of one inline broadcast or all_reduce (see above)."""
+
+    __slots__ = ("s", "kind", "vars_", "homes", "layout", "op", "wire", "body", "reducers", "casts",
+                 "peers", "parts", "outs")
+
+    @staticmethod
+    def keep(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
+        """Keep the plan of the collective that just went through, under ``plan_key``."""
+        if plan_key is None or plan_key[1] is None:
+            return
+        homes = [v.container.storage[0] for v in vars_]
+        if tuple((getattr(h, "dtype", None), getattr(h, "shape", None)) for h in homes) != layout:
+            return  # (a variable whose value is not the array that was sent: never planned)
+        if len(s.inline_plans) >= _MAX_PLANS:
+            s.inline_plans.clear()
+        plan = s.inline_plans[plan_key] = _Plan(s, kind, vars_, homes, layout, op, wire, body)
+        plan.find_homes()
+
+    def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
+        self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
+        self.op, self.wire, self.body = op, wire, body
+        self.reducers, self.casts = _reducers(s.proc, op, homes) if kind == "all_reduce" else (None, None)
+        self.peers = None  # direct: [(board, slot, generation)] of every worker's home of every variable
+        self.parts = None  # direct: per variable, every process's value, in rank order
+        self.outs = None   # direct: per variable, where its result goes (every process's home)
+
+    def run(self) -> bool:
+        s = self.s
+        proc = s.proc
+        if len(s.distributed) != len(proc.functions) or not s.idle():
+            return False
+        if self.kind == "broadcast":
+            values = [v.container.storage[0] for v in self.vars_]
+            if not _same_layout(values, self.layout):
+                return False
+            if self.peers is not None and self._direct_broadcast(values):
+                return True
+            proc.comm.put_inline(values, self.layout)
+            s.run(Command.COLLECTIVE, self.wire, body=self.body)
+        else:
+            homes = self.homes
+            for var, home, (_, shape) in zip(self.vars_, homes, self.layout):
+                if var.container.storage[0] is not home or home.shape != shape:
+                    return False
+            if self.peers is not None and self._direct_all_reduce():
+                return True
+            proc.comm.put_inline(homes, self.layout)
+            if not s.run(Command.COLLECTIVE, self.wire, self._here, body=self.body):
+                _raise_mismatch(proc.comm, self.layout, self.op)
+        self.find_homes()
+        return True
+
+    def _here(self, proc, _) -> bool:
+        """The master's half of the all_reduce (see :func:`_all_reduce_here`)."""
+        comm = proc.comm
+        comm.inline_await()
+        parts = comm.inline_parts(self.homes, self.layout)
+        if parts is None:
+            return False
+        _fold_into(self.homes, parts, self.reducers, self.casts)
+        return True
+
+    def find_homes(self) -> None:
+        """After a round trip that went well: where every worker's values live now, if
+        every one published them (they are then of the plan's dtypes and shapes)."""
+        proc = self.s.proc
+        comm = proc.comm
+        self.peers = None
+        if not all(sid < comm.home_slots for sid in self.wire[2]):
+            return
+        peers, views = [], {}
+        for r in range(comm.size):
+            if r == proc.rank:
+                continue
+            board = comm.home_board(r)
+            for sid, (dtype, shape) in zip(self.wire[2], self.layout):
+                view = comm.peer_home(r, sid, board[sid], dtype, shape)
+                if view is None:
+                    return
+                peers.append((board, sid, board[sid]))
+                views[r, sid] = view
+        own = dict(zip(self.wire[2], self.homes))
+        self.parts = [[own[sid] if r == proc.rank else views[r, sid] for r in range(comm.size)]
+                      for sid in self.wire[2]]
+        self.outs = [[views[r, sid] for r in range(comm.size) if r != proc.rank] for sid in self.wire[2]]
+        self.peers = peers
+
+    def _still_home(self) -> bool:
+        """Whether every worker's values are where they were found (the fork is
+        idle: :meth:`run` checked); raises if a worker died."""
+        for board, sid, gen in self.peers:
+            if board[sid] != gen:
+                return False
+        self.s.check_alive()
+        return True
+
+    def _direct_all_reduce(self) -> bool:
+        if not self._still_home():
+            return False
+        for i, (home, parts, outs) in enumerate(zip(self.homes, self.parts, self.outs)):
+            out = self.reducers[i].run(parts)  # new memory: every part is some process's home
+            if self.casts[i]:
+                out = cast_to(out, home.dtype)
+            np.copyto(home, out)
+            for dst in outs:
+                np.copyto(dst, out)
+        return True
+
+    def _direct_broadcast(self, values) -> bool:
+        if not self._still_home():
+            return False
+        for value, outs in zip(values, self.outs):
+            for dst in outs:
+                np.copyto(dst, value)
+        return True
+
+
+def _reducers(proc, op, homes) -> tuple:
+    """Per value, the kept Reducer of every process's part, and whether its
+    result must be cast to the value's dtype (an integer ``avg``)."""
+    n = proc.comm.size
+    reducers = [kept_reducer(proc.reducers, op, [h] * n) for h in homes]
+    casts = [result_dtype(h.dtype, op) != h.dtype for h in homes]
+    return reducers, casts
+
+
+def _fold_into(homes, parts, reducers, casts) -> None:
+    """Every process's values (``parts``, in rank order) reduced into ``homes``."""
+    for i, home in enumerate(homes):
+        out = reducers[i].run([p[i] for p in parts])  # new memory: home may be one of the parts
+        np.copyto(home, cast_to(out, home.dtype) if casts[i] else out)
+
+
+class _WorkerPlan:
+    """A worker's kept plan of one inline broadcast or all_reduce message (see above)."""
+
+    __slots__ = ("wire", "kind", "vars_", "homes", "layout", "reducers", "casts")
+
+    @staticmethod
+    def keep(proc, wire) -> None:
+        """Keep the plan of the message ``wire`` that just ran by the full path,
+        and publish where its values live (see :func:`publish_homes`)."""
+        kind, sids, op = wire[1:]
+        vars_ = [proc.shareds[sid] for sid in sids]
+        homes = [v.container.storage[0] for v in vars_]
+        if any(type(h) is not np.ndarray for h in homes):
+            return
+        kept = proc.kept_inline
+        if len(kept) >= _MAX_PLANS:
+            kept.clear()
+        kept[id(wire)] = _WorkerPlan(proc, wire, kind, vars_, homes, op)
+        comm = proc.comm
+        for sid, var, home in zip(sids, vars_, homes):
+            if sid < comm.home_slots:
+                proc.published[sid] = (var, home, home.shape, comm.publish_home(sid, home))
+
+    def __init__(self, proc, wire, kind, vars_, homes, op):
+        self.wire, self.kind, self.vars_, self.homes = wire, kind, vars_, homes
+        self.layout = tuple((h.dtype, h.shape) for h in homes)
+        self.reducers, self.casts = _reducers(proc, op, homes) if kind == "all_reduce" else (None, None)
+
+    def run(self, proc) -> bool:
+        """Run the plan; False, having done nothing, when it no longer holds."""
+        homes = self.homes
+        for var, home, (_, shape) in zip(self.vars_, homes, self.layout):
+            if var.container.storage[0] is not home or home.shape != shape:
+                return False
+        comm = proc.comm
+        if self.kind == "broadcast":
+            srcs = comm.inline_values(proc.master_rank)
+            if len(srcs) != len(homes):
+                return False
+            for src, home in zip(srcs, homes):
+                if src.dtype is not home.dtype or src.shape != home.shape:
+                    return False
+            for src, home in zip(srcs, homes):
+                np.copyto(home, src)
+            return True
+        comm.put_inline(homes, self.layout)
+        comm.inline_arrive()
+        parts = comm.inline_parts(homes, self.layout)
+        if parts is not None:  # (values of another layout change nothing: the master raises, naming them)
+            _fold_into(homes, parts, self.reducers, self.casts)
+        return True
+
+
+def publish_homes(proc) -> None:
+    """A worker, before every answer: for each variable whose home it published,
+    whether it still holds that home (its generation, or 0)."""
+    published = proc.published
+    if not published:
+        return
+    board = proc.comm.home_board(proc.rank)
+    for sid, (var, home, shape, gen) in published.items():
+        board[sid] = gen if var.container.storage[0] is home and home.shape == shape else 0
 
 def _run(proc, spec: CollectiveSpec):
     if spec.kind == "placement":

@@ -285,6 +285,32 @@ def test_reply_areas_read_what_was_written_as_layouts_change(rng):
     assert [g.tolist() for g in reader.get()[0]] == [a.tolist() for a in arrays]
 
 
+def test_inline_areas_read_what_was_written_as_layouts_change(rng):
+    """One process's inline area as its writer and two readers see it: layouts
+    that change, come back, grow past the area (layout alone), or do not even
+    fit as a layout always read back right; a reader that missed writes too."""
+    from synkhronos.collectives.inline import LAYOUT, OVERSIZE, VALUES, InlineArea
+    buf = np.zeros(4096, np.uint8)
+    writer, reader, late = InlineArea(buf), InlineArea(buf), InlineArea(buf)
+    kinds = [("float32", (4,)), ("float64", ()), ("int64", (2, 3)), (">f4", (4,)), ("float32", (5,)),
+             ("float64", (600,)), ("int8", (1,) * 40)]
+    for i in range(400):
+        picked = [kinds[j] for j in rng.integers(0, len(kinds), int(rng.integers(1, 4)))]
+        arrays = [rng.standard_normal(shape).astype(dtype) for dtype, shape in picked]
+        layout = tuple((a.dtype, a.shape) for a in arrays)
+        wrote = writer.write(arrays, layout if rng.random() < 0.5 else None)
+        need = sum(2 + len(s) for _, s in layout) * 8 + 32
+        for r in ([reader, late] if rng.random() < 0.3 else [reader]):
+            state, got, got_layout = r.read()
+            if not wrote:
+                assert state == (OVERSIZE if need > 4096 else LAYOUT), i
+                if state == LAYOUT:
+                    assert got is None and got_layout == tuple((np.dtype(d), s) for d, s in picked), i
+                continue
+            assert state == VALUES and got_layout == layout and len(got) == len(arrays), i
+            for g, a in zip(got, arrays):
+                assert g.shape == a.shape and g.dtype == a.dtype and (g == a).all(), i
+
 @pytest.mark.parametrize("value, err, match", [
     (-1.0, ValueError, "idle_spin must be a finite number of seconds >= 0, got -1.0"),
     (float("inf"), ValueError, "idle_spin must be a finite number"),

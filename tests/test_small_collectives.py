@@ -18,6 +18,7 @@ from numpy.testing import assert_array_equal
 import synkhronos as synk
 from synkhronos import shareds
 from synkhronos.collectives import shm
+from synkhronos.control import CHECK_EVERY
 
 from conftest import MODE, worker_pids
 
@@ -235,6 +236,8 @@ def test_a_worker_killed_or_stuck_during_a_small_all_reduce_is_noticed(fork, n):
     pids = worker_pids()
     os.kill(pids[n - 1], signal.SIGSTOP)  # stuck: the timeout ends the wait
     try:
+        synk.all_reduce(v, "sum")  # every worker idle, its value where it published it: no command
+        v.set_value(np.ones(2))  # a new value here: the next one is a command again
         t0 = time.monotonic()
         with pytest.raises(synk.SynkTimeoutError):
             synk.all_reduce(v, "sum")
@@ -245,9 +248,77 @@ def test_a_worker_killed_or_stuck_during_a_small_all_reduce_is_noticed(fork, n):
     synk.all_reduce(v, "sum")
     for got in _each(v, n):
         assert_array_equal(got, np.full(2, 3.0 * n))
+    synk.all_reduce(v, "sum")
     os.kill(pids[n - 1], signal.SIGKILL)
+    # with every worker idle no command is sent: a dead worker is noticed as a
+    # waiting master notices it, within CHECK_EVERY of the kernel's word that it died
+    t0 = time.monotonic()
     with pytest.raises(synk.WorkerDiedError, match=f"rank {n - 1}"):
-        synk.all_reduce(v, "sum")
+        while time.monotonic() - t0 < 5:
+            synk.all_reduce(v, "sum")
+            time.sleep(CHECK_EVERY / 4)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # prod loops overflow, in numpy as here
+@pytest.mark.parametrize("n", [2, 3])
+def test_loops_without_commands_match_numpy(fork, n):
+    """Random loops of small all_reduces and broadcasts, mixed with what moves a
+    value away from where a worker published it (a call that updates it in every
+    process, set_value in one process, broadcast of new values, a shape that
+    differs): every process holds what plain numpy says, bit for bit, whether a
+    collective went to the workers as a command or the master did it alone."""
+    rng = np.random.default_rng(n)
+    fork(n)
+    vars_ = _make_vars()
+    a = pytensor.shared(np.zeros(3), name="a")  # updated by a call: a <- 2a - 1 in every process
+    step = synk.function([], a.sum(), updates=[(a, 2 * a - 1)], mode=MODE)
+    synk.distribute()
+    every = vars_ + [a]
+    held = _set_per_rank(rng, n, every)  # held[rank][k]: what rank holds of every[k]
+    ctl = synk.runtime.session().proc.control
+    alone = 0
+    for i in range(400):
+        what, k = rng.integers(0, 10), int(rng.integers(0, len(every)))
+        before = ctl.commands()
+        if what <= 4:  # all_reduce of one variable, or of two
+            ks = [k] if what <= 2 else sorted({k, int(rng.integers(0, len(every)))})
+            op = OPS[int(rng.integers(0, len(OPS)))]
+            synk.all_reduce(every[ks[0]] if len(ks) == 1 else [every[j] for j in ks], op=op)
+            for j in ks:
+                got = _numpy_reduce([held[r][j] for r in range(n)], op, every[j].dtype)
+                for r in range(n):
+                    held[r][j] = got
+        elif what <= 6:
+            synk.broadcast(every[k])
+            for r in range(1, n):
+                held[r][k] = held[0][k]
+        elif what == 7:
+            value = _random_value(rng, every[k].dtype, held[0][k].shape)
+            if rng.random() < 0.5:
+                synk.broadcast(every[k], value)
+                for r in range(n):
+                    held[r][k] = value
+            else:
+                r = int(rng.integers(0, n))
+                synk.set_value(r, every[k], value)
+                held[r][k] = value
+        elif what == 8:
+            step()
+            for r in range(n):
+                held[r][-1] = 2 * held[r][-1] - 1
+        elif held[0][k].ndim:  # another shape in one worker: refused, changing nothing; then the old one back
+            v, r, shape = every[k], int(rng.integers(1, n)), held[0][k].shape
+            synk.set_value(r, v, _random_value(rng, v.dtype, (shape[0] + 1,) + shape[1:]))
+            with pytest.raises(ValueError, match=f"rank {r} holds"):
+                synk.all_reduce(v, op="sum")
+            synk.set_value(r, v, held[r][k])
+        alone += ctl.commands() == before
+        if i % 25 == 0 or i == 399:
+            for j, v in enumerate(every):
+                for r, got in enumerate(_each(v, n)):
+                    assert_array_equal(got, held[r][j], err_msg=f"step {i}, rank {r}, {v.name}")
+                    assert got.dtype == held[r][j].dtype
+    assert alone > 50  # the master did many of them alone
 
 
 def test_ctrl_c_anywhere_in_small_collectives_leaves_correct_collectives(fork):

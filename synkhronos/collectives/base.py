@@ -36,6 +36,10 @@ class Communicator(abc.ABC):
     #: them all), and it takes host arrays: small function outputs may skip it
     #: and ride back with the workers' answers instead.
     within_fork: bool = False
+    #: Slots of each process's home board (0: none): ``publish_home``,
+    #: ``home_board`` and ``peer_home`` work for slots below it, and between
+    #: commands the master may use the arrays the others published there.
+    home_slots: int = 0
 
     @abc.abstractmethod
     def barrier(self) -> None:

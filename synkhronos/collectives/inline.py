@@ -7,8 +7,9 @@ others read them (see shareds.py). An area holds int64 words, then the arrays' b
     word 0   state: EMPTY, VALUES (layout and data), LAYOUT (the layout
              alone: the data did not fit), OVERSIZE (not even the layout fit)
     word 1   the number of arrays
-    word 2   the version of the layout: the same layout call after call is
-             written once, and read once
+    word 2   the version of the layout: the writer gives each layout a
+             version of its own (never reused); readers keep their views
+             per version
     word 3   unused
     then     per array: its dtype's ``str`` (ASCII, in one word), ndim, one
              word per dimension; then the data, each array 16-byte aligned
@@ -48,21 +49,30 @@ def area_bytes(layout) -> int | None:
 class InlineArea:
     """One area (a uint8 view of shared memory), written by one process and read by others.
 
-    The writer keeps views of its own data for the layout it last wrote; a
-    reader keeps views for the layout version it last read.
+    Word 2 names the layout: the writer gives each layout that fits a version
+    of its own (never given twice) and keeps its views; a reader keeps its
+    views per version. So collectives on values of several layouts, in turn,
+    rewrite a header of a few words and reparse nothing.
     """
 
-    __slots__ = ("_buf", "_words", "_cap", "_layout", "_wviews", "_version", "_rviews", "_rlayout")
+    __slots__ = ("_buf", "_words", "_head", "_cap", "_layout", "_wviews", "_layouts", "_versions",
+                 "_version", "_rviews", "_rlayout", "_seen")
 
     def __init__(self, area: np.ndarray):
         self._buf = area
         self._cap = area.nbytes
         self._words = area.view(np.int64)
-        self._layout = None      # writer: the layout in the header now
+        # the header's words one at a time: a memoryview reads and writes them
+        # in a third of a numpy element access's time, on every collective
+        self._head = memoryview(area)[:_HEAD * 8].cast("q")
+        self._layout = None      # writer: the layout in the header now, and views where its arrays go
         self._wviews = []
+        self._layouts = {}       # writer: layout -> (its version, its views), of the layouts that fit
+        self._versions = int(self._head[2])  # writer: the last version given
         self._version = -1       # reader: the header version its views were made for
         self._rviews = []
         self._rlayout = ()
+        self._seen = {}          # reader: version -> (layout, views or None), of the layouts read before
 
     def fits(self, layout) -> bool:
         need = area_bytes(layout)
@@ -74,34 +84,48 @@ class InlineArea:
         fits, so that a reader can name it)."""
         if layout is None:
             layout = tuple((a.dtype, a.shape) for a in arrays)
-        if layout is not self._layout and layout != self._layout:
-            need = area_bytes(layout)
-            if need is None or not self._write_layout(layout, need):
-                return False
+        if layout is not self._layout and layout != self._layout and not self._switch(layout):
+            return False
         for view, a in zip(self._wviews, arrays):
             view[...] = a  # of the layout's dtype (equal dtypes: byte order too) and shape
-        self._words[0] = VALUES
+        self._head[0] = VALUES
         return True
 
-    def _write_layout(self, layout, need: int) -> bool:
-        words, w = self._words, _HEAD
+    def _switch(self, layout) -> bool:
+        """Put the header of ``layout`` in place; False when its values do not fit."""
+        got = self._layouts.get(layout)
+        if got is not None:
+            self._write_header(layout, got[0])
+            self._layout, self._wviews = layout, got[1]
+            return True
         self._layout, self._wviews = None, []
-        if (_HEAD + sum(2 + len(s) for _, s in layout)) * 8 > self._cap:
-            words[0] = OVERSIZE
+        need = area_bytes(layout)
+        if need is None or (_HEAD + sum(2 + len(s) for _, s in layout)) * 8 > self._cap:
+            self._head[0] = OVERSIZE
             return False
+        self._versions += 1
+        w = self._write_header(layout, self._versions)
+        if need > self._cap:
+            self._head[0] = LAYOUT
+            return False
+        if len(self._layouts) >= _MAX_LAYOUTS:
+            self._layouts.clear()
+        views = self._views(layout, w)
+        self._layouts[layout] = (self._versions, views)
+        self._layout, self._wviews = layout, views
+        return True
+
+    def _write_header(self, layout, version: int) -> int:
+        """Write ``layout`` and its version into the header; returns the word after it."""
+        words, w = self._words, _HEAD
         for dtype, shape in layout:
             words[w] = int.from_bytes(dtype.str.encode("ascii").ljust(8, b"\0"), "little")
             words[w + 1] = len(shape)
             words[w + 2:w + 2 + len(shape)] = shape
             w += 2 + len(shape)
-        words[1] = len(layout)
-        words[2] += 1
-        if need > self._cap:
-            words[0] = LAYOUT
-            return False
-        self._wviews = self._views(layout, w)
-        self._layout = layout
-        return True
+        self._head[1] = len(layout)
+        self._head[2] = version
+        return w
 
     def _views(self, layout, w: int) -> list:
         offset, views = _align(w * 8), []
@@ -114,19 +138,32 @@ class InlineArea:
     def read(self) -> tuple:
         """``(state, arrays, layout)``: views of the area's arrays (for VALUES)
         and their ``(dtype, shape)`` layout (for VALUES and LAYOUT)."""
-        words = self._words
-        state = int(words[0])
-        if state not in (VALUES, LAYOUT):
+        head = self._head
+        state = head[0]
+        if state != VALUES and state != LAYOUT:
             return state, None, None
-        version = int(words[2])
+        version = head[2]
         if version != self._version:
-            layout, w = [], _HEAD
-            for _ in range(int(words[1])):
-                name = int(words[w]).to_bytes(8, "little").rstrip(b"\0").decode("ascii")
-                ndim = int(words[w + 1])
-                layout.append((np.dtype(name), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
-                w += 2 + ndim
-            fits = area_bytes(layout) <= self._cap
-            self._rviews = self._views(layout, w) if fits else None
-            self._rlayout, self._version = tuple(layout), version
+            got = self._seen.get(version)
+            if got is None:
+                got = self._read_layout()
+                if len(self._seen) >= _MAX_LAYOUTS:
+                    self._seen.clear()
+                self._seen[version] = got
+            (self._rlayout, self._rviews), self._version = got, version
         return state, (self._rviews if state == VALUES else None), self._rlayout
+
+    def _read_layout(self) -> tuple:
+        """``(layout, views or None)`` of the header in place (views when its values fit)."""
+        words, layout, w = self._words, [], _HEAD
+        for _ in range(int(words[1])):
+            name = int(words[w]).to_bytes(8, "little").rstrip(b"\0").decode("ascii")
+            ndim = int(words[w + 1])
+            layout.append((np.dtype(name), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
+            w += 2 + ndim
+        fits = area_bytes(layout) <= self._cap
+        return tuple(layout), (self._views(layout, w) if fits else None)
+
+
+#: Layouts an area's writer and each reader keep (each starts again past this many).
+_MAX_LAYOUTS = 64

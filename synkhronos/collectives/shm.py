@@ -15,6 +15,7 @@ import pickle
 from typing import Callable
 
 import numpy as np
+import posix_ipc
 
 from ..arrays import byte_bounds
 from ..control import acquire, drain
@@ -33,6 +34,11 @@ CHUNK_THRESHOLD = 1 << 18
 #: values fit (64 KiB of data and their layout) take the inline path (no slot, no barrier).
 INLINE_CAP = (1 << 16) + 4096
 _BOARD_WORDS = 8
+#: Shared variables (by id, below this) whose home each process publishes on
+#: its home board, where the master finds it between commands (see publish_home).
+HOME_SLOTS = 256
+#: Bytes of a home's segment name on the board.
+_NAME_BYTES = 120
 _W_RESULT_GEN, _W_VERDICT = 0, 1
 _DONE, _LARGE, _FAILED, _MISMATCH = range(4)
 
@@ -77,6 +83,13 @@ class ShmCommunicator(Communicator):
                                    what="the communicator's inline areas")
         areas = self._inline_seg.array(np.uint8, (size, INLINE_CAP))
         self._areas = [InlineArea(areas[r]) for r in range(size)]
+        self._homes_seg = Segment(self.prefix + "homes", size * HOME_SLOTS * (8 + _NAME_BYTES), create=create,
+                                  what="the communicator's home boards")
+        board = self._homes_seg.buffer()
+        # per rank: a word per slot (the generation of the home published there, 0 for none), then the names
+        self._home_words = [board[r * HOME_SLOTS * 8:(r + 1) * HOME_SLOTS * 8].cast("q") for r in range(size)]
+        self._home_names = board[size * HOME_SLOTS * 8:]
+        self._peer_homes: dict = {}  # (rank, slot) -> (generation, view) of homes found on peers' boards
 
     # -- synchronisation ---------------------------------------------------
 
@@ -170,6 +183,65 @@ class ShmCommunicator(Communicator):
             seg = Segment(name)
             self._named[family] = seg
         return seg.array(dtype, shape)
+
+    # -- home boards -------------------------------------------------------
+    #
+    # A process's values of a shared variable change only while it runs a
+    # command. Between commands (every process idle, the master's truth being
+    # ControlBlock.all_answered) the master may read and write a worker's value
+    # where it lives, if that worker published it there: a resident array, on
+    # its board, under a slot (the variable's id) and a generation (unique in
+    # that process, so the same generation is the same memory, dtype and shape).
+
+    home_slots = HOME_SLOTS
+
+    def publish_home(self, slot: int, view) -> int:
+        """Publish resident array ``view`` of this process under ``slot`` (None
+        or an array that is not resident: nothing). Returns its generation (0: none)."""
+        name = None if view is None else self._resident_name(view)
+        words = self._home_words[self.rank]
+        if name is None:
+            words[slot] = 0
+            return 0
+        gen = int(name.rsplit(".", 1)[1])
+        if words[slot] != gen:
+            raw = name.encode("ascii")
+            start = (self.rank * HOME_SLOTS + slot) * _NAME_BYTES
+            self._home_names[start:start + len(raw) + 1] = raw + b"\0"  # (before the generation)
+            words[slot] = gen
+        return gen
+
+    def home_board(self, rank: int) -> memoryview:
+        """``rank``'s home board: per slot, the generation published there (0: none).
+        A process writes its own while it runs a command, and only then."""
+        return self._home_words[rank]
+
+    def peer_home(self, rank: int, slot: int, gen: int, dtype, shape) -> np.ndarray | None:
+        """The array ``rank`` published under ``slot`` as generation ``gen``,
+        of ``dtype`` and ``shape`` (known to be the home's by the caller), mapped
+        here; None when ``rank`` publishes another one now, or it is gone."""
+        if self._home_words[rank][slot] != gen or not gen:
+            return None
+        got = self._peer_homes.get((rank, slot))
+        if got is not None and got[0] == gen and got[1].dtype == dtype and got[1].shape == tuple(shape):
+            return got[1]
+        start = (rank * HOME_SLOTS + slot) * _NAME_BYTES
+        name = bytes(self._home_names[start:start + _NAME_BYTES]).split(b"\0", 1)[0].decode("ascii")
+        if not name.endswith(f".{gen}") or not name.startswith(f"{self.prefix}r{rank}."):
+            return None
+        try:
+            seg = Segment(name)
+        except (posix_ipc.ExistentialError, OSError):  # given up meanwhile: unlinked
+            return None
+        if seg.size < math.prod(shape) * np.dtype(dtype).itemsize:
+            seg.close()
+            return None
+        view = seg.array(dtype, shape)
+        seg.close()  # the view keeps the mapping
+        if len(self._peer_homes) >= 4 * HOME_SLOTS:
+            self._peer_homes.clear()
+        self._peer_homes[(rank, slot)] = (gen, view)
+        return view
 
     # -- slots -------------------------------------------------------------
 
@@ -573,6 +645,11 @@ class ShmCommunicator(Communicator):
         self._board = self._slot_gen = None
         self._areas = None
         self._inline_seg.close()
+        self._peer_homes.clear()
+        for words in self._home_words:
+            words.release()
+        self._home_words = self._home_names = None
+        self._homes_seg.close()
         close_semaphores([self._arrive, *self._depart.values(), *self._release.values()], unlink=self._create)
         self._board_seg.close()
 

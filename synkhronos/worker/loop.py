@@ -12,7 +12,7 @@ from ..control import Command
 from ..data import forget
 from ..distribute import receive as receive_functions
 from ..function import LocalFunction, worker_call
-from ..shareds import worker_collective
+from ..shareds import publish_homes, worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
 from ..shmem import unlink_prefix
 
@@ -74,6 +74,7 @@ def serve(proc) -> int:
                 if isinstance(as_interrupt(exc), Interrupted):  # the master abandoned the command
                     exc = Aborted(f"rank {proc.rank} stopped: the master abandoned the command")
                 error = pack_exception(exc, proc.rank)
+            publish_homes(proc)  # where its values live now, for the master between commands
             ctl.reply(proc.rank, error)
     except MasterGone:
         # No further signal may break off the cleanup (a parent-death signal
