@@ -134,10 +134,10 @@ def test_collectives_nccl_keyword(forked, monkeypatch):
     seen = []
     real_send = shareds._send
 
-    def spy(s, spec):
+    def spy(s, spec, **kw):
         if spec.kind in ("broadcast", "gather", "all_gather", "reduce", "all_reduce"):
             seen.append((spec.kind, spec.cpu))
-        return real_send(s, spec)
+        return real_send(s, spec, **kw)
 
     monkeypatch.setattr(shareds, "_send", spy)
     value = np.arange(6.0).reshape(3, 2)
