@@ -68,12 +68,7 @@ class Session:
         """Between wait slices: raise WorkerDiedError (and mark the fork broken)
         if a worker has died, stop the command when it ran out of time or
         close() was called meanwhile, and warn when a wait lasts long."""
-        try:
-            self.watch.poll()
-        except WorkerDiedError as err:
-            self.broken = err
-            self.abort()
-            raise
+        self._watch_children()
         if self.close_requested:
             raise _CloseRequested()
         now = time.monotonic()
@@ -181,6 +176,10 @@ class Session:
         if now < self._next_alive:
             return
         self._next_alive = now + CHECK_EVERY
+        self._watch_children()
+
+    def _watch_children(self) -> None:
+        """WorkerDiedError, the fork marked broken and the workers told, if a worker has died."""
         try:
             self.watch.poll()
         except WorkerDiedError as err:
