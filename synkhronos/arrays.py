@@ -7,6 +7,8 @@ module import.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 try:
@@ -14,7 +16,25 @@ try:
 except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds
 
-__all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps"]
+__all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
+           "round_up", "packed_views"]
+
+
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+def packed_views(buf: np.ndarray, layout, offset: int, align: int) -> list:
+    """Views of ``buf`` (a uint8 array) for arrays of ``layout`` (``(dtype,
+    shape)`` pairs) laid out one after the other from byte ``offset``, each
+    starting on an ``align``-byte boundary."""
+    views = []
+    for dtype, shape in layout:
+        n = math.prod(shape) * dtype.itemsize
+        views.append(buf[offset:offset + n].view(dtype).reshape(shape))
+        offset = round_up(offset + n, align)
+    return views
 
 
 def is_device_array(value) -> bool:

@@ -19,9 +19,9 @@ An area holds int64 words, then the arrays' bytes:
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from .arrays import packed_views, round_up
 
 __all__ = ["ReplyArea", "ABSENT", "INLINE", "ELSEWHERE"]
 
@@ -40,10 +40,11 @@ class ReplyArea:
     outputs of several layouts) reparses nothing.
     """
 
-    __slots__ = ("_mv", "_words", "_weight", "_head", "_cap", "_layout", "_dst", "_layouts", "_versions",
+    __slots__ = ("_buf", "_mv", "_words", "_weight", "_head", "_cap", "_layout", "_dst", "_layouts", "_versions",
                  "_version", "_views", "_seen")
 
     def __init__(self, area: np.ndarray):
+        self._buf = area
         self._mv = memoryview(area)
         self._cap = area.nbytes
         self._words = area.view(np.int64)
@@ -88,8 +89,7 @@ class ReplyArea:
                 self._layouts.clear()
             self._versions += 1
             # native byte order, as the reader takes the header's character codes
-            dst = [np.frombuffer(self._mv, np.dtype(char), a.size, start).reshape(a.shape)
-                   for (char, _), a, start in zip(layout, arrays, ends)]
+            dst = packed_views(self._buf, [(np.dtype(char), shape) for char, shape in layout], ends[0], _ALIGN)
             got = self._layouts[layout] = (self._versions, dst)
         self._write_header(layout, got[0])
         self._layout, self._dst = layout, got[1]
@@ -140,13 +140,7 @@ class ReplyArea:
             ndim = int(words[w + 1])
             layout.append((np.dtype(chr(words[w])), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
             w += 2 + ndim
-        offset = _align(w * 8)
-        views = []
-        for dtype, shape in layout:
-            count = math.prod(shape)
-            views.append(np.frombuffer(self._mv, dtype, count, offset).reshape(shape))
-            offset = _align(offset + count * dtype.itemsize)
-        return views
+        return packed_views(self._buf, layout, round_up(w * 8, _ALIGN), _ALIGN)
 
 
 #: Layouts a reply area's writer and reader keep (each starts again past this many).
@@ -169,14 +163,10 @@ def _same_arrays(arrays, views) -> bool:
 _HEAD = 4
 
 
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 def _ends(arrays) -> list:
     """Where the data of each array starts, then where the last one ends (bytes)."""
     head = _HEAD + sum(2 + a.ndim for a in arrays)
-    offsets = [_align(head * 8)]
+    offsets = [round_up(head * 8, _ALIGN)]
     for a in arrays:
-        offsets.append(_align(offsets[-1] + a.nbytes))
+        offsets.append(round_up(offsets[-1] + a.nbytes, _ALIGN))
     return offsets

@@ -750,9 +750,7 @@ def _all_reduce_here(proc, sids, vars_, values, layout, op) -> bool:
 def _store_all_reduce(proc, sids, vars_, parts, op) -> None:
     """Combine every process's values (``parts``, in rank order) into this process's homes."""
     homes = _resident(proc, sids, vars_)
-    for i, dst in enumerate(homes):
-        values = [p[i] for p in parts]  # this process's may be dst itself: reduced into new memory first
-        np.copyto(dst, cast_to(kept_reducer(proc.reducers, op, values).run(values), dst.dtype))
+    _fold_into(homes, parts, *_reducers(proc, op, homes))
 
 
 def _run_inline(proc, kind, sids, op) -> None:
@@ -856,9 +854,8 @@ class _Plan:
             s.run(Command.COLLECTIVE, self.wire, body=self.body)
         else:
             homes = self.homes
-            for var, home, (_, shape) in zip(self.vars_, homes, self.layout):
-                if var.container.storage[0] is not home or home.shape != shape:
-                    return False
+            if not _still_held(self.vars_, homes, self.layout):
+                return False
             if self.peers is not None and self._direct_all_reduce():
                 return True
             proc.comm.put_inline(homes, self.layout)
@@ -962,6 +959,14 @@ def _as_scalars(proc, op, parts):
     return (reducer, views, views) if reducer.scalar_path else parts
 
 
+def _still_held(vars_, homes, layout) -> bool:
+    """Whether each variable still holds the very array of a plan, of its shape."""
+    for var, home, (_, shape) in zip(vars_, homes, layout):
+        if var.container.storage[0] is not home or home.shape != shape:
+            return False
+    return True
+
+
 def _fold_into(homes, parts, reducers, casts) -> None:
     """Every process's values (``parts``, in rank order) reduced into ``homes``."""
     for i, home in enumerate(homes):
@@ -1000,9 +1005,8 @@ class _WorkerPlan:
     def run(self, proc) -> bool:
         """Run the plan; False, having done nothing, when it no longer holds."""
         homes = self.homes
-        for var, home, (_, shape) in zip(self.vars_, homes, self.layout):
-            if var.container.storage[0] is not home or home.shape != shape:
-                return False
+        if not _still_held(self.vars_, homes, self.layout):
+            return False
         comm = proc.comm
         if self.kind == "broadcast":
             srcs = comm.inline_values(proc.master_rank)

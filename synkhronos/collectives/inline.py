@@ -21,15 +21,13 @@ import math
 
 import numpy as np
 
+from ..arrays import packed_views, round_up
+
 __all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes"]
 
 EMPTY, VALUES, LAYOUT, OVERSIZE = range(4)
 _HEAD = 4
 _ALIGN = 16
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def area_bytes(layout) -> int | None:
@@ -40,9 +38,9 @@ def area_bytes(layout) -> int | None:
         if len(dtype.str) > 8:
             return None
         words += 2 + len(shape)
-    end = _align(words * 8)
+    end = round_up(words * 8, _ALIGN)
     for dtype, shape in layout:
-        end = _align(end + math.prod(shape) * dtype.itemsize)
+        end = round_up(end + math.prod(shape) * dtype.itemsize, _ALIGN)
     return end
 
 
@@ -128,12 +126,7 @@ class InlineArea:
         return w
 
     def _views(self, layout, w: int) -> list:
-        offset, views = _align(w * 8), []
-        for dtype, shape in layout:
-            n = math.prod(shape) * dtype.itemsize
-            views.append(self._buf[offset:offset + n].view(dtype).reshape(shape))
-            offset = _align(offset + n)
-        return views
+        return packed_views(self._buf, layout, round_up(w * 8, _ALIGN), _ALIGN)
 
     def read(self) -> tuple:
         """``(state, arrays, layout)``: views of the area's arrays (for VALUES)
