@@ -163,11 +163,11 @@ class Session:
         self._reset_after_abort()
 
     def idle(self) -> bool:
-        """Whether the fork is usable and every worker is idle, with nothing to
-        settle or send first: the master may then read and write the values
+        """Whether the fork is usable and every worker is idle, with no command
+        running in this thread (a nested call) and nothing to settle or send first: the master may then read and write the values
         the workers published (see :func:`synkhronos.shareds._Plan`)."""
-        return (not self._needs_reset and not self.close_requested and self.broken is None
-                and not self.closed and self.proc.control.all_answered())
+        return (self.in_flight is None and not self._needs_reset and not self.close_requested
+                and self.broken is None and not self.closed and self.proc.control.all_answered())
 
     def check_alive(self) -> None:
         """Raise WorkerDiedError (the fork broken) if a worker has died; checked

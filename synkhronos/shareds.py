@@ -16,6 +16,7 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from . import context, nodes
+from .context import command_lock
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import agreed_layout, cast_to, kept_reducer, parse_op, result_dtype
@@ -151,7 +152,6 @@ def _ret(results, single):
     return results[0] if single else tuple(results)
 
 
-@context.serialized
 def broadcast(shared_vars, values=None, nccl=True):
     """Give every process the master's value of each shared variable.
 
@@ -172,8 +172,14 @@ def broadcast(shared_vars, values=None, nccl=True):
             ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; values that do not match the variables in number.
     """
-    if values is None and _planned("broadcast", shared_vars, None, nccl):
-        return None
+    with command_lock:  # (context.serialized, with the kept plan first: see _planned)
+        if values is None and _planned("broadcast", shared_vars, None, nccl):
+            return None
+        return _broadcast(shared_vars, values, nccl)
+
+
+def _broadcast(shared_vars, values, nccl) -> None:
+    context.refuse_nested("broadcast")
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None and nodes.world().node == 0:  # across nodes node 0's values are sent
@@ -303,7 +309,6 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     return None if in_place else _ret(res, single)
 
 
-@context.serialized
 def all_reduce(shared_vars, op="avg", nccl=True):
     """Combine every process's value with ``op`` and store the result everywhere.
 
@@ -326,8 +331,14 @@ def all_reduce(shared_vars, op="avg", nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    if _planned("all_reduce", shared_vars, op, nccl):
-        return None
+    with command_lock:  # (context.serialized, with the kept plan first: see _planned)
+        if _planned("all_reduce", shared_vars, op, nccl):
+            return None
+        return _all_reduce(shared_vars, op, nccl)
+
+
+def _all_reduce(shared_vars, op, nccl) -> None:
+    context.refuse_nested("all_reduce")
     name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
@@ -801,7 +812,8 @@ _MAX_PUBLISHED = 16
 
 def _planned(kind, shared_vars, op, nccl) -> bool:
     """Run the master's kept plan of this collective, if there is one and it still
-    holds; False when the full path must run (no plan, or it no longer holds)."""
+    holds; False when the full path must run (no plan, or it no longer holds, or
+    a command is running in this thread: the full path refuses the nested call)."""
     s = context.current()
     if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
         return False
@@ -815,8 +827,8 @@ def _planned(kind, shared_vars, op, nccl) -> bool:
 class _Plan:
     """The master's kept plan of one inline broadcast or all_reduce (see above)."""
 
-    __slots__ = ("s", "kind", "vars_", "homes", "layout", "op", "wire", "body", "reducers", "casts",
-                 "peers", "parts", "outs")
+    __slots__ = ("s", "kind", "vars_", "held", "expected", "homes", "layout", "op", "wire", "body", "reducers", "casts",
+                 "peers", "parts", "outs", "scalars")
 
     @staticmethod
     def keep(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
@@ -828,58 +840,33 @@ class _Plan:
             return  # (a variable whose value is not the array that was sent: never planned)
         if len(s.inline_plans) >= _MAX_PLANS:
             s.inline_plans.clear()
-        plan = s.inline_plans[plan_key] = _Plan(s, kind, vars_, homes, layout, op, wire, body)
+        cls = _AllReducePlan if kind == "all_reduce" else _BroadcastPlan
+        plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
         plan.find_homes()
 
     def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
         self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
+        # per variable: its storage list (a Container keeps its own for life), the plan's array and shape
+        self.held = [(v.container.storage, h, shape) for v, h, (_, shape) in zip(vars_, homes, layout)]
+        # per variable: its storage list, and the dtype and shape a broadcast's value must have
+        self.expected = [(v.container.storage, dtype, shape) for v, (dtype, shape) in zip(vars_, layout)]
         self.op, self.wire, self.body = op, wire, body
         self.reducers, self.casts = _reducers(s.proc, op, homes) if kind == "all_reduce" else (None, None)
-        self.peers = None  # direct: [(board, slot, generation)] of every worker's home of every variable
-        self.parts = None  # direct: per variable, every process's value, in rank order
-        self.outs = None   # direct: per variable, where its result goes (every process's home)
+        self.peers = None    # direct: [(board, slot, generation)] of every worker's home of every variable
+        self.parts = None    # direct: per variable, every process's value, in rank order
+        self.outs = None     # direct: per variable, where its result goes (every other process's home)
+        self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
 
-    def run(self) -> bool:
-        s = self.s
-        proc = s.proc
-        if len(s.distributed) != len(proc.functions) or not s.idle():
-            return False
-        if self.kind == "broadcast":
-            values = [v.container.storage[0] for v in self.vars_]
-            if not _same_layout(values, self.layout):
-                return False
-            if self.peers is not None and self._direct_broadcast(values):
-                return True
-            proc.comm.put_inline(values, self.layout)
-            s.run(Command.COLLECTIVE, self.wire, body=self.body)
-        else:
-            homes = self.homes
-            if not _still_held(self.vars_, homes, self.layout):
-                return False
-            if self.peers is not None and self._direct_all_reduce():
-                return True
-            proc.comm.put_inline(homes, self.layout)
-            if not s.run(Command.COLLECTIVE, self.wire, self._here, body=self.body):
-                _raise_mismatch(proc.comm, self.layout, self.op)
-        self.find_homes()
-        return True
-
-    def _here(self, proc, _) -> bool:
-        """The master's half of the all_reduce (see :func:`_all_reduce_here`)."""
-        comm = proc.comm
-        comm.inline_await()
-        parts = comm.inline_parts(self.homes, self.layout)
-        if parts is None:
-            return False
-        _fold_into(self.homes, parts, self.reducers, self.casts)
-        return True
+    def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
+        """The collective; False, having done nothing, when the plan no longer holds."""
+        raise NotImplementedError
 
     def find_homes(self) -> None:
         """After a round trip that went well: where every worker's values live now, if
         every one published them (they are then of the plan's dtypes and shapes)."""
         proc = self.s.proc
         comm = proc.comm
-        self.peers = None
+        self.peers = self.scalars = None
         if not all(sid < comm.home_slots for sid in self.wire[2]):
             return
         peers, views = [], {}
@@ -898,8 +885,7 @@ class _Plan:
                       for sid in self.wire[2]]
         self.outs = [[views[r, sid] for r in range(comm.size) if r != proc.rank] for sid in self.wire[2]]
         if self.kind == "all_reduce":
-            self.parts = [_as_scalars(proc, self.op, parts) if not cast else parts
-                          for parts, cast in zip(self.parts, self.casts)]
+            self.scalars = _as_scalars(proc, self.op, self.parts, self.casts)
         self.peers = peers
 
     def _still_home(self) -> bool:
@@ -911,30 +897,76 @@ class _Plan:
         self.s.check_alive()
         return True
 
-    def _direct_all_reduce(self) -> bool:
-        if not self._still_home():
+class _AllReducePlan(_Plan):
+    """A kept all_reduce: each variable must still hold the plan's very array."""
+
+    __slots__ = ()
+
+    def run(self) -> bool:
+        s = self.s
+        if not s.idle() or len(s.distributed) != len(s.proc.functions):
             return False
+        for storage, home, shape in self.held:
+            if storage[0] is not home or home.shape != shape:
+                return False
+        if self.peers is not None and self._still_home():
+            if self.scalars is not None:
+                for reducer, views in self.scalars:
+                    value = reducer.scalar(views)  # every view read before any is written
+                    for view in views:
+                        view[()] = value
+            else:
+                self._direct_all_reduce()
+            return True
+        s.proc.comm.put_inline(self.homes, self.layout)
+        if not s.run(Command.COLLECTIVE, self.wire, self._here, body=self.body):
+            _raise_mismatch(s.proc.comm, self.layout, self.op)
+        self.find_homes()
+        return True
+
+    def _here(self, proc, _) -> bool:
+        """The master's half of the all_reduce (see :func:`_all_reduce_here`)."""
+        comm = proc.comm
+        comm.inline_await()
+        parts = comm.inline_parts(self.homes, self.layout)
+        if parts is None:
+            return False
+        _fold_into(self.homes, parts, self.reducers, self.casts)
+        return True
+
+    def _direct_all_reduce(self) -> None:
         for i, (home, parts, outs) in enumerate(zip(self.homes, self.parts, self.outs)):
-            if type(parts) is tuple:  # one element: as numpy scalars (see _as_scalars)
-                reducer, parts, dsts = parts
-                value = reducer.run(parts)
-                for dst in dsts:
-                    dst[()] = value
-                continue
             if self.casts[i] or parts[0] is not home:
                 np.copyto(home, cast_to(self.reducers[i].run(parts), home.dtype))
             else:  # into the first part itself: every later part is another process's memory
                 self.reducers[i](parts, out=home)
             for dst in outs:
-                np.copyto(dst, home)
-        return True
+                dst[...] = home
 
-    def _direct_broadcast(self, values) -> bool:
-        if not self._still_home():
+
+class _BroadcastPlan(_Plan):
+    """A kept broadcast of the master's values: they need only the plan's dtypes and shapes."""
+
+    __slots__ = ()
+
+    def run(self) -> bool:
+        s = self.s
+        if not s.idle() or len(s.distributed) != len(s.proc.functions):
             return False
-        for value, outs in zip(values, self.outs):
-            for dst in outs:
-                np.copyto(dst, value)
+        values = []
+        for storage, dtype, shape in self.expected:
+            value = storage[0]
+            if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
+                return False
+            values.append(value)
+        if self.peers is not None and self._still_home():
+            for value, outs in zip(values, self.outs):
+                for dst in outs:
+                    dst[...] = value
+            return True
+        s.proc.comm.put_inline(values, self.layout)
+        s.run(Command.COLLECTIVE, self.wire, body=self.body)
+        self.find_homes()
         return True
 
 
@@ -947,16 +979,21 @@ def _reducers(proc, op, homes) -> tuple:
     return reducers, casts
 
 
-def _as_scalars(proc, op, parts):
-    """For a direct all_reduce of one-element values (of a dtype whose result needs
-    no cast): ``(Reducer, 0-d views of the parts, 0-d views of them all to write)``,
-    which the Reducer combines as numpy scalars, in a third of the time of
-    ufunc calls and with the same bits (see :class:`Reducer`); else ``parts``."""
-    if parts[0].size != 1:
-        return parts
-    views = [p.reshape(()) for p in parts]  # views: the same memory
-    reducer = kept_reducer(proc.reducers, op, views)
-    return (reducer, views, views) if reducer.scalar_path else parts
+def _as_scalars(proc, op, parts, casts):
+    """For a direct all_reduce whose values all have one element (of dtypes whose
+    result needs no cast): per value, its Reducer and 0-d views of every process's
+    home, which the Reducer combines as numpy scalars, with the same bits as ufunc
+    calls in a fraction of their time (see :class:`Reducer`); else None."""
+    got = []
+    for value_parts, cast in zip(parts, casts):
+        if cast or value_parts[0].size != 1:
+            return None
+        views = [p.reshape(()) for p in value_parts]  # views: the same memory
+        reducer = kept_reducer(proc.reducers, op, views)
+        if not reducer.scalar_path:
+            return None
+        got.append((reducer, views))
+    return got
 
 
 def _still_held(vars_, homes, layout) -> bool:

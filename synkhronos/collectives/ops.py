@@ -192,23 +192,33 @@ class Reducer:
         return acc
 
     def _scalars(self, parts) -> np.ndarray:
-        op = self.op
-        values = [x[()] for x in parts]
-        if self.convert is not None:
-            values = [self.convert.type(x) for x in values]
-        acc = values[0]
+        return np.asarray(self.scalar(parts))
+
+    def scalar(self, parts):
+        """The reduction of 0-d ``parts`` (a reducer on the scalar path) as a numpy
+        scalar: the same steps as the array loops, in the same order."""
+        op, convert = self.op, self.convert
+        it = iter(parts)
+        acc = next(it)[()]
+        if convert is not None:
+            acc = convert.type(acc)
         if op == "prod":
-            for x in values[1:]:
-                acc = acc * x
-            return np.asarray(acc)
+            for x in it:
+                acc = acc * x[()]
+            return acc
         if op == "sum" or self.equal:
-            for x in values[1:]:
-                acc = acc + x
-            return np.asarray(acc if op == "sum" else acc * self.scales[0])
+            if convert is None:
+                for x in it:
+                    acc = acc + x[()]
+            else:
+                for x in it:
+                    acc = acc + convert.type(x[()])
+            return acc if op == "sum" else acc * self.scales[0]
         acc = acc * self.scales[0]
-        for x, s in zip(values[1:], self.scales[1:]):
-            acc = acc + x * s
-        return np.asarray(acc)
+        for x, s in zip(it, self.scales[1:]):
+            x = x[()]
+            acc = acc + (x if convert is None else convert.type(x)) * s
+        return acc
 
 
 #: Reducers a cache of :func:`kept_reducer` holds before it starts again.
