@@ -41,7 +41,7 @@ class Process:
         # worker: id(message) -> (message, CallSpec, Share, Lane or None) of the calls whose
         # messages the control block keeps (function.worker_call)
         self.kept_calls = {}
-        self.kept_inline = {}  # worker: id(message) -> shareds._WorkerPlan of kept inline collectives
+        self.kept_inline = {}  # worker: id(message) -> plans._WorkerPlan of kept inline collectives
         self.published = {}    # worker: sid -> (variable, home, its shape, generation) published on its home board
         self.reducers = {}    # collectives.ops.Reducer kept per (op, dtype, shape, parts), see kept_reducer
         self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)

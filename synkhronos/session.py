@@ -46,7 +46,7 @@ class Session:
         self.collective_scratch = {}  # staging Data for values the master sends
         self.inline_bodies = {}      # shareds.py: pickled inline collective commands, reused
         self.resolved = {}           # shareds.py: shared-variable arguments resolved to their ids, kept
-        self.inline_plans = {}       # shareds.py: kept plans of small broadcasts and all_reduces
+        self.inline_plans = {}       # plans.py: kept plans of small broadcasts and all_reduces
         self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
         self.in_flight = None        # thread id while a command runs (nested calls are refused)
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it
@@ -165,7 +165,7 @@ class Session:
     def idle(self) -> bool:
         """Whether the fork is usable and every worker is idle, with no command
         running in this thread (a nested call) and nothing to settle or send first: the master may then read and write the values
-        the workers published (see :func:`synkhronos.shareds._Plan`)."""
+        the workers published (see :mod:`synkhronos.plans`)."""
         return (self.in_flight is None and not self._needs_reset and not self.close_requested
                 and self.broken is None and not self.closed and self.proc.control.all_answered())
 

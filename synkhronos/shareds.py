@@ -19,15 +19,17 @@ from . import context, nodes
 from .context import command_lock
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import agreed_layout, cast_to, kept_reducer, parse_op, result_dtype
+from .collectives.inline import fold_into, raise_mismatch, reducers_for, same_layout
+from .collectives.ops import cast_to, kept_reducer, parse_op
 from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
 from .data import Data, attach, fit_scratch, forget, ref, release_scratch
 from .distribute import distribute
+from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, resolve_key
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-           "set_value", "get_value", "get_lengths", "get_shapes", "publish_homes"]
+           "set_value", "get_value", "get_lengths", "get_shapes"]
 
 
 @dataclasses.dataclass
@@ -62,7 +64,7 @@ def _resolve(shared_vars):
     which the kept entry keeps alive): a loop of collectives resolves once."""
     s = context.session()
     s.usable()
-    key = _resolve_key(shared_vars)
+    key = resolve_key(shared_vars)
     got = s.resolved.get(key)
     if got is not None:
         if len(s.distributed) != len(s.proc.functions):  # distributed only ever holds functions' ids
@@ -90,16 +92,6 @@ def _resolve(shared_vars):
             s.resolved.clear()
         s.resolved[key] = (items, sids, single)
     return s, items, sids, single
-
-
-def _resolve_key(shared_vars):
-    """The key of :func:`_resolve`'s cache for this argument: a variable's id,
-    a tuple of ids for a list or tuple of them; None for anything else."""
-    if isinstance(shared_vars, SharedVariable):
-        return id(shared_vars)
-    if type(shared_vars) in (list, tuple):
-        return tuple(map(id, shared_vars))
-    return None
 
 
 def _values_for(vars_, values, what: str, single: bool = False):
@@ -172,8 +164,8 @@ def broadcast(shared_vars, values=None, nccl=True):
             ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; values that do not match the variables in number.
     """
-    with command_lock:  # (context.serialized, with the kept plan first: see _planned)
-        if values is None and _planned("broadcast", shared_vars, None, nccl):
+    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned)
+        if values is None and planned("broadcast", shared_vars, None, nccl):
             return None
         return _broadcast(shared_vars, values, nccl)
 
@@ -186,7 +178,7 @@ def _broadcast(shared_vars, values, nccl) -> None:
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
     _send(s, CollectiveSpec("broadcast", sids, cpu=cpu),
-          plan_key=None if values is not None else ("broadcast", _resolve_key(shared_vars), None, nccl))
+          plan_key=None if values is not None else ("broadcast", resolve_key(shared_vars), None, nccl))
 
 
 @context.serialized
@@ -331,8 +323,8 @@ def all_reduce(shared_vars, op="avg", nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    with command_lock:  # (context.serialized, with the kept plan first: see _planned)
-        if _planned("all_reduce", shared_vars, op, nccl):
+    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned)
+        if planned("all_reduce", shared_vars, op, nccl):
             return None
         return _all_reduce(shared_vars, op, nccl)
 
@@ -343,7 +335,7 @@ def _all_reduce(shared_vars, op, nccl) -> None:
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
     _send(s, CollectiveSpec("all_reduce", sids, op=name, cpu=cpu),
-          plan_key=("all_reduce", _resolve_key(shared_vars), op, nccl))
+          plan_key=("all_reduce", resolve_key(shared_vars), op, nccl))
 
 
 def _check_nccl(nccl) -> bool:
@@ -603,7 +595,7 @@ def _send(s, spec: CollectiveSpec, plan_key=None):
     """Run ``spec`` in every process; the workers get it as a plain tuple (a
     dataclass takes several times longer to pickle, on every collective).
     Small values take the inline path (:func:`_send_inline`), which keeps a
-    plan under ``plan_key`` (see :class:`_Plan`)."""
+    plan under ``plan_key`` (see :mod:`synkhronos.plans`)."""
     if spec.kind in _INLINE_KINDS:
         got = _send_inline(s, spec, plan_key)
         if got is not _NOT_INLINE:
@@ -618,8 +610,8 @@ def worker_collective(proc, wire: tuple):
         if kept is not None and kept.wire is wire and kept.run(proc):
             return None
         _run_inline(proc, *wire[1:])
-        if wire[1] in _PLANNED_KINDS and proc.control.message_kept:  # (else it never comes again)
-            _WorkerPlan.keep(proc, wire)
+        if wire[1] in PLANNED_KINDS and proc.control.message_kept:  # (else it never comes again)
+            keep_worker_plan(proc, wire)
         return None
     return _run(proc, CollectiveSpec(*wire))
 
@@ -675,7 +667,7 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
     kept = s.inline_bodies.get(key)
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     values = [v.get_value(borrow=True) for v in vars_]
-    if kept is not None and _same_layout(values, kept[1]):  # the usual case in a loop
+    if kept is not None and same_layout(values, kept[1]):  # the usual case in a loop
         body, layout = kept
     else:
         layout = tuple((a.dtype, a.shape) for a in values)
@@ -687,47 +679,25 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
         comm.put_inline(values, layout)
     if kind == "broadcast":
         s.run(Command.COLLECTIVE, wire, body=body)
-        _Plan.keep(s, plan_key, kind, vars_, layout, None, wire, body)
+        keep_plan(s, plan_key, kind, vars_, layout, None, wire, body)
         return None
     if kind == "all_reduce":
         # the master combines while the workers do: its half runs between post and collect
         done = s.run(Command.COLLECTIVE, wire, lambda p, _: _all_reduce_here(p, key[1], vars_, values, layout,
                                                                             spec.op), body=body)
         if not done:
-            _raise_mismatch(comm, layout, spec.op)
-        _Plan.keep(s, plan_key, kind, vars_, layout, spec.op, wire, body)
+            raise_mismatch(comm, layout, spec.op)
+        keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
         return None
     s.run(Command.COLLECTIVE, wire, body=body)
     parts = comm.inline_parts(values, layout if kind == "reduce" else None)
     if parts is None:
         if kind == "gather":  # a worker's values did not fit (unequal lengths): the communicator's path
             return _NOT_INLINE
-        _raise_mismatch(comm, layout, spec.op)
+        raise_mismatch(comm, layout, spec.op)
     if kind == "gather":
         return [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
     return _inline_reduce(proc, parts, spec, vars_)
-
-
-def _same_layout(values, layout) -> bool:
-    """Whether ``values`` have the very dtypes (the same objects, as a loop gives
-    them) and the shapes of ``layout``; False sends the caller to the full check."""
-    if len(values) != len(layout):
-        return False
-    for a, (dtype, shape) in zip(values, layout):
-        if type(a) is not np.ndarray or a.dtype is not dtype or a.shape != shape:
-            return False
-    return True
-
-
-def _raise_mismatch(comm, layout, op):
-    """The error of an inline reduction whose processes hold different layouts."""
-    layouts = comm.inline_layouts(layout)
-    for r, got in enumerate(layouts):
-        if got is None:
-            raise ValueError(f"cannot {op}-reduce: rank {r} holds more shared variables, or of more "
-                             f"dimensions, than rank {comm.rank} does")
-    agreed_layout([(list(got), 1.0) for got in layouts], op)
-    raise RuntimeError(f"the processes' values of an inline {op}-reduce did not arrive")  # not reached
 
 
 def _inline_reduce(proc, parts, spec: CollectiveSpec, vars_) -> list:
@@ -761,7 +731,7 @@ def _all_reduce_here(proc, sids, vars_, values, layout, op) -> bool:
 def _store_all_reduce(proc, sids, vars_, parts, op) -> None:
     """Combine every process's values (``parts``, in rank order) into this process's homes."""
     homes = _resident(proc, sids, vars_)
-    _fold_into(homes, parts, *_reducers(proc, op, homes))
+    fold_into(homes, parts, *reducers_for(proc, op, homes))
 
 
 def _run_inline(proc, kind, sids, op) -> None:
@@ -778,300 +748,6 @@ def _run_inline(proc, kind, sids, op) -> None:
     if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them
         _all_reduce_here(proc, sids, vars_, values, layout, op)
 
-
-# ---------------------------------------------------------------------------
-# Kept plans: a loop of the same small broadcast or all_reduce. Once one went
-# through by the inline path, its plan is kept: in the master per argument (the
-# variables, op and nccl as the caller gave them), in a worker per kept
-# message. The next one checks only what can have changed since: that the fork
-# is idle and has no new function to distribute, and that each variable still
-# holds the very array the plan holds (all_reduce writes its result into it;
-# a broadcast's master values need only the plan's dtypes and shapes). Anything
-# else takes the full path, which plans again.
-#
-# Direct: a worker's values change only while it runs a command. A worker
-# that kept a plan publishes on its home board, before every answer, whether
-# each variable of it still holds that home (ShmCommunicator.publish_home).
-# The master records the generations published right after a round trip that
-# found every process's values of the plan's dtypes and shapes; while every
-# worker is idle and publishes the same ones, the same arrays still are the
-# values, so the master does the whole collective itself, with no command: it
-# reads every process's value where it lives, reduces them with the same
-# Reducer, in rank order, and writes the result (or, for a broadcast, its
-# values) into every process's home. The workers find them there at their
-# next command. Liveness is checked as often as a waiting master checks it.
-
-#: The inline collectives that keep plans.
-_PLANNED_KINDS = frozenset(("broadcast", "all_reduce"))
-#: Plans a session, or a worker, keeps before it starts again.
-_MAX_PLANS = 64
-#: Variables a worker publishes at most: it checks each before every answer
-#: (about 0.15 us each); the collectives of the others take the command path.
-_MAX_PUBLISHED = 16
-
-
-def _planned(kind, shared_vars, op, nccl) -> bool:
-    """Run the master's kept plan of this collective, if there is one and it still
-    holds; False when the full path must run (no plan, or it no longer holds, or
-    a command is running in this thread: the full path refuses the nested call)."""
-    s = context.current()
-    if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
-        return False
-    # a plan keeps its variables alive: a hit on id(shared_vars) is that very variable
-    plan = s.inline_plans.get((kind, id(shared_vars), op, nccl))
-    if plan is None and type(shared_vars) in (list, tuple):
-        plan = s.inline_plans.get((kind, _resolve_key(shared_vars), op, nccl))
-    return plan is not None and plan.run()
-
-
-class _Plan:
-    """The master's kept plan of one inline broadcast or all_reduce (see above)."""
-
-    __slots__ = ("s", "kind", "vars_", "held", "expected", "homes", "layout", "op", "wire", "body", "reducers", "casts",
-                 "peers", "parts", "outs", "scalars")
-
-    @staticmethod
-    def keep(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
-        """Keep the plan of the collective that just went through, under ``plan_key``."""
-        if plan_key is None or plan_key[1] is None:
-            return
-        homes = [v.container.storage[0] for v in vars_]
-        if tuple((getattr(h, "dtype", None), getattr(h, "shape", None)) for h in homes) != layout:
-            return  # (a variable whose value is not the array that was sent: never planned)
-        if len(s.inline_plans) >= _MAX_PLANS:
-            s.inline_plans.clear()
-        cls = _AllReducePlan if kind == "all_reduce" else _BroadcastPlan
-        plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
-        plan.find_homes()
-
-    def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
-        self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
-        # per variable: its storage list (a Container keeps its own for life), the plan's array and shape
-        self.held = [(v.container.storage, h, shape) for v, h, (_, shape) in zip(vars_, homes, layout)]
-        # per variable: its storage list, and the dtype and shape a broadcast's value must have
-        self.expected = [(v.container.storage, dtype, shape) for v, (dtype, shape) in zip(vars_, layout)]
-        self.op, self.wire, self.body = op, wire, body
-        self.reducers, self.casts = _reducers(s.proc, op, homes) if kind == "all_reduce" else (None, None)
-        self.peers = None    # direct: [(board, slot, generation)] of every worker's home of every variable
-        self.parts = None    # direct: per variable, every process's value, in rank order
-        self.outs = None     # direct: per variable, where its result goes (every other process's home)
-        self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
-
-    def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
-        """The collective; False, having done nothing, when the plan no longer holds."""
-        raise NotImplementedError
-
-    def find_homes(self) -> None:
-        """After a round trip that went well: where every worker's values live now, if
-        every one published them (they are then of the plan's dtypes and shapes)."""
-        proc = self.s.proc
-        comm = proc.comm
-        self.peers = self.scalars = None
-        if not all(sid < comm.home_slots for sid in self.wire[2]):
-            return
-        peers, views = [], {}
-        for r in range(comm.size):
-            if r == proc.rank:
-                continue
-            board = comm.home_board(r)
-            for sid, (dtype, shape) in zip(self.wire[2], self.layout):
-                view = comm.peer_home(r, sid, board[sid], dtype, shape)
-                if view is None:
-                    return
-                peers.append((board, sid, board[sid]))
-                views[r, sid] = view
-        own = dict(zip(self.wire[2], self.homes))
-        self.parts = [[own[sid] if r == proc.rank else views[r, sid] for r in range(comm.size)]
-                      for sid in self.wire[2]]
-        self.outs = [[views[r, sid] for r in range(comm.size) if r != proc.rank] for sid in self.wire[2]]
-        if self.kind == "all_reduce":
-            self.scalars = _as_scalars(proc, self.op, self.parts, self.casts)
-        self.peers = peers
-
-    def _still_home(self) -> bool:
-        """Whether every worker's values are where they were found (the fork is
-        idle: :meth:`run` checked); raises if a worker died."""
-        for board, sid, gen in self.peers:
-            if board[sid] != gen:
-                return False
-        self.s.check_alive()
-        return True
-
-class _AllReducePlan(_Plan):
-    """A kept all_reduce: each variable must still hold the plan's very array."""
-
-    __slots__ = ()
-
-    def run(self) -> bool:
-        s = self.s
-        if not s.idle() or len(s.distributed) != len(s.proc.functions):
-            return False
-        for storage, home, shape in self.held:
-            if storage[0] is not home or home.shape != shape:
-                return False
-        if self.peers is not None and self._still_home():
-            if self.scalars is not None:
-                for reducer, views in self.scalars:
-                    value = reducer.scalar(views)  # every view read before any is written
-                    for view in views:
-                        view[()] = value
-            else:
-                self._direct_all_reduce()
-            return True
-        s.proc.comm.put_inline(self.homes, self.layout)
-        if not s.run(Command.COLLECTIVE, self.wire, self._here, body=self.body):
-            _raise_mismatch(s.proc.comm, self.layout, self.op)
-        self.find_homes()
-        return True
-
-    def _here(self, proc, _) -> bool:
-        """The master's half of the all_reduce (see :func:`_all_reduce_here`)."""
-        comm = proc.comm
-        comm.inline_await()
-        parts = comm.inline_parts(self.homes, self.layout)
-        if parts is None:
-            return False
-        _fold_into(self.homes, parts, self.reducers, self.casts)
-        return True
-
-    def _direct_all_reduce(self) -> None:
-        for i, (home, parts, outs) in enumerate(zip(self.homes, self.parts, self.outs)):
-            if self.casts[i] or parts[0] is not home:
-                np.copyto(home, cast_to(self.reducers[i].run(parts), home.dtype))
-            else:  # into the first part itself: every later part is another process's memory
-                self.reducers[i](parts, out=home)
-            for dst in outs:
-                dst[...] = home
-
-
-class _BroadcastPlan(_Plan):
-    """A kept broadcast of the master's values: they need only the plan's dtypes and shapes."""
-
-    __slots__ = ()
-
-    def run(self) -> bool:
-        s = self.s
-        if not s.idle() or len(s.distributed) != len(s.proc.functions):
-            return False
-        values = []
-        for storage, dtype, shape in self.expected:
-            value = storage[0]
-            if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
-                return False
-            values.append(value)
-        if self.peers is not None and self._still_home():
-            for value, outs in zip(values, self.outs):
-                for dst in outs:
-                    dst[...] = value
-            return True
-        s.proc.comm.put_inline(values, self.layout)
-        s.run(Command.COLLECTIVE, self.wire, body=self.body)
-        self.find_homes()
-        return True
-
-
-def _reducers(proc, op, homes) -> tuple:
-    """Per value, the kept Reducer of every process's part, and whether its
-    result must be cast to the value's dtype (an integer ``avg``)."""
-    n = proc.comm.size
-    reducers = [kept_reducer(proc.reducers, op, [h] * n) for h in homes]
-    casts = [result_dtype(h.dtype, op) != h.dtype for h in homes]
-    return reducers, casts
-
-
-def _as_scalars(proc, op, parts, casts):
-    """For a direct all_reduce whose values all have one element (of dtypes whose
-    result needs no cast): per value, its Reducer and 0-d views of every process's
-    home, which the Reducer combines as numpy scalars, with the same bits as ufunc
-    calls in a fraction of their time (see :class:`Reducer`); else None."""
-    got = []
-    for value_parts, cast in zip(parts, casts):
-        if cast or value_parts[0].size != 1:
-            return None
-        views = [p.reshape(()) for p in value_parts]  # views: the same memory
-        reducer = kept_reducer(proc.reducers, op, views)
-        if not reducer.scalar_path:
-            return None
-        got.append((reducer, views))
-    return got
-
-
-def _still_held(vars_, homes, layout) -> bool:
-    """Whether each variable still holds the very array of a plan, of its shape."""
-    for var, home, (_, shape) in zip(vars_, homes, layout):
-        if var.container.storage[0] is not home or home.shape != shape:
-            return False
-    return True
-
-
-def _fold_into(homes, parts, reducers, casts) -> None:
-    """Every process's values (``parts``, in rank order) reduced into ``homes``."""
-    for i, home in enumerate(homes):
-        out = reducers[i].run([p[i] for p in parts])  # new memory: home may be one of the parts
-        np.copyto(home, cast_to(out, home.dtype) if casts[i] else out)
-
-
-class _WorkerPlan:
-    """A worker's kept plan of one inline broadcast or all_reduce message (see above)."""
-
-    __slots__ = ("wire", "kind", "vars_", "homes", "layout", "reducers", "casts")
-
-    @staticmethod
-    def keep(proc, wire) -> None:
-        """Keep the plan of the message ``wire`` that just ran by the full path,
-        and publish where its values live (see :func:`publish_homes`)."""
-        kind, sids, op = wire[1:]
-        vars_ = [proc.shareds[sid] for sid in sids]
-        homes = [v.container.storage[0] for v in vars_]
-        if any(type(h) is not np.ndarray for h in homes):
-            return
-        kept = proc.kept_inline
-        if len(kept) >= _MAX_PLANS:
-            kept.clear()
-        kept[id(wire)] = _WorkerPlan(proc, wire, kind, vars_, homes, op)
-        comm, published = proc.comm, proc.published
-        for sid, var, home in zip(sids, vars_, homes):
-            if sid < comm.home_slots and (sid in published or len(published) < _MAX_PUBLISHED):
-                published[sid] = (var, home, home.shape, comm.publish_home(sid, home))
-
-    def __init__(self, proc, wire, kind, vars_, homes, op):
-        self.wire, self.kind, self.vars_, self.homes = wire, kind, vars_, homes
-        self.layout = tuple((h.dtype, h.shape) for h in homes)
-        self.reducers, self.casts = _reducers(proc, op, homes) if kind == "all_reduce" else (None, None)
-
-    def run(self, proc) -> bool:
-        """Run the plan; False, having done nothing, when it no longer holds."""
-        homes = self.homes
-        if not _still_held(self.vars_, homes, self.layout):
-            return False
-        comm = proc.comm
-        if self.kind == "broadcast":
-            srcs = comm.inline_values(proc.master_rank)
-            if len(srcs) != len(homes):
-                return False
-            for src, home in zip(srcs, homes):
-                if src.dtype is not home.dtype or src.shape != home.shape:
-                    return False
-            for src, home in zip(srcs, homes):
-                np.copyto(home, src)
-            return True
-        comm.put_inline(homes, self.layout)
-        comm.inline_arrive()
-        parts = comm.inline_parts(homes, self.layout)
-        if parts is not None:  # (values of another layout change nothing: the master raises, naming them)
-            _fold_into(homes, parts, self.reducers, self.casts)
-        return True
-
-
-def publish_homes(proc) -> None:
-    """A worker, before every answer: for each variable whose home it published,
-    whether it still holds that home (its generation, or 0)."""
-    published = proc.published
-    if not published:
-        return
-    board = proc.comm.home_board(proc.rank)
-    for sid, (var, home, shape, gen) in published.items():
-        board[sid] = gen if var.container.storage[0] is home and home.shape == shape else 0
 
 def _run(proc, spec: CollectiveSpec):
     if spec.kind == "placement":

@@ -64,6 +64,7 @@ LAYERS = {
     # 9-10: features, master and worker halves together
     "synkhronos.data": 9,
     "synkhronos.distribute": 9,
+    "synkhronos.plans": 9,
     "synkhronos.function": 10,
     "synkhronos.shareds": 10,
     # 11-12: the worker's command table and loop; fork() and close()

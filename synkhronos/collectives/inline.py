@@ -13,6 +13,10 @@ others read them (see shareds.py). An area holds int64 words, then the arrays' b
     word 3   unused
     then     per array: its dtype's ``str`` (ASCII, in one word), ndim, one
              word per dimension; then the data, each array 16-byte aligned
+
+Also the helpers of the inline collectives that ``shareds.py`` and
+``plans.py`` (the kept plans) share: checking a layout, the error of a
+layout mismatch, and combining every process's values into this process's.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import math
 import numpy as np
 
 from ..arrays import packed_views, round_up
+from .ops import agreed_layout, cast_to, kept_reducer, result_dtype
 
-__all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes"]
+__all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes",
+           "same_layout", "raise_mismatch", "reducers_for", "fold_into"]
 
 EMPTY, VALUES, LAYOUT, OVERSIZE = range(4)
 _HEAD = 4
@@ -160,3 +166,45 @@ class InlineArea:
 
 #: Layouts an area's writer and each reader keep (each starts again past this many).
 _MAX_LAYOUTS = 64
+
+
+# ---------------------------------------------------------------------------
+# Helpers of the inline collectives (shareds.py) and their kept plans (plans.py).
+
+
+def same_layout(values, layout) -> bool:
+    """Whether ``values`` have the very dtypes (the same objects, as a loop gives
+    them) and the shapes of ``layout``; False sends the caller to the full check."""
+    if len(values) != len(layout):
+        return False
+    for a, (dtype, shape) in zip(values, layout):
+        if type(a) is not np.ndarray or a.dtype is not dtype or a.shape != shape:
+            return False
+    return True
+
+
+def raise_mismatch(comm, layout, op):
+    """The error of an inline reduction whose processes hold different layouts."""
+    layouts = comm.inline_layouts(layout)
+    for r, got in enumerate(layouts):
+        if got is None:
+            raise ValueError(f"cannot {op}-reduce: rank {r} holds more shared variables, or of more "
+                             f"dimensions, than rank {comm.rank} does")
+    agreed_layout([(list(got), 1.0) for got in layouts], op)
+    raise RuntimeError(f"the processes' values of an inline {op}-reduce did not arrive")  # not reached
+
+
+def reducers_for(proc, op, homes) -> tuple:
+    """Per value, the kept Reducer of every process's part, and whether its
+    result must be cast to the value's dtype (an integer ``avg``)."""
+    n = proc.comm.size
+    reducers = [kept_reducer(proc.reducers, op, [h] * n) for h in homes]
+    casts = [result_dtype(h.dtype, op) != h.dtype for h in homes]
+    return reducers, casts
+
+
+def fold_into(homes, parts, reducers, casts) -> None:
+    """Every process's values (``parts``, in rank order) reduced into ``homes``."""
+    for i, home in enumerate(homes):
+        out = reducers[i].run([p[i] for p in parts])  # new memory: home may be one of the parts
+        np.copyto(home, cast_to(out, home.dtype) if casts[i] else out)

@@ -12,7 +12,8 @@ from ..control import Command
 from ..data import forget
 from ..distribute import receive as receive_functions
 from ..function import LocalFunction, worker_call
-from ..shareds import publish_homes, worker_collective
+from ..plans import publish_homes
+from ..shareds import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
 from ..shmem import unlink_prefix
 

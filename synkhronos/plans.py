@@ -1,0 +1,308 @@
+"""Kept plans of small broadcast and all_reduce, and the direct path that runs them without a command.
+
+Kept plans: a loop of the same small broadcast or all_reduce. Once one went
+through by the inline path, its plan is kept: in the master per argument (the
+variables, op and nccl as the caller gave them), in a worker per kept
+message. The next one checks only what can have changed since: that the fork
+is idle and has no new function to distribute, and that each variable still
+holds the very array the plan holds (all_reduce writes its result into it;
+a broadcast's master values need only the plan's dtypes and shapes). Anything
+else takes the full path, which plans again.
+
+Direct: a worker's values change only while it runs a command. A worker
+that kept a plan publishes on its home board, before every answer, whether
+each variable of it still holds that home (ShmCommunicator.publish_home).
+The master records the generations published right after a round trip that
+found every process's values of the plan's dtypes and shapes; while every
+worker is idle and publishes the same ones, the same arrays still are the
+values, so the master does the whole collective itself, with no command: it
+reads every process's value where it lives, reduces them with the same
+Reducer, in rank order, and writes the result (or, for a broadcast, its
+values) into every process's home. The workers find them there at their
+next command. Liveness is checked as often as a waiting master checks it.
+
+The master's half: ``shareds.broadcast`` and ``shareds.all_reduce`` try
+:func:`planned` first, and the inline path keeps a plan with :func:`keep_plan`.
+The worker's half: ``shareds.worker_collective`` keeps a plan with
+:func:`keep_worker_plan`, and ``worker.loop.serve`` calls :func:`publish_homes`
+before every answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pytensor.compile.sharedvalue import SharedVariable
+
+from . import context
+from .collectives.inline import fold_into, raise_mismatch, reducers_for
+from .collectives.ops import cast_to, kept_reducer
+from .control import Command
+
+__all__ = ["PLANNED_KINDS", "planned", "resolve_key", "keep_plan", "keep_worker_plan", "publish_homes"]
+
+#: The inline collectives that keep plans.
+PLANNED_KINDS = frozenset(("broadcast", "all_reduce"))
+#: Plans a session, or a worker, keeps before it starts again.
+_MAX_PLANS = 64
+#: Variables a worker publishes at most: it checks each before every answer
+#: (about 0.15 us each); the collectives of the others take the command path.
+_MAX_PUBLISHED = 16
+
+
+def planned(kind, shared_vars, op, nccl) -> bool:
+    """Run the master's kept plan of this collective, if there is one and it still
+    holds; False when the full path must run (no plan, or it no longer holds, or
+    a command is running in this thread: the full path refuses the nested call)."""
+    s = context.current()
+    if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
+        return False
+    # a plan keeps its variables alive: a hit on id(shared_vars) is that very variable
+    plan = s.inline_plans.get((kind, id(shared_vars), op, nccl))
+    if plan is None and type(shared_vars) in (list, tuple):
+        plan = s.inline_plans.get((kind, resolve_key(shared_vars), op, nccl))
+    return plan is not None and plan.run()
+
+
+def resolve_key(shared_vars):
+    """The key of ``shareds._resolve``'s cache for this argument: a variable's id,
+    a tuple of ids for a list or tuple of them; None for anything else."""
+    if isinstance(shared_vars, SharedVariable):
+        return id(shared_vars)
+    if type(shared_vars) in (list, tuple):
+        return tuple(map(id, shared_vars))
+    return None
+
+
+def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
+    """Keep the plan of the collective that just went through, under ``plan_key``."""
+    if plan_key is None or plan_key[1] is None:
+        return
+    homes = [v.container.storage[0] for v in vars_]
+    if tuple((getattr(h, "dtype", None), getattr(h, "shape", None)) for h in homes) != layout:
+        return  # (a variable whose value is not the array that was sent: never planned)
+    if len(s.inline_plans) >= _MAX_PLANS:
+        s.inline_plans.clear()
+    cls = _AllReducePlan if kind == "all_reduce" else _BroadcastPlan
+    plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
+    plan.find_homes()
+
+
+class _Plan:
+    """The master's kept plan of one inline broadcast or all_reduce (see above)."""
+
+    __slots__ = ("s", "kind", "vars_", "held", "expected", "homes", "layout", "op", "wire", "body", "reducers", "casts",
+                 "peers", "parts", "outs", "scalars")
+
+    def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
+        self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
+        # per variable: its storage list (a Container keeps its own for life), the plan's array and shape
+        self.held = [(v.container.storage, h, shape) for v, h, (_, shape) in zip(vars_, homes, layout)]
+        # per variable: its storage list, and the dtype and shape a broadcast's value must have
+        self.expected = [(v.container.storage, dtype, shape) for v, (dtype, shape) in zip(vars_, layout)]
+        self.op, self.wire, self.body = op, wire, body
+        self.reducers, self.casts = reducers_for(s.proc, op, homes) if kind == "all_reduce" else (None, None)
+        self.peers = None    # direct: [(board, slot, generation)] of every worker's home of every variable
+        self.parts = None    # direct: per variable, every process's value, in rank order
+        self.outs = None     # direct: per variable, where its result goes (every other process's home)
+        self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
+
+    def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
+        """The collective; False, having done nothing, when the plan no longer holds."""
+        raise NotImplementedError
+
+    def find_homes(self) -> None:
+        """After a round trip that went well: where every worker's values live now, if
+        every one published them (they are then of the plan's dtypes and shapes)."""
+        proc = self.s.proc
+        comm = proc.comm
+        self.peers = self.scalars = None
+        if not all(sid < comm.home_slots for sid in self.wire[2]):
+            return
+        peers, views = [], {}
+        for r in range(comm.size):
+            if r == proc.rank:
+                continue
+            board = comm.home_board(r)
+            for sid, (dtype, shape) in zip(self.wire[2], self.layout):
+                view = comm.peer_home(r, sid, board[sid], dtype, shape)
+                if view is None:
+                    return
+                peers.append((board, sid, board[sid]))
+                views[r, sid] = view
+        own = dict(zip(self.wire[2], self.homes))
+        self.parts = [[own[sid] if r == proc.rank else views[r, sid] for r in range(comm.size)]
+                      for sid in self.wire[2]]
+        self.outs = [[views[r, sid] for r in range(comm.size) if r != proc.rank] for sid in self.wire[2]]
+        if self.kind == "all_reduce":
+            self.scalars = _as_scalars(proc, self.op, self.parts, self.casts)
+        self.peers = peers
+
+    def _still_home(self) -> bool:
+        """Whether every worker's values are where they were found (the fork is
+        idle: :meth:`run` checked); raises if a worker died."""
+        for board, sid, gen in self.peers:
+            if board[sid] != gen:
+                return False
+        self.s.check_alive()
+        return True
+
+
+class _AllReducePlan(_Plan):
+    """A kept all_reduce: each variable must still hold the plan's very array."""
+
+    __slots__ = ()
+
+    def run(self) -> bool:
+        s = self.s
+        if not s.idle() or len(s.distributed) != len(s.proc.functions):
+            return False
+        for storage, home, shape in self.held:
+            if storage[0] is not home or home.shape != shape:
+                return False
+        if self.peers is not None and self._still_home():
+            if self.scalars is not None:
+                for reducer, views in self.scalars:
+                    value = reducer.scalar(views)  # every view read before any is written
+                    for view in views:
+                        view[()] = value
+            else:
+                self._direct_all_reduce()
+            return True
+        s.proc.comm.put_inline(self.homes, self.layout)
+        if not s.run(Command.COLLECTIVE, self.wire, self._here, body=self.body):
+            raise_mismatch(s.proc.comm, self.layout, self.op)
+        self.find_homes()
+        return True
+
+    def _here(self, proc, _) -> bool:
+        """The master's half of the all_reduce (see ``shareds._all_reduce_here``)."""
+        comm = proc.comm
+        comm.inline_await()
+        parts = comm.inline_parts(self.homes, self.layout)
+        if parts is None:
+            return False
+        fold_into(self.homes, parts, self.reducers, self.casts)
+        return True
+
+    def _direct_all_reduce(self) -> None:
+        for i, (home, parts, outs) in enumerate(zip(self.homes, self.parts, self.outs)):
+            if self.casts[i] or parts[0] is not home:
+                np.copyto(home, cast_to(self.reducers[i].run(parts), home.dtype))
+            else:  # into the first part itself: every later part is another process's memory
+                self.reducers[i](parts, out=home)
+            for dst in outs:
+                dst[...] = home
+
+
+class _BroadcastPlan(_Plan):
+    """A kept broadcast of the master's values: they need only the plan's dtypes and shapes."""
+
+    __slots__ = ()
+
+    def run(self) -> bool:
+        s = self.s
+        if not s.idle() or len(s.distributed) != len(s.proc.functions):
+            return False
+        values = []
+        for storage, dtype, shape in self.expected:
+            value = storage[0]
+            if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
+                return False
+            values.append(value)
+        if self.peers is not None and self._still_home():
+            for value, outs in zip(values, self.outs):
+                for dst in outs:
+                    dst[...] = value
+            return True
+        s.proc.comm.put_inline(values, self.layout)
+        s.run(Command.COLLECTIVE, self.wire, body=self.body)
+        self.find_homes()
+        return True
+
+
+def _as_scalars(proc, op, parts, casts):
+    """For a direct all_reduce whose values all have one element (of dtypes whose
+    result needs no cast): per value, its Reducer and 0-d views of every process's
+    home, which the Reducer combines as numpy scalars, with the same bits as ufunc
+    calls in a fraction of their time (see :class:`Reducer`); else None."""
+    got = []
+    for value_parts, cast in zip(parts, casts):
+        if cast or value_parts[0].size != 1:
+            return None
+        views = [p.reshape(()) for p in value_parts]  # views: the same memory
+        reducer = kept_reducer(proc.reducers, op, views)
+        if not reducer.scalar_path:
+            return None
+        got.append((reducer, views))
+    return got
+
+
+def _still_held(vars_, homes, layout) -> bool:
+    """Whether each variable still holds the very array of a plan, of its shape."""
+    for var, home, (_, shape) in zip(vars_, homes, layout):
+        if var.container.storage[0] is not home or home.shape != shape:
+            return False
+    return True
+
+
+def keep_worker_plan(proc, wire) -> None:
+    """Keep the plan of the message ``wire`` that just ran by the full path,
+    and publish where its values live (see :func:`publish_homes`)."""
+    kind, sids, op = wire[1:]
+    vars_ = [proc.shareds[sid] for sid in sids]
+    homes = [v.container.storage[0] for v in vars_]
+    if any(type(h) is not np.ndarray for h in homes):
+        return
+    kept = proc.kept_inline
+    if len(kept) >= _MAX_PLANS:
+        kept.clear()
+    kept[id(wire)] = _WorkerPlan(proc, wire, kind, vars_, homes, op)
+    comm, published = proc.comm, proc.published
+    for sid, var, home in zip(sids, vars_, homes):
+        if sid < comm.home_slots and (sid in published or len(published) < _MAX_PUBLISHED):
+            published[sid] = (var, home, home.shape, comm.publish_home(sid, home))
+
+
+class _WorkerPlan:
+    """A worker's kept plan of one inline broadcast or all_reduce message (see above)."""
+
+    __slots__ = ("wire", "kind", "vars_", "homes", "layout", "reducers", "casts")
+
+    def __init__(self, proc, wire, kind, vars_, homes, op):
+        self.wire, self.kind, self.vars_, self.homes = wire, kind, vars_, homes
+        self.layout = tuple((h.dtype, h.shape) for h in homes)
+        self.reducers, self.casts = reducers_for(proc, op, homes) if kind == "all_reduce" else (None, None)
+
+    def run(self, proc) -> bool:
+        """Run the plan; False, having done nothing, when it no longer holds."""
+        homes = self.homes
+        if not _still_held(self.vars_, homes, self.layout):
+            return False
+        comm = proc.comm
+        if self.kind == "broadcast":
+            srcs = comm.inline_values(proc.master_rank)
+            if len(srcs) != len(homes):
+                return False
+            for src, home in zip(srcs, homes):
+                if src.dtype is not home.dtype or src.shape != home.shape:
+                    return False
+            for src, home in zip(srcs, homes):
+                np.copyto(home, src)
+            return True
+        comm.put_inline(homes, self.layout)
+        comm.inline_arrive()
+        parts = comm.inline_parts(homes, self.layout)
+        if parts is not None:  # (values of another layout change nothing: the master raises, naming them)
+            fold_into(homes, parts, self.reducers, self.casts)
+        return True
+
+
+def publish_homes(proc) -> None:
+    """A worker, before every answer: for each variable whose home it published,
+    whether it still holds that home (its generation, or 0)."""
+    published = proc.published
+    if not published:
+        return
+    board = proc.comm.home_board(proc.rank)
+    for sid, (var, home, shape, gen) in published.items():
+        board[sid] = gen if var.container.storage[0] is home and home.shape == shape else 0
