@@ -545,16 +545,12 @@ def _resident(proc, sids, vars_) -> list:
             break
     else:
         return values  # the usual case in a loop: every value is still its first home
-    cache = []
-
-    def taken():
-        if not cache:
-            cache.append(_memory_in_use(proc, exclude=set(sids)))
-        return cache[0]
-
     out = []
     for sid, var, value in zip(sids, vars_, values):
-        view = _home(proc, sid, value.dtype, value.shape, taken, current=value)
+        # what every other variable holds now, those of this collective too (a call that
+        # swapped two of them left each holding the other's home; moved ones hold their new)
+        view = _home(proc, sid, value.dtype, value.shape, lambda sid=sid: _memory_in_use(proc, exclude={sid}),
+                     current=value)
         if view is not value:
             np.copyto(view, value)
             var.set_value(view, borrow=True)

@@ -272,8 +272,12 @@ def test_loops_without_commands_match_numpy(fork, n):
     vars_ = _make_vars()
     a = pytensor.shared(np.zeros(3), name="a")  # updated by a call: a <- 2a - 1 in every process
     step = synk.function([], a.sum(), updates=[(a, 2 * a - 1)], mode=MODE)
+    # swapped by a call (PyTensor may hand one's old storage to the other)
+    b, c = pytensor.shared(np.zeros(2, np.float32), name="b"), pytensor.shared(np.ones(2, np.float32), name="c")
+    swap = synk.function([], b.sum(), updates=[(b, c), (c, b)], mode=MODE)
     synk.distribute()
-    every = vars_ + [a]
+    every = vars_ + [b, c, a]
+    ib, ic = len(vars_), len(vars_) + 1
     held = _set_per_rank(rng, n, every)  # held[rank][k]: what rank holds of every[k]
     ctl = synk.runtime.session().proc.control
     alone = 0
@@ -302,10 +306,14 @@ def test_loops_without_commands_match_numpy(fork, n):
                 r = int(rng.integers(0, n))
                 synk.set_value(r, every[k], value)
                 held[r][k] = value
-        elif what == 8:
+        elif what == 8 and rng.random() < 0.5:
             step()
             for r in range(n):
                 held[r][-1] = 2 * held[r][-1] - 1
+        elif what == 8:
+            swap()
+            for r in range(n):
+                held[r][ib], held[r][ic] = held[r][ic], held[r][ib]
         elif held[0][k].ndim:  # another shape in one worker: refused, changing nothing; then the old one back
             v, r, shape = every[k], int(rng.integers(1, n)), held[0][k].shape
             synk.set_value(r, v, _random_value(rng, v.dtype, (shape[0] + 1,) + shape[1:]))
