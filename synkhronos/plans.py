@@ -90,15 +90,12 @@ def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
 class _Plan:
     """The master's kept plan of one inline broadcast or all_reduce (see above)."""
 
-    __slots__ = ("s", "kind", "vars_", "held", "expected", "homes", "layout", "op", "wire", "body", "reducers", "casts",
+    __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "op", "wire", "body", "reducers", "casts",
                  "peers", "parts", "outs", "scalars")
 
     def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
         self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
-        # per variable: its storage list (a Container keeps its own for life), the plan's array and shape
-        self.held = [(v.container.storage, h, shape) for v, h, (_, shape) in zip(vars_, homes, layout)]
-        # per variable: its storage list, and the dtype and shape a broadcast's value must have
-        self.expected = [(v.container.storage, dtype, shape) for v, (dtype, shape) in zip(vars_, layout)]
+        self.held = _held(vars_, homes, layout)
         self.op, self.wire, self.body = op, wire, body
         self.reducers, self.casts = reducers_for(s.proc, op, homes) if kind == "all_reduce" else (None, None)
         self.peers = None    # direct: [(board, slot, generation)] of every worker's home of every variable
@@ -156,9 +153,8 @@ class _AllReducePlan(_Plan):
         s = self.s
         if not s.idle() or len(s.distributed) != len(s.proc.functions):
             return False
-        for storage, home, shape in self.held:
-            if storage[0] is not home or home.shape != shape:
-                return False
+        if not _still_held(self.held):
+            return False
         if self.peers is not None and self._still_home():
             if self.scalars is not None:
                 for reducer, views in self.scalars:
@@ -204,7 +200,7 @@ class _BroadcastPlan(_Plan):
         if not s.idle() or len(s.distributed) != len(s.proc.functions):
             return False
         values = []
-        for storage, dtype, shape in self.expected:
+        for storage, _, dtype, shape in self.held:  # (the master's values need only the dtypes and shapes)
             value = storage[0]
             if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
                 return False
@@ -237,10 +233,16 @@ def _as_scalars(proc, op, parts, casts):
     return got
 
 
-def _still_held(vars_, homes, layout) -> bool:
-    """Whether each variable still holds the very array of a plan, of its shape."""
-    for var, home, (_, shape) in zip(vars_, homes, layout):
-        if var.container.storage[0] is not home or home.shape != shape:
+def _held(vars_, homes, layout) -> list:
+    """Per variable of a plan: its storage list (a Container keeps its own for
+    life), the plan's array, its dtype and shape; see :func:`_still_held`."""
+    return [(v.container.storage, h, dtype, shape) for v, h, (dtype, shape) in zip(vars_, homes, layout)]
+
+
+def _still_held(held) -> bool:
+    """Whether each variable still holds the very array of a plan (``_held``), of its shape."""
+    for storage, home, _, shape in held:
+        if storage[0] is not home or home.shape != shape:
             return False
     return True
 
@@ -266,17 +268,18 @@ def keep_worker_plan(proc, wire) -> None:
 class _WorkerPlan:
     """A worker's kept plan of one inline broadcast or all_reduce message (see above)."""
 
-    __slots__ = ("wire", "kind", "vars_", "homes", "layout", "reducers", "casts")
+    __slots__ = ("wire", "kind", "held", "homes", "layout", "reducers", "casts")
 
     def __init__(self, proc, wire, kind, vars_, homes, op):
-        self.wire, self.kind, self.vars_, self.homes = wire, kind, vars_, homes
+        self.wire, self.kind, self.homes = wire, kind, homes
         self.layout = tuple((h.dtype, h.shape) for h in homes)
+        self.held = _held(vars_, homes, self.layout)
         self.reducers, self.casts = reducers_for(proc, op, homes) if kind == "all_reduce" else (None, None)
 
     def run(self, proc) -> bool:
         """Run the plan; False, having done nothing, when it no longer holds."""
         homes = self.homes
-        if not _still_held(self.vars_, homes, self.layout):
+        if not _still_held(self.held):
             return False
         comm = proc.comm
         if self.kind == "broadcast":

@@ -164,8 +164,9 @@ class Session:
 
     def idle(self) -> bool:
         """Whether the fork is usable and every worker is idle, with no command
-        running in this thread (a nested call) and nothing to settle or send first: the master may then read and write the values
-        the workers published (see :mod:`synkhronos.plans`)."""
+        running in this thread (a nested call) and nothing to settle or send
+        first: the master may then read and write the values the workers
+        published (see :mod:`synkhronos.plans`)."""
         return (self.in_flight is None and not self._needs_reset and not self.close_requested
                 and self.broken is None and not self.closed and self.proc.control.all_answered())
 
