@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 __all__ = ["SIZES", "QUICK_SIZES", "sizes_for", "reps_for", "measure", "summarize",
-           "part_args", "write_part", "label", "cpu_busy", "ForeignLoad"]
+           "part_args", "write_part", "label", "cpu_busy", "ForeignLoad", "IDLE_GAPS", "busy", "gap_key"]
 
 #: Collective sizes in bytes (float32 elements = bytes // 4): 4 B to 64 MiB, the
 #: latency-against-size curve of issue 18 (issue 6's 4 B, 4 KiB, 4 MiB, 64 MiB among them).
@@ -51,6 +51,23 @@ def reps_for(nbytes: int, quick: bool) -> int:
     else:
         n = 15
     return max(5, n // 10) if quick else n
+
+
+#: Idle gaps (seconds) before a call, as a loop with other work between its calls has them.
+IDLE_GAPS = (1e-3, 5e-3, 10e-3)
+
+
+def busy(seconds: float) -> None:
+    """Work in this process (Python, no system call) for ``seconds``: the gap
+    of a loop that does other work between its calls."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def gap_key(gap: float, how: str = "busy") -> str:
+    """How the results after a gap are named: '5ms busy', '5ms' (sleep)."""
+    return f"{gap * 1e3:g}ms busy" if how == "busy" else f"{gap * 1e3:g}ms"
 
 
 def summarize(times: list[float]) -> dict:

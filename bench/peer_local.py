@@ -10,7 +10,8 @@
 - the Python floor of a 4-byte all-reduce: two processes, both spinning on
   a word of shared memory, the master writes its value and a sequence
   number, the partner adds its own and answers; no checks, no dispatch, no
-  sleeping. What any Python master/worker design pays at the least.
+  sleeping. What any Python master/worker design pays at the least; also
+  after busy gaps of the master, the floor of a call after idle workers.
 """
 
 from __future__ import annotations
@@ -87,47 +88,77 @@ def semaphore_round_trip(spin: bool) -> dict:
             sem.close()
 
 
-def python_floor_all_reduce() -> dict:
+def python_floor_all_reduce() -> tuple[dict, dict]:
     """Median time of the least a Python master and worker can do for a 4-byte
-    all-reduce through shared memory (see the module's docstring)."""
-    reps, warmup = (2000, 200) if args.quick else (20000, 2000)
+    all-reduce through shared memory (see the module's docstring): in a tight
+    loop, and after each busy gap of the master (``benchlib.IDLE_GAPS``, the
+    partner spinning all along), which tells what the machine itself does to
+    a Python round trip after a pause: the floor of issue 18's after-idle goal.
+    The two processes sit on cores 0 and 1, as synkhronos pins a fork's first two."""
+    reps, warmup, gap_reps = (2000, 200, 40) if args.quick else (20000, 2000, 200)
     buf = mmap.mmap(-1, 4096)
     words = memoryview(buf).cast("q")  # word 0: the master's sequence number, word 1: the partner's
     values = np.frombuffer(buf, np.float32, 2, 64)  # the master's value, the sum
     end = time.monotonic() + 60.0  # neither side spins on for ever if the other one is gone
     pid = os.fork()
     if pid == 0:
+        _pin(1)
         mine, seen = np.float32(1.5), 0
-        while seen < warmup + reps:
+        while True:
             spins = 0
             while words[0] == seen:
                 spins += 1
                 if not spins & 0xFFFF and time.monotonic() > end:
                     os._exit(1)
             seen = words[0]
-            if seen < 0:  # the master gave up
-                os._exit(1)
+            if seen < 0:  # the master is done (or gave up)
+                os._exit(0)
             values[1] = values[0] + mine
             words[1] = seen
-        os._exit(0)
-    times = []
+    seq = 0
+
+    def round_trip() -> float:
+        nonlocal seq
+        seq += 1
+        t0 = time.perf_counter()
+        values[0] = 2.0
+        words[0] = seq
+        spins = 0
+        while words[1] != seq:
+            spins += 1
+            if not spins & 0xFFFF and time.monotonic() > end:
+                raise TimeoutError("the partner of the Python floor did not answer")
+        values[1]
+        return time.perf_counter() - t0
+
+    affinity = _pin(0)
     try:
-        for i in range(1, warmup + reps + 1):
-            t0 = time.perf_counter()
-            values[0] = 2.0
-            words[0] = i
-            spins = 0
-            while words[1] != i:
-                spins += 1
-                if not spins & 0xFFFF and time.monotonic() > end:
-                    raise TimeoutError("the partner of the Python floor did not answer")
-            values[1]
-            if i > warmup:
-                times.append(time.perf_counter() - t0)
+        for _ in range(warmup):
+            round_trip()
+        tight = bl.summarize([round_trip() for _ in range(reps)])
+        after = {}
+        for gap in bl.IDLE_GAPS:
+            times = []
+            for _ in range(gap_reps):
+                bl.busy(gap)
+                times.append(round_trip())
+            after[bl.gap_key(gap)] = bl.summarize(times)
     finally:
         words[0] = -1  # a partner still waiting leaves at its deadline at the latest
         os.waitpid(pid, 0)
-    return bl.summarize(times)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+    return tight, after
+
+
+def _pin(core: int):
+    """Run this process on ``core`` where the machine has two cores or more;
+    the cores it could run on before, or None where it was left alone."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2 or core not in before:
+        return None
+    os.sched_setaffinity(0, {core})
+    return before
 
 
 def _noop(x):
@@ -146,7 +177,7 @@ def main() -> None:
         out["semaphore_round_trip_spin"] = semaphore_round_trip(spin=True)
     except ImportError as err:
         out["semaphore_round_trip"] = {"skipped": f"posix_ipc not importable: {err}"}
-    out["python_floor_all_reduce"] = python_floor_all_reduce()
+    out["python_floor_all_reduce"], out["python_floor_after_busy"] = python_floor_all_reduce()
     bl.write_part(args.json, out)
 
 

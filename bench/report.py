@@ -184,7 +184,7 @@ def targets_18(parts) -> list[dict]:
         out.append(_target(what, s, r, "≤ 2" if busy else "—", (None if r is None else r <= 2.0) if busy else None,
                            f"{fmt_time(s)} vs {fmt_time(tight)} in a loop; the plain PyTensor call after "
                            f"the same gap: {fmt_time(p)} ({fmt_ratio(_ratio(p, _med(ov, 'pytensor_call')))} "
-                           "its own tight loop)"))
+                           "its own tight loop)" + _floor_after(parts, gap)))
     for size in ("4MiB", "64MiB"):
         s, m = _med(synk, "all_reduce", size), _med(parts, "mpi", "all_reduce", size)
         r = _ratio(s, m)
@@ -196,6 +196,15 @@ def targets_18(parts) -> list[dict]:
                            "; ".join(f"{k}: {v:.2f} CPU-s per s" for k, v in cpu.items() if k != "workers")
                            + f" ({cpu.get('workers')} workers, idle_spin=0.02 s)"))
     return out
+
+
+def _floor_after(parts, gap: str) -> str:
+    """The Python floor's round trip after ``gap`` (a busy master), as the after-idle goals quote it."""
+    f, tight = _med(parts, "local", "python_floor_after_busy", gap), _med(parts, "local", "python_floor_all_reduce")
+    if f is None:
+        return ""
+    return (f"; the Python floor (a bare shared-memory round trip) after the same gap: {fmt_time(f)} "
+            f"({fmt_ratio(_ratio(f, tight))} its own tight loop)")
 
 
 # ---------------------------------------------------------------------------

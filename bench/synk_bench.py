@@ -209,17 +209,6 @@ def _out_4kib(w, x):
     return (w * x.sum(), "avg")
 
 
-#: Idle gaps (seconds) before a call, as a loop with other work between its calls has them.
-IDLE_GAPS = (1e-3, 5e-3, 10e-3)
-
-
-def _busy(seconds: float) -> None:
-    """Work in the master (Python, no system call) for ``seconds``."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def after_idle(call, plain) -> dict:
     """Median cost of one call after the workers sat idle for each gap, two ways:
     ``busy``, the master works during the gap (a loop with other work between
@@ -232,11 +221,10 @@ def after_idle(call, plain) -> dict:
     for twice the gap (an earlier version of this benchmark did)."""
     out = {}
     reps = 40 if QUICK else 200
-    for how, wait in (("busy", _busy), ("sleep", time.sleep)):
-        for gap in IDLE_GAPS:
+    for how, wait in (("busy", bl.busy), ("sleep", time.sleep)):
+        for gap in bl.IDLE_GAPS:
             synk_t, plain_t = _after_gaps(call, wait, gap, reps), _after_gaps(plain, wait, gap, reps)
-            key = f"{gap * 1e3:g}ms" if how == "sleep" else f"{gap * 1e3:g}ms busy"
-            out[key] = {"synk": bl.summarize(synk_t), "plain": bl.summarize(plain_t)}
+            out[bl.gap_key(gap, how)] = {"synk": bl.summarize(synk_t), "plain": bl.summarize(plain_t)}
     return out
 
 
@@ -337,9 +325,13 @@ def collectives() -> dict:
     out = {name: {} for name in ops}
     for n, v in shareds.items():
         reps = bl.reps_for(n, QUICK)
+        # 2000 calls of a few microseconds last a few milliseconds: without a
+        # warm-up of some length, one hiccup of the VM (or the ramp after the
+        # distribute() above) moves the median of a small size by half
+        warm_s = 0.0 if n > 64 << 10 else (0.02 if QUICK else 0.1)
         for name, op in ops.items():
             out[name][bl.label(n)] = bl.measure(lambda: op(v), warmup=3, min_reps=min(5, reps),
-                                                max_reps=reps, budget_s=BUDGET)
+                                                max_reps=reps, budget_s=BUDGET, warmup_s=warm_s)
     return out
 
 
