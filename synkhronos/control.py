@@ -19,7 +19,7 @@ import posix_ipc
 
 from . import context
 from .errors import WorkerDiedError, pack_exception
-from .replies import ELSEWHERE, INLINE, ReplyArea
+from .replies import ELSEWHERE, ReplyArea
 from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
 __all__ = []
@@ -234,10 +234,10 @@ class ControlBlock:
         reply area) or None when it had nothing to add, ``big`` whether they
         came through a segment of their own (too big for the area)."""
         area = self._replies[rank]
-        state = area.state()
-        if state == INLINE:
-            return area.get(), False
-        if state != ELSEWHERE:
+        got = area.inline()
+        if got is not None:
+            return got, False
+        if area.state() != ELSEWHERE:
             return None, False
         name = f"{self.prefix}out{rank}.{area.generation()}"
         try:

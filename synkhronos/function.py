@@ -18,7 +18,6 @@ from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import OUTPUT_OPS, Reducer, cast_to, check_op, combine, result_dtype
 from .context import interruptible
 from .control import Command
-from .replies import INLINE
 from .data import Data, attach, fit_scratch
 from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
@@ -299,41 +298,42 @@ class Lane:
         """Master-side, once every worker answered: the results, the very values
         :func:`combine_inline` gives; None where a reply is out of the ordinary
         (no rows, too big for its area), for it to handle."""
+        kept = self.kept
+        if kept is not None:
+            results = _combine_kept(kept, outs, mine)
+            if results is not None:
+                return results
         sets, weights = [], []
         for area in self.areas:
             if area is None:
                 sets.append(mine)
                 weights.append(self.weight)
-            elif area.state() == INLINE:
-                arrays, weight = area.get()
-                if len(arrays) != len(mine):
-                    return None
-                sets.append(arrays)
-                weights.append(weight)
-            else:
+                continue
+            got = area.inline()
+            if got is None or len(got[0]) != len(mine):
                 return None
+            sets.append(got[0])
+            weights.append(got[1])
         if not self.reduced:  # every reply ordinary, nothing to combine
             return list(outs)
-        kept = self.kept
-        if kept is not None and weights == kept[1] and _same_parts(sets, kept[0], mine, kept[2]):
-            results = list(outs)
-            for k, j, run in kept[3]:
-                results[k] = run([arrays[j] for arrays in sets])
-            return results
         results = _combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers)
         self.kept = self._keep(sets, weights, mine)
         return results
 
     def _keep(self, sets, weights, mine):
-        """What a combine that went through every check leaves for the next one:
-        the workers' arrays (the reply areas hand out the same list until their
-        layout changes), the weights, the master's layout and per output the
-        reduction to run. None with a single process (combine copies then)."""
+        """What a combine that went through every check leaves for the next one
+        (see :func:`_combine_kept`): per worker its reply area, the list of its
+        arrays (the area hands out the same list until the layout changes) and
+        its weight; the parts in rank order with a hole at the master's place;
+        the master's layout; per output the reduction to run. None with a
+        single process (combine copies then)."""
         if len(sets) < 2:
             return None
+        workers = [(area, arrays, weight) for area, arrays, weight in zip(self.areas, sets, weights)
+                   if area is not None]
         steps = [(k, j, concat if op == "gather" else self.reducers[j].run)
                  for j, (k, op) in enumerate(self.reduced)]
-        return ([None if arrays is mine else arrays for arrays in sets], list(weights),
+        return (workers, [None if arrays is mine else arrays for arrays in sets], self.areas.index(None),
                 [(a.shape, a.dtype) for a in mine], steps)
 
     @staticmethod
@@ -344,17 +344,27 @@ class Lane:
         return Lane(proc, call, share)
 
 
-def _same_parts(sets, kept_sets, mine, layout) -> bool:
-    """Whether a combine's parts are those :meth:`Lane._keep` kept: the very
-    lists of the workers' arrays, and the master's own outputs of the same
-    shapes and dtypes (so every check of :func:`_combine_sets` holds again)."""
-    for arrays, kept in zip(sets, kept_sets):
-        if arrays is not kept and arrays is not mine:
-            return False
+def _combine_kept(kept, outs, mine):
+    """:meth:`Lane.combine` when every reply is what the last combine checked:
+    each worker's area hands out the same list of arrays with the same weight,
+    and the master's outputs have the same shapes and dtypes (so every check of
+    :func:`_combine_sets` holds again). None when anything differs."""
+    workers, sets, slot, layout, steps = kept
+    for area, arrays, weight in workers:
+        got = area.inline()
+        if got is None or got[0] is not arrays or got[1] != weight:
+            return None
     for a, (shape, dtype) in zip(mine, layout):
         if a.shape != shape or a.dtype != dtype:
-            return False
-    return True
+            return None
+    results = list(outs)
+    sets[slot] = mine
+    try:
+        for k, j, run in steps:
+            results[k] = run([arrays[j] for arrays in sets])
+    finally:
+        sets[slot] = None  # the master's outputs are not kept past the call
+    return results
 
 
 def _plain_input(var) -> bool:

@@ -120,9 +120,13 @@ class ReplyArea:
         """The segment generation of an ELSEWHERE reply."""
         return self._head[2]
 
-    def get(self) -> tuple:
-        """``(arrays, weight)`` of an INLINE reply: views of the area (no copy)."""
-        version = self._head[3]
+    def inline(self):
+        """``(arrays, weight)`` of an INLINE reply: views of the area (no copy),
+        the very list again while the layout stays; None for any other state."""
+        head = self._head
+        if head[0] != INLINE:
+            return None
+        version = head[3]
         if version != self._version:
             views = self._seen.get(version)
             if views is None:
