@@ -1,4 +1,4 @@
-"""Kept plans of small broadcast and all_reduce, and the direct path that runs them without a command.
+"""Kept plans of small broadcast, all_reduce and gather, and the direct path that runs them without a command.
 
 Kept plans: a loop of the same small broadcast or all_reduce. Once one went
 through by the inline path, its plan is kept: in the master per argument (the
@@ -21,8 +21,15 @@ Reducer, in rank order, and writes the result (or, for a broadcast, its
 values) into every process's home. The workers find them there at their
 next command. Liveness is checked as often as a waiting master checks it.
 
+A gather changes no value: its plan runs only directly (the master joins
+every process's value, read where it lives, into new arrays); when it cannot,
+the full path runs the command. A worker's inline gather moves its values
+into their homes first (once; again after an update moved them), so that
+they can be published.
+
 The master's half: ``shareds.broadcast`` and ``shareds.all_reduce`` try
-:func:`planned` first, and the inline path keeps a plan with :func:`keep_plan`.
+:func:`planned` first, ``shareds.gather`` :func:`planned_gather`, and the
+inline path keeps a plan with :func:`keep_plan`.
 The worker's half: ``shareds.worker_collective`` keeps a plan with
 :func:`keep_worker_plan`, and ``worker.loop.serve`` calls :func:`publish_homes`
 before every answer.
@@ -34,14 +41,16 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from . import context
+from .arrays import join
 from .collectives.inline import fold_into, raise_mismatch, reducers_for
 from .collectives.ops import cast_to, kept_reducer
 from .control import Command
 
-__all__ = ["PLANNED_KINDS", "planned", "resolve_key", "keep_plan", "keep_worker_plan", "publish_homes"]
+__all__ = ["PLANNED_KINDS", "planned", "planned_gather", "resolve_key", "keep_plan", "keep_worker_plan",
+           "publish_homes"]
 
 #: The inline collectives that keep plans.
-PLANNED_KINDS = frozenset(("broadcast", "all_reduce"))
+PLANNED_KINDS = frozenset(("broadcast", "all_reduce", "gather"))
 #: Plans a session, or a worker, keeps before it starts again.
 _MAX_PLANS = 64
 #: Variables a worker publishes at most: it checks each before every answer
@@ -53,14 +62,29 @@ def planned(kind, shared_vars, op, nccl) -> bool:
     """Run the master's kept plan of this collective, if there is one and it still
     holds; False when the full path must run (no plan, or it no longer holds, or
     a command is running in this thread: the full path refuses the nested call)."""
+    plan = _kept(kind, shared_vars, op, nccl)
+    return plan is not None and plan.run()
+
+
+def planned_gather(shared_vars, nd_up, nccl):
+    """The master's kept plan of this gather, run directly: the gathered values
+    (new arrays, one per variable), or None when the full path must run."""
+    if type(nd_up) is not int:  # (True == 1: only what the full path accepts may hit)
+        return None
+    plan = _kept("gather", shared_vars, nd_up, nccl)
+    return None if plan is None else plan.run()
+
+
+def _kept(kind, shared_vars, op, nccl):
+    """The master's kept plan for these arguments, or None."""
     s = context.current()
     if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
-        return False
+        return None
     # a plan keeps its variables alive: a hit on id(shared_vars) is that very variable
     plan = s.inline_plans.get((kind, id(shared_vars), op, nccl))
     if plan is None and type(shared_vars) in (list, tuple):
         plan = s.inline_plans.get((kind, resolve_key(shared_vars), op, nccl))
-    return plan is not None and plan.run()
+    return plan
 
 
 def resolve_key(shared_vars):
@@ -82,13 +106,15 @@ def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
         return  # (a variable whose value is not the array that was sent: never planned)
     if len(s.inline_plans) >= _MAX_PLANS:
         s.inline_plans.clear()
-    cls = _AllReducePlan if kind == "all_reduce" else _BroadcastPlan
+    cls = _CLASSES[kind]
     plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
     plan.find_homes()
+    if kind == "gather" and plan.peers is None:  # (it runs only directly)
+        del s.inline_plans[plan_key]
 
 
 class _Plan:
-    """The master's kept plan of one inline broadcast or all_reduce (see above)."""
+    """The master's kept plan of one inline broadcast, all_reduce or gather (see above)."""
 
     __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "op", "wire", "body", "reducers", "casts",
                  "peers", "parts", "outs", "scalars")
@@ -199,12 +225,9 @@ class _BroadcastPlan(_Plan):
         s = self.s
         if not s.idle() or len(s.distributed) != len(s.proc.functions):
             return False
-        values = []
-        for storage, _, dtype, shape in self.held:  # (the master's values need only the dtypes and shapes)
-            value = storage[0]
-            if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
-                return False
-            values.append(value)
+        values = _current_values(self.held)
+        if values is None:
+            return False
         if self.peers is not None and self._still_home():
             for value, outs in zip(values, self.outs):
                 for dst in outs:
@@ -214,6 +237,45 @@ class _BroadcastPlan(_Plan):
         s.run(Command.COLLECTIVE, self.wire, body=self.body)
         self.find_homes()
         return True
+
+
+class _GatherPlan(_Plan):
+    """A kept gather (``op`` holds ``nd_up``): the master's values need only the
+    plan's dtypes and shapes; it runs only directly."""
+
+    __slots__ = ()
+
+    def run(self):
+        """The gathered values, in new memory; None, having done nothing, when the
+        plan cannot run directly (the full path runs the command)."""
+        s = self.s
+        if self.peers is None or not s.idle() or len(s.distributed) != len(s.proc.functions):
+            return None
+        values = _current_values(self.held)
+        if values is None or not self._still_home():
+            return None
+        me, nd_up = s.proc.rank, self.op
+        got = []
+        for value, parts, var in zip(values, self.parts, self.vars_):
+            parts = list(parts)
+            parts[me] = value  # the master's value now (the plan's part is its value back then)
+            got.append(join(parts, nd_up, var))
+        return got
+
+
+_CLASSES = {"all_reduce": _AllReducePlan, "broadcast": _BroadcastPlan, "gather": _GatherPlan}
+
+
+def _current_values(held):
+    """The master's values of a plan's variables (``_held``) when they have the
+    plan's dtypes and shapes (what a broadcast or gather needs); else None."""
+    values = []
+    for storage, _, dtype, shape in held:
+        value = storage[0]
+        if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
+            return None
+        values.append(value)
+    return values
 
 
 def _as_scalars(proc, op, parts, casts):
@@ -266,7 +328,7 @@ def keep_worker_plan(proc, wire) -> None:
 
 
 class _WorkerPlan:
-    """A worker's kept plan of one inline broadcast or all_reduce message (see above)."""
+    """A worker's kept plan of one inline broadcast, all_reduce or gather message (see above)."""
 
     __slots__ = ("wire", "kind", "held", "homes", "layout", "reducers", "casts")
 
@@ -282,6 +344,9 @@ class _WorkerPlan:
         if not _still_held(self.held):
             return False
         comm = proc.comm
+        if self.kind == "gather":  # the worker's half: its values into its area
+            comm.put_inline(homes, self.layout)
+            return True
         if self.kind == "broadcast":
             srcs = comm.inline_values(proc.master_rank)
             if len(srcs) != len(homes):

@@ -26,7 +26,7 @@ from .errors import short_repr
 from .shmem import SHRINK_BYTES
 from .data import Data, attach, fit_scratch, forget, ref, release_scratch
 from .distribute import distribute
-from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, resolve_key
+from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, planned_gather, resolve_key
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
@@ -219,7 +219,6 @@ def scatter(shared_vars, values, batch=None):
         _unstage(s, "scatter", len(arrays))
 
 
-@context.serialized
 def gather(shared_vars, nd_up=1, nccl=True):
     """Collect every process's value in the master, in rank order.
 
@@ -238,11 +237,21 @@ def gather(shared_vars, nd_up=1, nccl=True):
         TypeError: something other than shared variables; ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; ``nd_up`` not 0 or 1; unequal shapes with ``nd_up=1``.
     """
+    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned_gather)
+        joined = planned_gather(shared_vars, nd_up, nccl)
+        if joined is not None:
+            return _ret(joined, type(shared_vars) not in (list, tuple))
+        return _gather(shared_vars, nd_up, nccl)
+
+
+def _gather(shared_vars, nd_up, nccl):
+    context.refuse_nested("gather")
     if nd_up not in (0, 1) or isinstance(nd_up, bool):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
-    joined = _send(s, CollectiveSpec("gather", sids, nd_up=nd_up, cpu=cpu))
+    joined = _send(s, CollectiveSpec("gather", sids, nd_up=nd_up, cpu=cpu),
+                   plan_key=("gather", resolve_key(shared_vars), nd_up, nccl))
     return _ret(joined, single)
 
 
@@ -692,7 +701,9 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
             return _NOT_INLINE
         raise_mismatch(comm, layout, spec.op)
     if kind == "gather":
-        return [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
+        got = [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
+        keep_plan(s, plan_key, kind, vars_, layout, spec.nd_up, wire, body)
+        return got
     return _inline_reduce(proc, parts, spec, vars_)
 
 
@@ -738,7 +749,8 @@ def _run_inline(proc, kind, sids, op) -> None:
         for sid, var, src in zip(sids, vars_, comm.inline_values(proc.master_rank)):
             _receive_into(proc, sid, var, src)
         return
-    values = [v.get_value(borrow=True) for v in vars_]
+    # a gather's values move into their homes (once), where the master can read them directly next time
+    values = _resident(proc, sids, vars_) if kind == "gather" else [v.get_value(borrow=True) for v in vars_]
     layout = tuple((a.dtype, a.shape) for a in values)
     comm.put_inline(values, layout)
     if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them

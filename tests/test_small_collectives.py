@@ -259,6 +259,43 @@ def test_a_worker_killed_or_stuck_during_a_small_all_reduce_is_noticed(fork, n):
             time.sleep(CHECK_EVERY / 4)
 
 
+def test_kept_gathers_follow_the_values_refuse_bad_arguments_and_notice_a_dead_worker(fork):
+    """A gather again of values that stayed put takes no command and returns new
+    memory; a new shape, an update, a bad nd_up and a dead worker are all seen."""
+    fork(2)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    bump = synk.function([], v.sum(), updates=[(v, v + 1)], mode=MODE)
+    synk.distribute()
+    ctl = synk.runtime.session().proc.control
+    synk.gather(v)
+    before = ctl.commands()
+    got = synk.gather(v)
+    assert ctl.commands() == before  # the master read the worker's value where it lives
+    assert_array_equal(got, [[0, 1, 2], [0, 1, 2]])
+    got[:] = 99  # new memory: nobody's value
+    assert_array_equal(synk.gather(v), [[0, 1, 2], [0, 1, 2]])
+    assert_array_equal(synk.gather(v, nd_up=0), [0, 1, 2, 0, 1, 2])
+    with pytest.raises(ValueError, match="nd_up must be 0"):
+        synk.gather(v, nd_up=True)  # (True == 1: the kept plan of nd_up=1 must not take it)
+    v.set_value(np.arange(4.0))  # the master's shape changes: the workers' does not
+    with pytest.raises(ValueError, match="equal shapes"):
+        synk.gather(v)
+    assert_array_equal(synk.gather(v, nd_up=0), [0, 1, 2, 3, 0, 1, 2])
+    v.set_value(np.arange(3.0))
+    synk.gather(v)
+    bump()  # every process's value moves (an update)
+    assert_array_equal(synk.gather(v), [[1, 2, 3], [1, 2, 3]])
+    assert_array_equal(synk.gather(v), [[1, 2, 3], [1, 2, 3]])
+    synk.set_value(1, v, np.full(3, 7.0))
+    assert_array_equal(synk.gather(v), [[1, 2, 3], [7, 7, 7]])
+    os.kill(worker_pids()[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerDiedError, match="rank 1"):
+        while time.monotonic() - t0 < 5:
+            synk.gather(v)
+            time.sleep(CHECK_EVERY / 4)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # prod loops overflow, in numpy as here
 @pytest.mark.parametrize("n", [2, 3])
 def test_loops_without_commands_match_numpy(fork, n):
@@ -266,8 +303,10 @@ def test_loops_without_commands_match_numpy(fork, n):
     value away from where a worker published it (a call that updates it in every
     process, set_value in one process, broadcast of new values, a shape that
     differs): every process holds what plain numpy says, bit for bit, whether a
-    collective went to the workers as a command or the master did it alone."""
-    rng = np.random.default_rng(n)
+    collective went to the workers as a command or the master did it alone; and
+    gathers in between (their own random stream, the loop's stays as it was)
+    return what every process holds."""
+    rng, grng = np.random.default_rng(n), np.random.default_rng(100 + n)
     fork(n)
     vars_ = _make_vars()
     a = pytensor.shared(np.zeros(3), name="a")  # updated by a call: a <- 2a - 1 in every process
@@ -280,8 +319,9 @@ def test_loops_without_commands_match_numpy(fork, n):
     ib, ic = len(vars_), len(vars_) + 1
     held = _set_per_rank(rng, n, every)  # held[rank][k]: what rank holds of every[k]
     ctl = synk.runtime.session().proc.control
-    alone = 0
+    alone = gathered_alone = 0
     for i in range(400):
+        gathered_alone += _gather_and_check(grng, every, held, n, ctl, f"before step {i}")
         what, k = rng.integers(0, 10), int(rng.integers(0, len(every)))
         before = ctl.commands()
         if what <= 4:  # all_reduce of one variable, or of two
@@ -326,7 +366,27 @@ def test_loops_without_commands_match_numpy(fork, n):
                 for r, got in enumerate(_each(v, n)):
                     assert_array_equal(got, held[r][j], err_msg=f"step {i}, rank {r}, {v.name}")
                     assert got.dtype == held[r][j].dtype
-    assert alone > 50  # the master did many of them alone
+    # the master did many of them alone (a gather as a command moves a worker's value into its home,
+    # which sends the next all_reduce of it as a command: fewer than without the gathers, 49-61 of 400)
+    assert alone > 40
+    assert gathered_alone > 8  # (17-19 of about 160: most follow a step that moved a value)
+
+
+def _gather_and_check(rng, every, held, n, ctl, where) -> bool:
+    """Now and then a gather of one or two of ``every``, stacked or concatenated,
+    checked against what each process holds; whether it took no command."""
+    if rng.random() < 0.6:
+        return False
+    ks = sorted({int(rng.integers(0, len(every))), int(rng.integers(0, len(every)))})
+    nd_up = 1 if any(held[0][k].ndim == 0 for k in ks) else int(rng.integers(0, 2))
+    before = ctl.commands()
+    got = synk.gather([every[k] for k in ks], nd_up=nd_up)
+    for k, g in zip(ks, got):
+        parts = [held[r][k] for r in range(n)]
+        want = np.stack(parts) if nd_up else np.concatenate(parts)
+        assert g.dtype == want.dtype and g.shape == want.shape, (where, every[k].name)
+        assert_array_equal(g, want, err_msg=f"{where}: gather of {every[k].name}")
+    return ctl.commands() == before
 
 
 def test_ctrl_c_anywhere_in_small_collectives_leaves_correct_collectives(fork):
