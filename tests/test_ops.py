@@ -143,3 +143,22 @@ def test_a_reducer_fits_only_what_it_was_made_for():
     assert not r.fits(np.zeros(4, np.float32), [1.0, 2.0], 2)
     assert not r.fits(part.astype(np.float64), [1.0, 2.0], 2)
     assert Reducer("sum", np.int64, (), None, 2).fits(np.zeros((), np.int64), [5.0, 1.0], 2)  # weights: avg only
+
+
+def test_join_stacks_as_numpy_stacks():
+    """arrays.join(nd_up=1) copies equal native dtypes into one new array itself:
+    the same dtype, shape and bytes as np.stack, over many random cases (byte
+    orders, mixed dtypes, empty and 0-d values, non-contiguous views)."""
+    from synkhronos.arrays import join
+    rng = np.random.default_rng(0)
+    kinds = ["f4", "f8", "i8", "u1", "?", "c8", ">f4", "<i2"]
+    for case in range(3000):
+        shape = tuple(int(d) for d in rng.integers(0, 4, int(rng.integers(0, 4))))
+        dtypes = rng.choice(kinds, size=int(rng.integers(1, 3)))
+        parts = [(rng.standard_normal(shape) * 10).astype(rng.choice(dtypes)) for _ in range(int(rng.integers(1, 5)))]
+        if rng.random() < 0.2:
+            parts = [p[..., ::-1] if p.ndim else p for p in parts]
+        got, want = join(parts, 1, None), np.stack(parts)
+        assert got.dtype == want.dtype and got.shape == want.shape, case
+        assert got.tobytes() == want.tobytes() and got.flags.c_contiguous, case
+        assert all(not np.shares_memory(got, p) for p in parts), case
