@@ -1,4 +1,4 @@
-"""Kept plans of small broadcast, all_reduce and gather, and the direct path that runs them without a command.
+"""Kept plans of small broadcast, all_reduce, gather and reduce, and the direct path that runs them without a command.
 
 Kept plans: a loop of the same small broadcast or all_reduce. Once one went
 through by the inline path, its plan is kept: in the master per argument (the
@@ -21,14 +21,17 @@ Reducer, in rank order, and writes the result (or, for a broadcast, its
 values) into every process's home. The workers find them there at their
 next command. Liveness is checked as often as a waiting master checks it.
 
-A gather changes no value: its plan runs only directly (the master joins
-every process's value, read where it lives, into new arrays); when it cannot,
-the full path runs the command. A worker's inline gather moves its values
+A gather or reduce changes no worker's value: its plan runs only directly
+(the master joins, or reduces with the inline path's Reducer in rank order,
+every process's value, read where it lives, into new arrays; an in-place
+reduce then stores them in the master's variables); when it cannot, the full
+path runs the command. A worker's inline gather or reduce moves its values
 into their homes first (once; again after an update moved them), so that
 they can be published.
 
 The master's half: ``shareds.broadcast`` and ``shareds.all_reduce`` try
-:func:`planned` first, ``shareds.gather`` :func:`planned_gather`, and the
+:func:`planned` first, ``shareds.gather`` :func:`planned_gather`, ``shareds.reduce``
+:func:`planned_reduce`, and the
 inline path keeps a plan with :func:`keep_plan`.
 The worker's half: ``shareds.worker_collective`` keeps a plan with
 :func:`keep_worker_plan`, and ``worker.loop.serve`` calls :func:`publish_homes`
@@ -46,11 +49,13 @@ from .collectives.inline import fold_into, raise_mismatch, reducers_for
 from .collectives.ops import cast_to, kept_reducer
 from .control import Command
 
-__all__ = ["PLANNED_KINDS", "planned", "planned_gather", "resolve_key", "keep_plan", "keep_worker_plan",
-           "publish_homes"]
+__all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
+           "keep_worker_plan", "publish_homes"]
 
 #: The inline collectives that keep plans.
-PLANNED_KINDS = frozenset(("broadcast", "all_reduce", "gather"))
+PLANNED_KINDS = frozenset(("broadcast", "all_reduce", "gather", "reduce"))
+#: The kinds whose plans run only directly: they read values and change no worker's.
+_READ_KINDS = frozenset(("gather", "reduce"))
 #: Plans a session, or a worker, keeps before it starts again.
 _MAX_PLANS = 64
 #: Variables a worker publishes at most: it checks each before every answer
@@ -72,6 +77,16 @@ def planned_gather(shared_vars, nd_up, nccl):
     if type(nd_up) is not int:  # (True == 1: only what the full path accepts may hit)
         return None
     plan = _kept("gather", shared_vars, nd_up, nccl)
+    return None if plan is None else plan.run()
+
+
+def planned_reduce(shared_vars, op, in_place, nccl):
+    """The master's kept plan of this reduce, run directly: the results (new
+    arrays in the variables' dtypes, one per variable; the caller stores them
+    when ``in_place``), or None when the full path must run."""
+    if type(op) is not str:  # (an unhashable op must reach the full path's check)
+        return None
+    plan = _kept("reduce", shared_vars, (op, bool(in_place)), nccl)
     return None if plan is None else plan.run()
 
 
@@ -109,12 +124,12 @@ def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
     cls = _CLASSES[kind]
     plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
     plan.find_homes()
-    if kind == "gather" and plan.peers is None:  # (it runs only directly)
+    if kind in _READ_KINDS and plan.peers is None:  # (it runs only directly)
         del s.inline_plans[plan_key]
 
 
 class _Plan:
-    """The master's kept plan of one inline broadcast, all_reduce or gather (see above)."""
+    """The master's kept plan of one inline broadcast, all_reduce, gather or reduce (see above)."""
 
     __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "op", "wire", "body", "reducers", "casts",
                  "peers", "parts", "outs", "scalars")
@@ -239,31 +254,35 @@ class _BroadcastPlan(_Plan):
         return True
 
 
-class _GatherPlan(_Plan):
-    """A kept gather (``op`` holds ``nd_up``): the master's values need only the
-    plan's dtypes and shapes; it runs only directly."""
+class _ReadPlan(_Plan):
+    """A kept gather (``op`` holds ``nd_up``) or reduce (``op`` holds the op's name,
+    without a ``c_``): the master's values need only the plan's dtypes and
+    shapes; it runs only directly."""
 
     __slots__ = ()
 
     def run(self):
-        """The gathered values, in new memory; None, having done nothing, when the
-        plan cannot run directly (the full path runs the command)."""
+        """The gathered or reduced values, in new memory; None, having done nothing,
+        when the plan cannot run directly (the full path runs the command)."""
         s = self.s
         if self.peers is None or not s.idle() or len(s.distributed) != len(s.proc.functions):
             return None
         values = _current_values(self.held)
         if values is None or not self._still_home():
             return None
-        me, nd_up = s.proc.rank, self.op
+        me, proc, gather = s.proc.rank, s.proc, self.kind == "gather"
         got = []
         for value, parts, var in zip(values, self.parts, self.vars_):
             parts = list(parts)
             parts[me] = value  # the master's value now (the plan's part is its value back then)
-            got.append(join(parts, nd_up, var))
+            if gather:
+                got.append(join(parts, self.op, var))
+            else:  # the inline path's reduce (shareds._inline_reduce): the same Reducer, in rank order
+                got.append(cast_to(kept_reducer(proc.reducers, self.op, parts).run(parts), var.type.dtype))
         return got
 
 
-_CLASSES = {"all_reduce": _AllReducePlan, "broadcast": _BroadcastPlan, "gather": _GatherPlan}
+_CLASSES = {"all_reduce": _AllReducePlan, "broadcast": _BroadcastPlan, "gather": _ReadPlan, "reduce": _ReadPlan}
 
 
 def _current_values(held):
@@ -328,7 +347,7 @@ def keep_worker_plan(proc, wire) -> None:
 
 
 class _WorkerPlan:
-    """A worker's kept plan of one inline broadcast, all_reduce or gather message (see above)."""
+    """A worker's kept plan of one inline broadcast, all_reduce, gather or reduce message (see above)."""
 
     __slots__ = ("wire", "kind", "held", "homes", "layout", "reducers", "casts")
 
@@ -344,7 +363,7 @@ class _WorkerPlan:
         if not _still_held(self.held):
             return False
         comm = proc.comm
-        if self.kind == "gather":  # the worker's half: its values into its area
+        if self.kind in _READ_KINDS:  # the worker's half: its values into its area
             comm.put_inline(homes, self.layout)
             return True
         if self.kind == "broadcast":

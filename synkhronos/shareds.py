@@ -26,7 +26,7 @@ from .errors import short_repr
 from .shmem import SHRINK_BYTES
 from .data import Data, attach, fit_scratch, forget, ref, release_scratch
 from .distribute import distribute
-from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, planned_gather, resolve_key
+from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, planned_gather, planned_reduce, resolve_key
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
@@ -281,7 +281,6 @@ def all_gather(shared_vars, nccl=True):
     return _ret(_send(s, CollectiveSpec("all_gather", sids, cpu=cpu)), single)
 
 
-@context.serialized
 def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """Combine every process's value with ``op`` into the master.
 
@@ -303,10 +302,24 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    op, cpu = parse_op(op)
+    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned_reduce)
+        got = planned_reduce(shared_vars, op, in_place, nccl)
+        if got is None:
+            return _reduce(shared_vars, op, in_place, nccl)
+        if in_place:
+            for v, g in zip(_as_list(shared_vars)[0], got):
+                _assign(v, g)
+            return None
+        return _ret(got, type(shared_vars) not in (list, tuple))
+
+
+def _reduce(shared_vars, op, in_place, nccl):
+    context.refuse_nested("reduce")
+    name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, single = _resolve(shared_vars)
-    res = _send(s, CollectiveSpec("reduce", sids, op=op, in_place=bool(in_place), cpu=cpu))
+    res = _send(s, CollectiveSpec("reduce", sids, op=name, in_place=bool(in_place), cpu=cpu),
+                plan_key=("reduce", resolve_key(shared_vars), (op, bool(in_place)), nccl))
     return None if in_place else _ret(res, single)
 
 
@@ -704,7 +717,9 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
         got = [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
         keep_plan(s, plan_key, kind, vars_, layout, spec.nd_up, wire, body)
         return got
-    return _inline_reduce(proc, parts, spec, vars_)
+    got = _inline_reduce(proc, parts, spec, vars_)
+    keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
+    return got
 
 
 def _inline_reduce(proc, parts, spec: CollectiveSpec, vars_) -> list:
@@ -749,8 +764,8 @@ def _run_inline(proc, kind, sids, op) -> None:
         for sid, var, src in zip(sids, vars_, comm.inline_values(proc.master_rank)):
             _receive_into(proc, sid, var, src)
         return
-    # a gather's values move into their homes (once), where the master can read them directly next time
-    values = _resident(proc, sids, vars_) if kind == "gather" else [v.get_value(borrow=True) for v in vars_]
+    # a gather's or reduce's values move into their homes (once), where the master can read them directly next time
+    values = [v.get_value(borrow=True) for v in vars_] if kind == "all_reduce" else _resident(proc, sids, vars_)
     layout = tuple((a.dtype, a.shape) for a in values)
     comm.put_inline(values, layout)
     if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them

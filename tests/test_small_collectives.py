@@ -296,6 +296,89 @@ def test_kept_gathers_follow_the_values_refuse_bad_arguments_and_notice_a_dead_w
             time.sleep(CHECK_EVERY / 4)
 
 
+def test_kept_reduces_follow_the_values_refuse_bad_arguments_and_notice_a_dead_worker(fork):
+    """A reduce again of values that stayed put takes no command; it returns new
+    memory, or stores in the master alone; a new op, an update, set_value, bad
+    arguments and a dead worker are all seen."""
+    fork(2)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    k = pytensor.shared(np.array([1, 2, 4], dtype="int64"), name="k")
+    bump = synk.function([], v.sum() + k.sum(), updates=[(v, v + 1)], mode=MODE)
+    synk.distribute()
+    ctl = synk.runtime.session().proc.control
+    synk.set_value(1, v, np.array([2.0, 3.0, 5.0]))
+    synk.set_value(1, k, np.array([2, 2, 2], dtype="int64"))
+    synk.reduce(v, "avg", in_place=False)
+    before = ctl.commands()
+    got = synk.reduce(v, "avg", in_place=False)
+    assert ctl.commands() == before  # the master read the worker's value where it lives
+    assert_array_equal(got, [1.0, 2.0, 3.5])
+    got[:] = 99  # new memory: nobody's value
+    assert_array_equal(synk.reduce(v, "avg", in_place=False), [1.0, 2.0, 3.5])
+    assert_array_equal(synk.reduce(v, "max", in_place=False), [2.0, 3.0, 5.0])
+    assert_array_equal(synk.reduce(v, "c_sum", in_place=False), [2.0, 4.0, 7.0])
+    synk.reduce([v, k], "avg", in_place=False)
+    before = ctl.commands()
+    fv, fk = synk.reduce([v, k], "avg", in_place=False)
+    assert ctl.commands() == before
+    assert fk.dtype == np.int64 and list(fk) == [2, 2, 3]  # (1.5 -> 2, 2 -> 2, 3 -> 3: rounded, ties to even)
+    with pytest.raises(ValueError, match="bogus"):
+        synk.reduce(v, "bogus")
+    with pytest.raises(TypeError):
+        synk.reduce(v, ["avg"])
+    synk.reduce(v, "sum")  # in place: the master's value, and only the master's
+    synk.reduce(v, "sum")
+    assert_array_equal(synk.get_value(0, v), [4.0, 7.0, 12.0])
+    assert_array_equal(synk.get_value(1, v), [2.0, 3.0, 5.0])
+    bump()  # every process's value moves (an update)
+    assert_array_equal(synk.reduce(v, "sum", in_place=False), [8.0, 12.0, 19.0])
+    assert_array_equal(synk.reduce(v, "sum", in_place=False), [8.0, 12.0, 19.0])
+    synk.set_value(1, v, np.full(3, 7.0))
+    assert_array_equal(synk.reduce(v, "sum", in_place=False), [12.0, 15.0, 20.0])
+    os.kill(worker_pids()[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(synk.WorkerDiedError, match="rank 1"):
+        while time.monotonic() - t0 < 5:
+            synk.reduce(v, "sum", in_place=False)
+            time.sleep(CHECK_EVERY / 4)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # prod overflows, in numpy as here
+@pytest.mark.parametrize("n", [2, 3])
+def test_kept_reduces_match_numpy_over_random_cases(fork, n):
+    """Over random values, variables, ops and in_place: a reduce repeated with
+    the same arguments takes no command and gives numpy's bits, as the first
+    (a command) did; in place, only the master's value changes."""
+    rng = np.random.default_rng(300 + n)
+    fork(n)
+    vars_ = _make_vars()
+    ctl = synk.runtime.session().proc.control
+    direct = 0
+    for case in range(60):
+        held = _set_per_rank(rng, n, vars_)
+        ks = sorted({int(rng.integers(0, len(vars_))) for _ in range(int(rng.integers(1, 4)))})
+        op, in_place = OPS[int(rng.integers(0, len(OPS)))], bool(rng.random() < 0.3)
+        pick = [vars_[k] for k in ks]
+        wants = [_numpy_reduce([held[r][k] for r in range(n)], op, vars_[k].dtype) for k in ks]
+        for attempt in range(2):  # the first by the inline command, the second directly
+            before = ctl.commands()
+            got = synk.reduce(pick, op, in_place=in_place)
+            if attempt:
+                direct += ctl.commands() == before
+            if in_place:
+                got = [synk.get_value(0, v) for v in pick]
+                for v, k in zip(pick, ks):
+                    synk.set_value(0, v, held[0][k])  # the next attempt reduces the same values
+            for g, want, k in zip(got, wants, ks):
+                label = f"case {case} attempt {attempt}: reduce({op}, in_place={in_place}) of {vars_[k].name}"
+                assert g.dtype == want.dtype and g.shape == want.shape, label
+                assert_array_equal(g, want, err_msg=label)
+        for r in range(1, n):
+            for k in ks:
+                assert_array_equal(synk.get_value(r, vars_[k]), held[r][k])
+    assert direct == 60  # every repeat (set_value of the master moves no worker value: the plan holds)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # prod loops overflow, in numpy as here
 @pytest.mark.parametrize("n", [2, 3])
 def test_loops_without_commands_match_numpy(fork, n):
@@ -304,8 +387,8 @@ def test_loops_without_commands_match_numpy(fork, n):
     process, set_value in one process, broadcast of new values, a shape that
     differs): every process holds what plain numpy says, bit for bit, whether a
     collective went to the workers as a command or the master did it alone; and
-    gathers in between (their own random stream, the loop's stays as it was)
-    return what every process holds."""
+    gathers and reduces in between (their own random stream, the loop's stays
+    as it was) return what every process holds, and numpy's reduction of it."""
     rng, grng = np.random.default_rng(n), np.random.default_rng(100 + n)
     fork(n)
     vars_ = _make_vars()
@@ -319,9 +402,11 @@ def test_loops_without_commands_match_numpy(fork, n):
     ib, ic = len(vars_), len(vars_) + 1
     held = _set_per_rank(rng, n, every)  # held[rank][k]: what rank holds of every[k]
     ctl = synk.runtime.session().proc.control
-    alone = gathered_alone = 0
+    alone, read_alone = 0, {"gather": 0, "reduce": 0}
     for i in range(400):
-        gathered_alone += _gather_and_check(grng, every, held, n, ctl, f"before step {i}")
+        kind = _gather_and_check(grng, every, held, n, ctl, f"before step {i}")
+        if kind is not None:
+            read_alone[kind] += 1
         what, k = rng.integers(0, 10), int(rng.integers(0, len(every)))
         before = ctl.commands()
         if what <= 4:  # all_reduce of one variable, or of two
@@ -369,24 +454,41 @@ def test_loops_without_commands_match_numpy(fork, n):
     # the master did many of them alone (a gather as a command moves a worker's value into its home,
     # which sends the next all_reduce of it as a command: fewer than without the gathers, 49-61 of 400)
     assert alone > 40
-    assert gathered_alone > 8  # (17-19 of about 160: most follow a step that moved a value)
+    # (most follow a step that moved a value; a reduce's plan is kept per variables, op and in_place: 1-2 of ~80)
+    assert read_alone["gather"] > 6 and read_alone["reduce"] > 0
 
 
 def _gather_and_check(rng, every, held, n, ctl, where) -> bool:
     """Now and then a gather of one or two of ``every``, stacked or concatenated,
-    checked against what each process holds; whether it took no command."""
-    if rng.random() < 0.6:
-        return False
+    or a reduce of them (returned, or now and then stored in the master's
+    variables: ``held[0]`` follows), checked against what each process holds
+    and numpy; its kind when it took no command, else None."""
+    if rng.random() < 0.5:
+        return None
     ks = sorted({int(rng.integers(0, len(every))), int(rng.integers(0, len(every)))})
-    nd_up = 1 if any(held[0][k].ndim == 0 for k in ks) else int(rng.integers(0, 2))
+    pick = [every[k] for k in ks]
     before = ctl.commands()
-    got = synk.gather([every[k] for k in ks], nd_up=nd_up)
+    if rng.random() < 0.4:  # a reduce
+        # mostly one op (a plan is kept per variables, op and in_place): some repeat one
+        op = "avg" if rng.random() < 0.6 else OPS[int(rng.integers(0, len(OPS)))]
+        in_place = bool(rng.random() < 0.2)
+        got = synk.reduce(pick, op=op, in_place=in_place)
+        for i, k in enumerate(ks):
+            want = _numpy_reduce([held[r][k] for r in range(n)], op, every[k].dtype)
+            g = synk.get_value(0, every[k]) if in_place else got[i]
+            assert g.dtype == want.dtype and g.shape == want.shape, (where, every[k].name)
+            assert_array_equal(g, want, err_msg=f"{where}: reduce({op}, in_place={in_place}) of {every[k].name}")
+            if in_place:
+                held[0][k] = want
+        return "reduce" if ctl.commands() == before else None
+    nd_up = 1 if any(held[0][k].ndim == 0 for k in ks) else int(rng.integers(0, 2))
+    got = synk.gather(pick, nd_up=nd_up)
     for k, g in zip(ks, got):
         parts = [held[r][k] for r in range(n)]
         want = np.stack(parts) if nd_up else np.concatenate(parts)
         assert g.dtype == want.dtype and g.shape == want.shape, (where, every[k].name)
         assert_array_equal(g, want, err_msg=f"{where}: gather of {every[k].name}")
-    return ctl.commands() == before
+    return "gather" if ctl.commands() == before else None
 
 
 def test_ctrl_c_anywhere_in_small_collectives_leaves_correct_collectives(fork):
