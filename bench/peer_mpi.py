@@ -1,4 +1,4 @@
-"""Open MPI through mpi4py: all-reduce, broadcast, gather and barrier (run under mpirun).
+"""Open MPI through mpi4py: all-reduce, broadcast, gather, reduce and barrier (run under mpirun).
 
 Every rank runs the same fixed number of repetitions; before each one a
 barrier lines the ranks up, and the time of a repetition is the slowest
@@ -27,7 +27,7 @@ def timed(op, reps: int, warmup: int = 3) -> dict:
 def main() -> None:
     out = {"size": size, "library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
            "mpi4py": __import__("mpi4py").__version__,
-           "all_reduce": {}, "broadcast": {}, "gather": {}}
+           "all_reduce": {}, "broadcast": {}, "gather": {}, "reduce": {}}
     for nbytes in bl.sizes_for(args.quick):
         n = nbytes // 4
         reps = bl.reps_for(nbytes, args.quick)
@@ -38,6 +38,7 @@ def main() -> None:
         out["all_reduce"][lab] = timed(lambda: comm.Allreduce(send, recv, op=MPI.SUM), reps)
         out["broadcast"][lab] = timed(lambda: comm.Bcast(send, root=0), reps)
         out["gather"][lab] = timed(lambda: comm.Gather(send, gathered, root=0), reps)
+        out["reduce"][lab] = timed(lambda: comm.Reduce(send, recv, op=MPI.SUM, root=0), reps)
         del send, recv, gathered
     # barrier: many in a row, per-barrier time from the total
     reps = 200 if args.quick else 2000

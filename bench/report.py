@@ -7,7 +7,7 @@ import math
 __all__ = ["collective_rows", "targets", "targets_18", "format_report", "plot"]
 
 PEERS = (("synk", "synkhronos"), ("mpi", "Open MPI"), ("gloo", "torch gloo"))
-OPS = ("all_reduce", "broadcast", "gather")
+OPS = ("all_reduce", "broadcast", "gather", "reduce")
 
 
 def _get(d, *keys):
@@ -357,7 +357,7 @@ def plot(result, outdir) -> list[str]:
 
 
 def _plot_collectives(plt, rows, bytes_of, outdir) -> str:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, len(OPS), figsize=(5 * len(OPS), 4.5), sharey=True)
     for ax, op in zip(axes, OPS):
         for key, name, style in (("synk", "synkhronos", "o-"), ("mpi", "Open MPI (sm)", "s-"),
                                  ("gloo", "torch gloo", "^-"), ("numpy_copy", "numpy copy (floor)", "k--")):

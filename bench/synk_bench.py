@@ -321,6 +321,7 @@ def collectives() -> dict:
         "all_reduce_avg": lambda v: synk.all_reduce(v, op="avg"),
         "broadcast": lambda v: synk.broadcast(v),
         "gather": lambda v: synk.gather(v),
+        "reduce": lambda v: synk.reduce(v, op="sum", in_place=False),
     }
     out = {name: {} for name in ops}
     for n, v in shareds.items():
