@@ -20,6 +20,9 @@ reads every process's value where it lives, reduces them with the same
 Reducer, in rank order, and writes the result (or, for a broadcast, its
 values) into every process's home. The workers find them there at their
 next command. Liveness is checked as often as a waiting master checks it.
+Once a plan found the fork so, nothing can move until the master posts a
+command: until the command count changes, the next direct run checks only
+the session's state and liveness (``_Plan._mode``).
 
 A gather or reduce changes no worker's value: its plan runs only directly
 (the master joins, or reduces with the inline path's Reducer in rank order,
@@ -132,7 +135,7 @@ class _Plan:
     """The master's kept plan of one inline broadcast, all_reduce, gather or reduce (see above)."""
 
     __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "op", "wire", "body", "reducers", "casts",
-                 "peers", "parts", "outs", "scalars")
+                 "peers", "parts", "outs", "scalars", "verified")
 
     def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
         self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
@@ -143,6 +146,7 @@ class _Plan:
         self.parts = None    # direct: per variable, every process's value, in rank order
         self.outs = None     # direct: per variable, where its result goes (every other process's home)
         self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
+        self.verified = None  # direct: the command count when the fork was last found idle and every value home
 
     def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
         """The collective; False, having done nothing, when the plan no longer holds."""
@@ -153,7 +157,7 @@ class _Plan:
         every one published them (they are then of the plan's dtypes and shapes)."""
         proc = self.s.proc
         comm = proc.comm
-        self.peers = self.scalars = None
+        self.peers = self.scalars = self.verified = None
         if not all(sid < comm.home_slots for sid in self.wire[2]):
             return
         peers, views = [], {}
@@ -175,14 +179,32 @@ class _Plan:
             self.scalars = _as_scalars(proc, self.op, self.parts, self.casts)
         self.peers = peers
 
-    def _still_home(self) -> bool:
-        """Whether every worker's values are where they were found (the fork is
-        idle: :meth:`run` checked); raises if a worker died."""
+    def _mode(self) -> int:
+        """How the plan may run now: 2 directly (the fork idle, every worker's values
+        where they were found), 1 by its command (the fork idle), 0 not at all (the
+        full path runs). Raises if a worker died.
+
+        A worker's values move only while it runs a command: once the fork was
+        found so, it stays so until the master posts the next command (the
+        command count, ``ControlBlock.commands``, then differs), and only the
+        session's state and the workers' liveness are checked again."""
+        s = self.s
+        if len(s.distributed) != len(s.proc.functions):
+            return 0
+        seq = s.proc.control.commands()
+        if seq == self.verified and s.in_flight is None and s.broken is None and not s.close_requested:
+            s.check_alive()
+            return 2
+        if not s.idle():
+            return 0
+        if self.peers is None:
+            return 1
         for board, sid, gen in self.peers:
             if board[sid] != gen:
-                return False
-        self.s.check_alive()
-        return True
+                return 1
+        s.check_alive()
+        self.verified = seq
+        return 2
 
 
 class _AllReducePlan(_Plan):
@@ -191,12 +213,11 @@ class _AllReducePlan(_Plan):
     __slots__ = ()
 
     def run(self) -> bool:
+        mode = self._mode()
+        if not mode or not _still_held(self.held):
+            return False
         s = self.s
-        if not s.idle() or len(s.distributed) != len(s.proc.functions):
-            return False
-        if not _still_held(self.held):
-            return False
-        if self.peers is not None and self._still_home():
+        if mode == 2:
             if self.scalars is not None:
                 for reducer, views in self.scalars:
                     value = reducer.scalar(views)  # every view read before any is written
@@ -237,13 +258,12 @@ class _BroadcastPlan(_Plan):
     __slots__ = ()
 
     def run(self) -> bool:
-        s = self.s
-        if not s.idle() or len(s.distributed) != len(s.proc.functions):
-            return False
-        values = _current_values(self.held)
+        mode = self._mode()
+        values = _current_values(self.held) if mode else None
         if values is None:
             return False
-        if self.peers is not None and self._still_home():
+        s = self.s
+        if mode == 2:
             for value, outs in zip(values, self.outs):
                 for dst in outs:
                     dst[...] = value
@@ -264,12 +284,12 @@ class _ReadPlan(_Plan):
     def run(self):
         """The gathered or reduced values, in new memory; None, having done nothing,
         when the plan cannot run directly (the full path runs the command)."""
-        s = self.s
-        if self.peers is None or not s.idle() or len(s.distributed) != len(s.proc.functions):
+        if self._mode() != 2:
             return None
         values = _current_values(self.held)
-        if values is None or not self._still_home():
+        if values is None:
             return None
+        s = self.s
         me, proc, gather = s.proc.rank, s.proc, self.kind == "gather"
         got = []
         for value, parts, var in zip(values, self.parts, self.vars_):

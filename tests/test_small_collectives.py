@@ -341,6 +341,10 @@ def test_kept_reduces_follow_the_values_refuse_bad_arguments_and_notice_a_dead_w
         while time.monotonic() - t0 < 5:
             synk.reduce(v, "sum", in_place=False)
             time.sleep(CHECK_EVERY / 4)
+    for again in (lambda: synk.reduce(v, "sum", in_place=False), lambda: synk.gather(v),
+                  lambda: synk.broadcast(v), lambda: synk.all_reduce(v, "sum")):
+        with pytest.raises(synk.SynkError):  # the fork is broken: no kept plan runs again
+            again()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # prod overflows, in numpy as here
