@@ -20,8 +20,8 @@ __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join",
            "round_up", "packed_views"]
 
 
-def round_up(n: int, to: int) -> int:
-    """``n`` rounded up to a multiple of ``to``."""
+def round_up(n: int, to: int = 64) -> int:
+    """``n`` rounded up to a multiple of ``to`` (by default a cache line, 64 bytes)."""
     return -(-n // to) * to
 
 

@@ -24,7 +24,6 @@ _ROOT = "synk"
 # Names look like "synk.<owner pid>.<random token>.<what>"; whether they are
 # stale is told by the fork's lock file (see Lease), not by the pid.
 _NAME_RE = re.compile(r"^(?:sem\.)?synk\.(\d+)\.([0-9a-f]+)\.")
-_ALIGN = 64
 #: Scratch memory (a call's numpy inputs, slots, reduction results) of at least
 #: this many bytes is reallocated to fit once SHRINK_AFTER uses in a row needed
 #: less than a quarter of it: one large call does not keep its memory for the
@@ -64,10 +63,6 @@ class Shrink:
 def new_prefix() -> str:
     """A fresh, unpredictable name prefix owned by this process."""
     return f"{_ROOT}.{os.getpid()}.{secrets.token_hex(8)}."
-
-
-def round_up(n: int, to: int = _ALIGN) -> int:
-    return (n + to - 1) // to * to
 
 
 def _libc():

@@ -17,10 +17,10 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from ..arrays import byte_bounds
+from ..arrays import byte_bounds, round_up
 from ..control import acquire, drain
 from ..errors import PeerFailed
-from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, round_up, segment_exists
+from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, segment_exists
 from .base import Communicator
 from .inline import LAYOUT, VALUES, InlineArea
 from .ops import Reducer, cast_to, combine, result_dtype

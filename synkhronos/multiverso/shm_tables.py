@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import shmem
-from .spmd import IN_SYNC_ADD, IN_SYNC_GET, describe_table, round_up
+from ..arrays import round_up
+from .spmd import IN_SYNC_ADD, IN_SYNC_GET, describe_table
 
 __all__ = ["ShmStore"]
 

@@ -45,6 +45,7 @@ import numpy as np
 import posix_ipc
 
 from .. import shmem
+from ..arrays import round_up
 from ..errors import RemoteTraceback, SynkError
 
 __all__ = ["WorkerFailedError", "ForkedWorld"]
@@ -101,10 +102,6 @@ class WorkerFailedError(SynkError):
 
     def __reduce__(self):
         return (WorkerFailedError, (self.rank, self.args[0], self.remote_traceback, self.exitcode))
-
-
-def round_up(n: int, to: int = 64) -> int:
-    return (n + to - 1) // to * to
 
 
 def _new_lock(name: str) -> posix_ipc.Semaphore:
