@@ -1,7 +1,7 @@
 """Kept plans of small broadcast, all_reduce, gather and reduce, and the direct path that runs them without a command.
 
-Kept plans: a loop of the same small broadcast or all_reduce. Once one went
-through by the inline path, its plan is kept: in the master per argument (the
+Kept plans: a loop of the same small collective. Once one went through by
+the inline path, its plan is kept: in the master per argument (the
 variables, op and nccl as the caller gave them), in a worker per kept
 message. The next one checks only what can have changed since: that the fork
 is idle and has no new function to distribute, and that each variable still
@@ -48,7 +48,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from . import context
 from .arrays import join
-from .collectives.inline import fold_into, raise_mismatch, reducers_for
+from .collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
 from .collectives.ops import cast_to, kept_reducer
 from .control import Command
 
@@ -297,8 +297,8 @@ class _ReadPlan(_Plan):
             parts[me] = value  # the master's value now (the plan's part is its value back then)
             if gather:
                 got.append(join(parts, self.op, var))
-            else:  # the inline path's reduce (shareds._inline_reduce): the same Reducer, in rank order
-                got.append(cast_to(kept_reducer(proc.reducers, self.op, parts).run(parts), var.type.dtype))
+            else:  # the inline path's reduce (shareds._inline_reduce), in rank order
+                got.append(reduced(proc, self.op, parts, var.type.dtype))
         return got
 
 

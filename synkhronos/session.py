@@ -46,7 +46,7 @@ class Session:
         self.collective_scratch = {}  # staging Data for values the master sends
         self.inline_bodies = {}      # shareds.py: pickled inline collective commands, reused
         self.resolved = {}           # shareds.py: shared-variable arguments resolved to their ids, kept
-        self.inline_plans = {}       # plans.py: kept plans of small broadcasts and all_reduces
+        self.inline_plans = {}       # plans.py: kept plans of small broadcasts, all_reduces, gathers, reduces
         self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
         self.in_flight = None        # thread id while a command runs (nested calls are refused)
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it

@@ -19,8 +19,8 @@ from . import context, nodes
 from .context import command_lock
 from .arrays import byte_bounds, join, overlaps
 from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.inline import fold_into, raise_mismatch, reducers_for, same_layout
-from .collectives.ops import cast_to, kept_reducer, parse_op
+from .collectives.inline import fold_into, raise_mismatch, reduced, reducers_for, same_layout
+from .collectives.ops import cast_to, parse_op
 from .control import Command
 from .errors import short_repr
 from .shmem import SHRINK_BYTES
@@ -675,7 +675,7 @@ def _inline_body(s, key, layout, values, got):
 
 def _send_inline(s, spec: CollectiveSpec, plan_key=None):
     """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's;
-    a broadcast or all_reduce that went through keeps its plan under ``plan_key``."""
+    a collective that went through keeps its plan under ``plan_key`` (see :mod:`synkhronos.plans`)."""
     proc = s.proc
     comm = proc.comm
     # workers still busy with an abandoned command might read the master's area: the full path settles them first
@@ -724,11 +724,7 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
 
 def _inline_reduce(proc, parts, spec: CollectiveSpec, vars_) -> list:
     """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
-    got = []
-    for i, v in enumerate(vars_):
-        values = [p[i] for p in parts]
-        out = kept_reducer(proc.reducers, spec.op, values).run(values)  # new memory, never a view of an area
-        got.append(cast_to(out, v.type.dtype))
+    got = [reduced(proc, spec.op, [p[i] for p in parts], v.type.dtype) for i, v in enumerate(vars_)]
     if spec.in_place:
         for v, g in zip(vars_, got):
             _assign(v, g)

@@ -29,7 +29,7 @@ from ..arrays import packed_views, round_up
 from .ops import agreed_layout, cast_to, kept_reducer, result_dtype
 
 __all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes",
-           "same_layout", "raise_mismatch", "reducers_for", "fold_into"]
+           "same_layout", "raise_mismatch", "reducers_for", "fold_into", "reduced"]
 
 EMPTY, VALUES, LAYOUT, OVERSIZE = range(4)
 _HEAD = 4
@@ -201,6 +201,13 @@ def reducers_for(proc, op, homes) -> tuple:
     reducers = [kept_reducer(proc.reducers, op, [h] * n) for h in homes]
     casts = [result_dtype(h.dtype, op) != h.dtype for h in homes]
     return reducers, casts
+
+
+def reduced(proc, op, parts, dtype) -> np.ndarray:
+    """Every process's value (``parts``, in rank order) reduced with ``op`` into new
+    memory (never a view of an area or a home), in ``dtype``: the master's
+    ``reduce``, by the inline path or directly, with the same bits."""
+    return cast_to(kept_reducer(proc.reducers, op, parts).run(parts), dtype)
 
 
 def fold_into(homes, parts, reducers, casts) -> None:
