@@ -960,8 +960,11 @@ class Function:
                 if oversized(d.alloc_size * d.dtype.itemsize, d.size * d.dtype.itemsize):
                     return  # left by a larger call: the full path counts the uses that shrink it
                 dst = d.data
-                pieces = [(None, None)] if rows is None else [(0, rows[0]), (rows[1], call.n_rows)]
-                copies.append((i, dst, [(lo, hi) for lo, hi in pieces if lo is None or hi > lo]))
+                # a broadcast input is copied whole (``...``: also a 0-d one), a scattered one
+                # without the master's own rows
+                pieces = [...] if rows is None else [slice(lo, hi) for lo, hi in ((0, rows[0]), (rows[1], call.n_rows))
+                                                     if hi > lo]
+                copies.append((i, dst, pieces))
         if len(self._planned) >= _MAX_PLANS:
             self._planned.clear()
         proc = self._owner.proc
@@ -974,8 +977,8 @@ class Function:
         s = context.session()
         for i, dst, pieces in plan.copies:
             value = args[i]
-            for lo, hi in pieces:
-                dst[lo:hi] = value[lo:hi]
+            for rows in pieces:
+                dst[rows] = value[rows]
         call, lane = plan.call, plan.lane
         if lane is not None:
             own = [(i, args[i] if rows is None else args[i][rows]) for i, rows in plan.mine]

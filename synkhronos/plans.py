@@ -115,8 +115,10 @@ def resolve_key(shared_vars):
     return None
 
 
-def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
-    """Keep the plan of the collective that just went through, under ``plan_key``."""
+def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body, peer_layouts=None) -> None:
+    """Keep the plan of the collective that just went through, under ``plan_key``;
+    ``peer_layouts`` (per rank, the layout of its values) where the workers' values
+    may differ in shape from the master's (a gather), else every rank has ``layout``."""
     if plan_key is None or plan_key[1] is None:
         return
     homes = [v.container.storage[0] for v in vars_]
@@ -126,7 +128,7 @@ def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body) -> None:
         s.inline_plans.clear()
     cls = _CLASSES[kind]
     plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
-    plan.find_homes()
+    plan.find_homes(peer_layouts)
     if kind in _READ_KINDS and plan.peers is None:  # (it runs only directly)
         del s.inline_plans[plan_key]
 
@@ -152,9 +154,12 @@ class _Plan:
         """The collective; False, having done nothing, when the plan no longer holds."""
         raise NotImplementedError
 
-    def find_homes(self) -> None:
+    def find_homes(self, peer_layouts=None) -> None:
         """After a round trip that went well: where every worker's values live now, if
-        every one published them (they are then of the plan's dtypes and shapes)."""
+        every one published them. They are of the plan's dtypes and shapes, or of
+        ``peer_layouts[rank]`` when given (a gather's, whose shapes may differ per
+        rank); a generation names one memory, dtype and shape of a process, so the
+        same generation on the board later is the same value of that layout."""
         proc = self.s.proc
         comm = proc.comm
         self.peers = self.scalars = self.verified = None
@@ -165,7 +170,8 @@ class _Plan:
             if r == proc.rank:
                 continue
             board = comm.home_board(r)
-            for sid, (dtype, shape) in zip(self.wire[2], self.layout):
+            layout = self.layout if peer_layouts is None else peer_layouts[r]
+            for sid, (dtype, shape) in zip(self.wire[2], layout):
                 view = comm.peer_home(r, sid, board[sid], dtype, shape)
                 if view is None:
                     return

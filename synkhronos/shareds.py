@@ -715,7 +715,9 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
         raise_mismatch(comm, layout, spec.op)
     if kind == "gather":
         got = [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
-        keep_plan(s, plan_key, kind, vars_, layout, spec.nd_up, wire, body)
+        # (the workers' values may differ in shape from the master's: the plan maps each as it is)
+        keep_plan(s, plan_key, kind, vars_, layout, spec.nd_up, wire, body,
+                  peer_layouts=[tuple((a.dtype, a.shape) for a in p) for p in parts])
         return got
     got = _inline_reduce(proc, parts, spec, vars_)
     keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
@@ -742,14 +744,14 @@ def _all_reduce_here(proc, sids, vars_, values, layout, op) -> bool:
     parts = comm.inline_parts(values, layout)
     if parts is None:
         return False
-    _store_all_reduce(proc, sids, vars_, parts, op)
-    return True
-
-
-def _store_all_reduce(proc, sids, vars_, parts, op) -> None:
-    """Combine every process's values (``parts``, in rank order) into this process's homes."""
     homes = _resident(proc, sids, vars_)
+    if any(h is not v for h, v in zip(homes, values)):
+        # a value moved into its home: the move may have overwritten another of ``values`` (a
+        # call that swapped two variables left one holding the other's home), so this process's
+        # part is read from its inline area, which holds them as they were
+        parts[comm.rank] = comm.inline_values(comm.rank)
     fold_into(homes, parts, *reducers_for(proc, op, homes))
+    return True
 
 
 def _run_inline(proc, kind, sids, op) -> None:
@@ -804,7 +806,8 @@ def _run_host(proc, spec: CollectiveSpec):
             joined = np.concatenate(parts, axis=0)
             _assign(v, joined)
             out.append(joined)
-        return out if proc.is_master else None
+        # the caller's arrays are new memory, never the variables' own values
+        return [np.array(a, copy=True) for a in out] if proc.is_master else None
     elif kind == "reduce":
         got = comm.reduce(_resident(proc, spec.sids, vars_), spec.op, root=root)
         if got is not None and proc.is_master:
