@@ -16,6 +16,7 @@ import os
 import threading
 
 from .errors import Aborted, Interrupted, MasterGone
+from .kept import Kept
 
 __all__ = []
 
@@ -38,12 +39,7 @@ class Process:
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
-        # worker: id(message) -> (message, CallSpec, Share, Lane or None) of the calls whose
-        # messages the control block keeps (function.worker_call)
-        self.kept_calls = {}
-        self.kept_inline = {}  # worker: id(message) -> plans._WorkerPlan of kept inline collectives
-        self.published = {}    # worker: sid -> (variable, home, its shape, generation) published on its home board
-        self.reducers = {}    # collectives.ops.Reducer kept per (op, dtype, shape, parts), see kept_reducer
+        self.kept = Kept()    # every record that lets a call or collective skip checks (kept.py)
         self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
 
     def check_parent(self) -> None:
@@ -64,9 +60,7 @@ class Process:
     def close(self) -> None:
         for local in self.functions.values():
             local.close()
-        self.kept_calls.clear()
-        self.kept_inline.clear()
-        self.published.clear()
+        self.kept.clear()
         for seg, _ in self.data_cache.values():
             seg.close()
         self.data_cache.clear()

@@ -36,6 +36,7 @@ class _Memory:
         s = context.current()
         if s is not None and s.proc is self.proc:
             s.dropped.append(self.uid)
+            self.proc.kept.moved()  # a kept call may point into it (kept.py)
 
     def forget(self) -> None:
         """Release, and leave the session's list of live memory (the Data is gone)."""
@@ -314,7 +315,7 @@ def forget(proc, uids) -> None:
     """Close the mappings of Data objects the master reallocated or freed (and
     forget the kept calls, whose shares may hold views of them)."""
     if uids:
-        proc.kept_calls.clear()
+        proc.kept.forget_calls()
     for uid in uids:
         hit = proc.data_cache.pop(uid, None)
         if hit is not None:

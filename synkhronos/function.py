@@ -22,6 +22,7 @@ from .data import Data, attach, fit_scratch
 from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
 from .distribute import distribute
+from .kept import KeptCall
 from .errors import PeerFailed, SynkError, as_interrupt, short_repr, user_stacklevel
 from .shmem import oversized
 
@@ -74,7 +75,6 @@ class LocalFunction:
         self.spec = spec
         self._compiled = {}
         self._plans = {}
-        self.planned = {}  # master: the Function's planned calls (_Plan), dropped at close()
 
     def compiled(self, subset=None, values=False, sliced=False):
         """The PyTensor function for an output subset.
@@ -107,8 +107,7 @@ class LocalFunction:
         return fn
 
     def close(self) -> None:
-        """Drop the planned calls: their kept inputs are views of shared memory."""
-        self.planned.clear()
+        """Nothing to release: the planned calls are the process's kept records (kept.py)."""
 
     def plan(self, proc, subset):
         """``(ops, groups)`` for an output subset: each output's op, and the outputs
@@ -609,24 +608,18 @@ def _as_result(out, op) -> np.ndarray:
     return arr.astype(result_dtype(arr.dtype, op), copy=False)
 
 
-#: Calls a worker keeps (a loop of several functions sends each one's kept message in turn).
-_MAX_KEPT_CALLS = 64
-
-
 def worker_call(proc, wire: tuple) -> None:
     """A worker's CALL: a kept message again (the master sent the same bytes,
     see ControlBlock.post) runs on the share kept for it."""
-    kept = proc.kept_calls.get(id(wire))
-    if kept is not None and kept[0] is wire:
-        call, share, lane = kept[1], kept[2], kept[3]
+    kept = proc.kept.calls.get(id(wire))
+    if kept is not None and kept.wire is wire:
+        call, share, lane = kept.call, kept.share, kept.lane
     else:
         call = CallSpec(*wire)
         share = share_of(proc, call, keep=True)
         lane = Lane.of(proc, call, share)
         if share.fn is not None and proc.control.message_kept:  # (else it never comes again)
-            if len(proc.kept_calls) >= _MAX_KEPT_CALLS:
-                proc.kept_calls.clear()
-            proc.kept_calls[id(wire)] = (wire, call, share, lane)
+            proc.kept.calls.keep(id(wire), KeptCall(wire, call, share, lane))
     if lane is None:
         execute_call(proc, call, share=share)
         return
@@ -655,7 +648,7 @@ class Function:
         self._owner = None  # the Session (fork) it was built for
         self._cast_warned: set = set()  # (input position, dtype) of synk.data cast already
         self._spilled: set = set()  # output subsets whose outputs were too big to ride inline
-        self._planned = local.planned  # planned calls: _plan_key -> _Plan
+        self._planned = None  # planned calls: _plan_key -> _Plan (the fork's kept.calls_of(fid), once built)
         self._input_names = [getattr(v, "name", None) for v in spec.inputs]
         # per input: (dtype, ndim, plain), plain when PyTensor checks its type by
         # dtype and ndim alone: an ndarray that already has both needs no
@@ -965,13 +958,11 @@ class Function:
                 pieces = [...] if rows is None else [slice(lo, hi) for lo, hi in ((0, rows[0]), (rows[1], call.n_rows))
                                                      if hi > lo]
                 copies.append((i, dst, pieces))
-        if len(self._planned) >= _MAX_PLANS:
-            self._planned.clear()
         proc = self._owner.proc
         share = share_of(proc, call, keep=True, own_keys=own.keys())
-        self._planned[key] = _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
+        self._planned.keep(key, _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
                                  copies, mine, share if share.fn is not None else None,
-                                 Lane.of(proc, call, share))
+                                 Lane.of(proc, call, share)))
 
     def _call_planned(self, plan, args):
         s = context.session()
@@ -1124,10 +1115,6 @@ def _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs
             and type(num_slices) is int and num_slices == 1 and device_outputs is False)
 
 
-#: Planned calls kept per function (input shapes seen lately).
-_MAX_PLANS = 8
-
-
 @dataclasses.dataclass
 class _Plan:
     """What a call sends, kept for the next calls with inputs of the same kinds and shapes."""
@@ -1201,6 +1188,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     local.compiled()  # compile now, as pytensor.function does: errors show here
     fn = Function(spec, local)
     fn._owner = s
+    fn._planned = s.proc.kept.calls_of(fid)
     s.proc.functions[fid] = local
     return fn
 

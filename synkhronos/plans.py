@@ -21,8 +21,11 @@ Reducer, in rank order, and writes the result (or, for a broadcast, its
 values) into every process's home. The workers find them there at their
 next command. Liveness is checked as often as a waiting master checks it.
 Once a plan found the fork so, nothing can move until the master posts a
-command: until the command count changes, the next direct run checks only
-the session's state and liveness (``_Plan._mode``).
+command: while the generation of the master's kept records
+(``proc.kept.generation``, which every posted command moves: the validity
+rule of :mod:`synkhronos.kept`) is the one it verified under, the next direct
+run checks only the session's state and liveness (``_Plan._mode``); under a
+newer one it verifies the workers' boards again.
 
 A gather or reduce changes no worker's value: its plan runs only directly
 (the master joins, or reduces with the inline path's Reducer in rank order,
@@ -51,6 +54,7 @@ from .arrays import join
 from .collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
 from .collectives.ops import cast_to, kept_reducer
 from .control import Command
+from .kept import Mode, Published
 
 __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
            "keep_worker_plan", "publish_homes"]
@@ -59,11 +63,6 @@ __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "reso
 PLANNED_KINDS = frozenset(("broadcast", "all_reduce", "gather", "reduce"))
 #: The kinds whose plans run only directly: they read values and change no worker's.
 _READ_KINDS = frozenset(("gather", "reduce"))
-#: Plans a session, or a worker, keeps before it starts again.
-_MAX_PLANS = 64
-#: Variables a worker publishes at most: it checks each before every answer
-#: (about 0.15 us each); the collectives of the others take the command path.
-_MAX_PUBLISHED = 16
 
 
 def planned(kind, shared_vars, op, nccl) -> bool:
@@ -99,9 +98,10 @@ def _kept(kind, shared_vars, op, nccl):
     if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
         return None
     # a plan keeps its variables alive: a hit on id(shared_vars) is that very variable
-    plan = s.inline_plans.get((kind, id(shared_vars), op, nccl))
+    plans = s.proc.kept.plans
+    plan = plans.get((kind, id(shared_vars), op, nccl))
     if plan is None and type(shared_vars) in (list, tuple):
-        plan = s.inline_plans.get((kind, resolve_key(shared_vars), op, nccl))
+        plan = plans.get((kind, resolve_key(shared_vars), op, nccl))
     return plan
 
 
@@ -124,13 +124,11 @@ def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body, peer_layouts=Non
     homes = [v.container.storage[0] for v in vars_]
     if tuple((getattr(h, "dtype", None), getattr(h, "shape", None)) for h in homes) != layout:
         return  # (a variable whose value is not the array that was sent: never planned)
-    if len(s.inline_plans) >= _MAX_PLANS:
-        s.inline_plans.clear()
-    cls = _CLASSES[kind]
-    plan = s.inline_plans[plan_key] = cls(s, kind, vars_, homes, layout, op, wire, body)
+    plans = s.proc.kept.plans
+    plan = plans.keep(plan_key, _CLASSES[kind](s, kind, vars_, homes, layout, op, wire, body))
     plan.find_homes(peer_layouts)
     if kind in _READ_KINDS and plan.peers is None:  # (it runs only directly)
-        del s.inline_plans[plan_key]
+        del plans[plan_key]
 
 
 class _Plan:
@@ -148,7 +146,7 @@ class _Plan:
         self.parts = None    # direct: per variable, every process's value, in rank order
         self.outs = None     # direct: per variable, where its result goes (every other process's home)
         self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
-        self.verified = None  # direct: the command count when the fork was last found idle and every value home
+        self.verified = None  # direct: the kept generation under which the fork was last found idle and every value home
 
     def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
         """The collective; False, having done nothing, when the plan no longer holds."""
@@ -185,32 +183,32 @@ class _Plan:
             self.scalars = _as_scalars(proc, self.op, self.parts, self.casts)
         self.peers = peers
 
-    def _mode(self) -> int:
-        """How the plan may run now: 2 directly (the fork idle, every worker's values
-        where they were found), 1 by its command (the fork idle), 0 not at all (the
-        full path runs). Raises if a worker died.
+    def _mode(self) -> Mode:
+        """How the plan may run now (:class:`~synkhronos.kept.Mode`). Raises if a worker died.
 
-        A worker's values move only while it runs a command: once the fork was
-        found so, it stays so until the master posts the next command (the
-        command count, ``ControlBlock.commands``, then differs), and only the
-        session's state and the workers' liveness are checked again."""
+        The validity rule (:mod:`synkhronos.kept`): a worker's values move only
+        while it runs a command, and every command moves the kept generation.
+        Verified under the current generation, the plan runs directly after a
+        check of the session's state and the workers' liveness; under an older
+        one, only once every worker's board shows the homes the plan found
+        (each generation there names one memory, dtype and shape)."""
         s = self.s
         if len(s.distributed) != len(s.proc.functions):
-            return 0
-        seq = s.proc.control.commands()
-        if seq == self.verified and s.in_flight is None and s.broken is None and not s.close_requested:
+            return Mode.FULL
+        generation = s.proc.kept.generation
+        if generation == self.verified and s.in_flight is None and s.broken is None and not s.close_requested:
             s.check_alive()
-            return 2
+            return Mode.DIRECT
         if not s.idle():
-            return 0
+            return Mode.FULL
         if self.peers is None:
-            return 1
+            return Mode.COMMAND
         for board, sid, gen in self.peers:
             if board[sid] != gen:
-                return 1
+                return Mode.COMMAND
         s.check_alive()
-        self.verified = seq
-        return 2
+        self.verified = generation
+        return Mode.DIRECT
 
 
 class _AllReducePlan(_Plan):
@@ -223,7 +221,7 @@ class _AllReducePlan(_Plan):
         if not mode or not _still_held(self.held):
             return False
         s = self.s
-        if mode == 2:
+        if mode is Mode.DIRECT:
             if self.scalars is not None:
                 for reducer, views in self.scalars:
                     value = reducer.scalar(views)  # every view read before any is written
@@ -269,7 +267,7 @@ class _BroadcastPlan(_Plan):
         if values is None:
             return False
         s = self.s
-        if mode == 2:
+        if mode is Mode.DIRECT:
             for value, outs in zip(values, self.outs):
                 for dst in outs:
                     dst[...] = value
@@ -290,7 +288,7 @@ class _ReadPlan(_Plan):
     def run(self):
         """The gathered or reduced values, in new memory; None, having done nothing,
         when the plan cannot run directly (the full path runs the command)."""
-        if self._mode() != 2:
+        if self._mode() is not Mode.DIRECT:
             return None
         values = _current_values(self.held)
         if values is None:
@@ -333,7 +331,7 @@ def _as_scalars(proc, op, parts, casts):
         if cast or value_parts[0].size != 1:
             return None
         views = [p.reshape(()) for p in value_parts]  # views: the same memory
-        reducer = kept_reducer(proc.reducers, op, views)
+        reducer = kept_reducer(proc.kept.reducers, op, views)
         if not reducer.scalar_path:
             return None
         got.append((reducer, views))
@@ -362,14 +360,13 @@ def keep_worker_plan(proc, wire) -> None:
     homes = [v.container.storage[0] for v in vars_]
     if any(type(h) is not np.ndarray for h in homes):
         return
-    kept = proc.kept_inline
-    if len(kept) >= _MAX_PLANS:
-        kept.clear()
-    kept[id(wire)] = _WorkerPlan(proc, wire, kind, vars_, homes, op)
-    comm, published = proc.comm, proc.published
+    proc.kept.worker_plans.keep(id(wire), _WorkerPlan(proc, wire, kind, vars_, homes, op))
+    comm, published = proc.comm, proc.kept.published
+    # (never evicted: a record dropped while its board entry stays would leave the entry stale;
+    # once the table is full, the other variables' collectives take the command path)
     for sid, var, home in zip(sids, vars_, homes):
-        if sid < comm.home_slots and (sid in published or len(published) < _MAX_PUBLISHED):
-            published[sid] = (var, home, home.shape, comm.publish_home(sid, home))
+        if sid < comm.home_slots and (sid in published or len(published) < published.capacity):
+            published[sid] = Published(var, home, home.shape, comm.publish_home(sid, home))
 
 
 class _WorkerPlan:
@@ -413,7 +410,7 @@ class _WorkerPlan:
 def publish_homes(proc) -> None:
     """A worker, before every answer: for each variable whose home it published,
     whether it still holds that home (its generation, or 0)."""
-    published = proc.published
+    published = proc.kept.published
     if not published:
         return
     board = proc.comm.home_board(proc.rank)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import packed_views, round_up
+from .kept import Table
 
 __all__ = ["ReplyArea", "ABSENT", "INLINE", "ELSEWHERE"]
 
@@ -54,11 +55,11 @@ class ReplyArea:
         self._weight = self._mv[:_HEAD * 8].cast("d")  # word 1, the weight, as a float
         self._layout = None    # writer: the layout in the header now, and views where its arrays go
         self._dst = []
-        self._layouts = {}     # writer: layout -> (its version, the views where its arrays go)
+        self._layouts = Table(_MAX_LAYOUTS)     # writer: layout -> (its version, the views where its arrays go)
         self._versions = int(self._head[3])  # writer: the last version given (never given twice)
         self._version = -1     # reader: the header version its views were made for
         self._views = []
-        self._seen = {}        # reader: version -> views, of the layouts read before
+        self._seen = Table(_MAX_LAYOUTS)        # reader: version -> views, of the layouts read before
 
     def put(self, arrays, weight: float) -> bool:
         """Write ``arrays`` (numpy) and ``weight``; False, writing nothing, when they do not fit."""
@@ -85,12 +86,10 @@ class ReplyArea:
             ends = _ends(arrays)
             if ends[-1] > self._cap:
                 return False
-            if len(self._layouts) >= _MAX_LAYOUTS:
-                self._layouts.clear()
             self._versions += 1
             # native byte order, as the reader takes the header's character codes
             dst = packed_views(self._buf, [(np.dtype(char), shape) for char, shape in layout], ends[0], _ALIGN)
-            got = self._layouts[layout] = (self._versions, dst)
+            got = self._layouts.keep(layout, (self._versions, dst))
         self._write_header(layout, got[0])
         self._layout, self._dst = layout, got[1]
         return True
@@ -130,10 +129,7 @@ class ReplyArea:
         if version != self._version:
             views = self._seen.get(version)
             if views is None:
-                views = self._read_views()
-                if len(self._seen) >= _MAX_LAYOUTS:
-                    self._seen.clear()
-                self._seen[version] = views
+                views = self._seen.keep(version, self._read_views())
             self._views, self._version = views, version
         return self._views, self._weight[1]
 

@@ -409,7 +409,7 @@ def _teardown(s: Session) -> None:
     step(proc.control.post, Command.CLOSE, None)
     step(_reap, s.watch, interrupts)
     step(release_memory)
-    step(s.inline_plans.clear)  # they hold views of the workers' homes: unmapped with the rest
+    step(proc.kept.clear)  # kept records hold views of the workers' homes: unmapped with the rest
     step(leave_homes)
     step(nodes.note_failure, proc)
     step(proc.close)

@@ -44,9 +44,6 @@ class Session:
         self.dropped = []            # Data uids whose old mappings workers should close
         self.saved_affinity = None   # the master's cores before fork() pinned it
         self.collective_scratch = {}  # staging Data for values the master sends
-        self.inline_bodies = {}      # shareds.py: pickled inline collective commands, reused
-        self.resolved = {}           # shareds.py: shared-variable arguments resolved to their ids, kept
-        self.inline_plans = {}       # plans.py: kept plans of small broadcasts, all_reduces, gathers, reduces
         self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
         self.in_flight = None        # thread id while a command runs (nested calls are refused)
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it
@@ -225,6 +222,7 @@ class Session:
         dropped = self.dropped
         if dropped:
             self.dropped = []
+        self.proc.kept.moved()  # any command may move what a kept record points into (kept.py)
         try:
             if dropped or body is None:
                 ctl.post(cmd, (dropped, payload))

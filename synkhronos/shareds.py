@@ -26,6 +26,7 @@ from .errors import short_repr
 from .shmem import SHRINK_BYTES
 from .data import Data, attach, fit_scratch, forget, ref, release_scratch
 from .distribute import distribute
+from .kept import InlineBody, Resolved
 from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, planned_gather, planned_reduce, resolve_key
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
@@ -65,7 +66,7 @@ def _resolve(shared_vars):
     s = context.session()
     s.usable()
     key = resolve_key(shared_vars)
-    got = s.resolved.get(key)
+    got = s.proc.kept.resolved.get(key)
     if got is not None:
         if len(s.distributed) != len(s.proc.functions):  # distributed only ever holds functions' ids
             distribute()
@@ -88,9 +89,7 @@ def _resolve(shared_vars):
         raise ValueError(f"shared variables {twice} are listed more than once; list each once "
                          "(a collective would act on it once per listing)")
     if key is not None:
-        if len(s.resolved) >= _MAX_BODIES:
-            s.resolved.clear()
-        s.resolved[key] = (items, sids, single)
+        s.proc.kept.resolved.keep(key, Resolved(items, sids, single))
     return s, items, sids, single
 
 
@@ -624,7 +623,7 @@ def _send(s, spec: CollectiveSpec, plan_key=None):
 
 def worker_collective(proc, wire: tuple):
     if wire[0] is _INLINE:
-        kept = proc.kept_inline.get(id(wire))
+        kept = proc.kept.worker_plans.get(id(wire))
         if kept is not None and kept.wire is wire and kept.run(proc):
             return None
         _run_inline(proc, *wire[1:])
@@ -652,24 +651,20 @@ _INLINE = None
 _INLINE_KINDS = frozenset(("broadcast", "all_reduce", "reduce", "gather"))
 #: What :func:`_send_inline` returns when the collective must take the communicator's path.
 _NOT_INLINE = object()
-#: Pickled inline commands kept per session (a loop over many variable lists starts again).
-_MAX_BODIES = 256
 
 
 def _inline_body(s, key, layout, values, got):
     """The pickled inline command ``key`` for ``values`` (``got``: the one kept for
     ``key``, if any), or None when they cannot go inline."""
-    if got is not None and got[1] == layout:
-        return got[0]
+    if got is not None and got.layout == layout:
+        return got.body
     for a in values:
         if type(a) is not np.ndarray or not a.dtype.isnative or a.dtype.hasobject:
             return None
     if not s.proc.comm.fits_inline(values):
         return None
-    if len(s.inline_bodies) >= _MAX_BODIES:
-        s.inline_bodies.clear()
     body = pickle.dumps(([], (_INLINE,) + key), protocol=pickle.HIGHEST_PROTOCOL)
-    s.inline_bodies[key] = (body, layout)
+    s.proc.kept.bodies.keep(key, InlineBody(body, layout))
     return body
 
 
@@ -682,10 +677,10 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
     if not comm.within_fork or proc.device.keeps_values_on_device or not proc.control.all_answered():
         return _NOT_INLINE
     key = (spec.kind, tuple(spec.sids), spec.op)
-    kept = s.inline_bodies.get(key)
+    kept = proc.kept.bodies.get(key)
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     values = [v.get_value(borrow=True) for v in vars_]
-    if kept is not None and same_layout(values, kept[1]):  # the usual case in a loop
+    if kept is not None and same_layout(values, kept.layout):  # the usual case in a loop
         body, layout = kept
     else:
         layout = tuple((a.dtype, a.shape) for a in values)

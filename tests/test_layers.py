@@ -32,6 +32,7 @@ MAX_BODY_LINES = 60
 LAYERS = {
     # 0: no synkhronos imports
     "synkhronos.errors": 0,
+    "synkhronos.kept": 0,
     "synkhronos.batching": 0,
     "synkhronos.arrays": 0,
     "synkhronos.tuning": 0,

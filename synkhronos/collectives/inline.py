@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from ..arrays import packed_views, round_up
+from ..kept import Table
 from .ops import agreed_layout, cast_to, kept_reducer, result_dtype
 
 __all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes",
@@ -71,12 +72,12 @@ class InlineArea:
         self._head = memoryview(area)[:_HEAD * 8].cast("q")
         self._layout = None      # writer: the layout in the header now, and views where its arrays go
         self._wviews = []
-        self._layouts = {}       # writer: layout -> (its version, its views), of the layouts that fit
+        self._layouts = Table(_MAX_LAYOUTS)       # writer: layout -> (its version, its views), of the layouts that fit
         self._versions = int(self._head[2])  # writer: the last version given
         self._version = -1       # reader: the header version its views were made for
         self._rviews = []
         self._rlayout = ()
-        self._seen = {}          # reader: version -> (layout, views or None), of the layouts read before
+        self._seen = Table(_MAX_LAYOUTS)          # reader: version -> (layout, views or None), of the layouts read before
 
     def fits(self, layout) -> bool:
         need = area_bytes(layout)
@@ -112,10 +113,8 @@ class InlineArea:
         if need > self._cap:
             self._head[0] = LAYOUT
             return False
-        if len(self._layouts) >= _MAX_LAYOUTS:
-            self._layouts.clear()
         views = self._views(layout, w)
-        self._layouts[layout] = (self._versions, views)
+        self._layouts.keep(layout, (self._versions, views))
         self._layout, self._wviews = layout, views
         return True
 
@@ -145,10 +144,7 @@ class InlineArea:
         if version != self._version:
             got = self._seen.get(version)
             if got is None:
-                got = self._read_layout()
-                if len(self._seen) >= _MAX_LAYOUTS:
-                    self._seen.clear()
-                self._seen[version] = got
+                got = self._seen.keep(version, self._read_layout())
             (self._rlayout, self._rviews), self._version = got, version
         return state, (self._rviews if state == VALUES else None), self._rlayout
 
@@ -198,7 +194,7 @@ def reducers_for(proc, op, homes) -> tuple:
     """Per value, the kept Reducer of every process's part, and whether its
     result must be cast to the value's dtype (an integer ``avg``)."""
     n = proc.comm.size
-    reducers = [kept_reducer(proc.reducers, op, [h] * n) for h in homes]
+    reducers = [kept_reducer(proc.kept.reducers, op, [h] * n) for h in homes]
     casts = [result_dtype(h.dtype, op) != h.dtype for h in homes]
     return reducers, casts
 
@@ -207,7 +203,7 @@ def reduced(proc, op, parts, dtype) -> np.ndarray:
     """Every process's value (``parts``, in rank order) reduced with ``op`` into new
     memory (never a view of an area or a home), in ``dtype``: the master's
     ``reduce``, by the inline path or directly, with the same bits."""
-    return cast_to(kept_reducer(proc.reducers, op, parts).run(parts), dtype)
+    return cast_to(kept_reducer(proc.kept.reducers, op, parts).run(parts), dtype)
 
 
 def fold_into(homes, parts, reducers, casts) -> None:

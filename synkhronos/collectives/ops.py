@@ -221,20 +221,15 @@ class Reducer:
         return acc
 
 
-#: Reducers a cache of :func:`kept_reducer` holds before it starts again.
-_MAX_KEPT = 256
-
-
 def kept_reducer(cache: dict, op: str, parts) -> Reducer:
     """The :class:`Reducer` of equally weighted ``parts`` (equal dtypes and shapes,
-    checked by the caller) with ``op``, kept in ``cache`` from call to call."""
+    checked by the caller) with ``op``, kept in ``cache`` (``proc.kept.reducers``, a
+    :class:`~synkhronos.kept.Table`) from call to call."""
     first = parts[0]
     key = (op, first.dtype, first.shape, len(parts))
     got = cache.get(key)
     if got is None:
-        if len(cache) >= _MAX_KEPT:
-            cache.clear()
-        got = cache[key] = Reducer(op, first.dtype, first.shape, None, len(parts))
+        got = cache.keep(key, Reducer(op, first.dtype, first.shape, None, len(parts)))
     return got
 
 

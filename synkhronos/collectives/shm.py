@@ -20,6 +20,7 @@ import posix_ipc
 from ..arrays import byte_bounds, round_up
 from ..control import acquire, drain
 from ..errors import PeerFailed
+from ..kept import Table
 from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, segment_exists
 from .base import Communicator
 from .inline import LAYOUT, VALUES, InlineArea
@@ -74,7 +75,7 @@ class ShmCommunicator(Communicator):
         self._named: dict[str, Segment] = {}                      # peers' resident segments
         self._resident_gen = 0
         self._last_meta = None     # (key, pickled header, offsets, end) of the last publish
-        self._slot_views: dict = {}
+        self._slot_views = Table(64)
         self._read_cache: dict = {}  # rank -> (segment, header bytes, parsed views)
         self._result: Segment | None = None
         self._result_gen = 0
@@ -89,7 +90,7 @@ class ShmCommunicator(Communicator):
         # per rank: a word per slot (the generation of the home published there, 0 for none), then the names
         self._home_words = [board[r * HOME_SLOTS * 8:(r + 1) * HOME_SLOTS * 8].cast("q") for r in range(size)]
         self._home_names = board[size * HOME_SLOTS * 8:]
-        self._peer_homes: dict = {}  # (rank, slot) -> (generation, view) of homes found on peers' boards
+        self._peer_homes = Table(4 * HOME_SLOTS)  # (rank, slot) -> (generation, view) of homes found on peers' boards
 
     # -- synchronisation ---------------------------------------------------
 
@@ -238,9 +239,7 @@ class ShmCommunicator(Communicator):
             return None
         view = seg.array(dtype, shape)
         seg.close()  # the view keeps the mapping
-        if len(self._peer_homes) >= 4 * HOME_SLOTS:
-            self._peer_homes.clear()
-        self._peer_homes[(rank, slot)] = (gen, view)
+        self._peer_homes.keep((rank, slot), (gen, view))
         return view
 
     # -- slots -------------------------------------------------------------
@@ -273,7 +272,7 @@ class ShmCommunicator(Communicator):
                           what=f"rank {self.rank}'s collective slot of {end} bytes")
             if self._slot is not None:
                 self._slot.close()
-            self._slot, self._slot_views = new, {}
+            self._slot, self._slot_views = new, Table(64)
             self._slot_gen[self.rank] = gen
         self._slot.set_int(len(meta))
         self._slot.set_bytes(8, meta)
@@ -285,9 +284,7 @@ class ShmCommunicator(Communicator):
     def _slot_view(self, offset, dtype, shape):
         view = self._slot_views.get((offset, dtype, shape))
         if view is None:
-            if len(self._slot_views) > 64:
-                self._slot_views.clear()
-            view = self._slot_views[(offset, dtype, shape)] = self._slot.array(dtype, shape, offset)
+            view = self._slot_views.keep((offset, dtype, shape), self._slot.array(dtype, shape, offset))
         return view
 
     def _peer(self, rank: int) -> Segment:

@@ -1,0 +1,162 @@
+"""Kept state: the one owner, per process, of everything that lets a call or collective skip checks.
+
+A loop of calls or small collectives repeats the previous one; what the
+first one checked and prepared is kept, so that the next ones only check what
+can have changed. Every such record of a process lives in that process's
+:class:`Kept` (``proc.kept``, master and worker alike), in a :class:`Table`
+(one capacity policy: the oldest record goes when a table is full), and is
+used by one rule:
+
+**The validity rule.** ``Kept.generation`` counts the events that can move
+memory a record points into, change a value's shape or dtype, or give a
+shared variable another array, in any process: every command the master
+posts (calls, collectives, ``set_value``, ``scatter``, ``distribute``), a
+``synk.data`` freed or resized, a failure, ``close()``. A record made or
+verified under the current generation may be used as it is. A record of an
+older generation is used only after it was verified again against the
+state itself (a direct collective: the workers' home boards, where each
+worker publishes the generation of the memory that holds each value; see
+:mod:`synkhronos.plans`), and then carries the current generation; a record
+that cannot be verified is dropped and the full path runs, which may keep a
+new one. Records that the master changes itself between commands (its own
+shared variables, which user code may ``set_value`` at any time) are checked
+at every use by identity, shape and dtype, never trusted by generation.
+
+The tables, by side:
+
+* master: ``resolved`` (shared-variable arguments resolved to their ids),
+  ``bodies`` (pickled inline collective commands, with their layout),
+  ``plans`` (kept plans of small collectives, :mod:`synkhronos.plans`),
+  ``calls_of(fid)`` (a Function's planned calls, keyed by its inputs'
+  shapes and data references; dropped by a full call of it, which may move
+  the scratch memory they write into);
+* worker: ``calls`` (a kept call message's spec, share and lane),
+  ``worker_plans`` (a kept inline collective message's plan),
+  ``published`` (the homes published on this worker's board);
+* both: ``reducers`` (a :class:`~synkhronos.collectives.ops.Reducer` per
+  op, dtype, shape and number of parts: a pure function of its key, valid
+  for ever).
+
+What is not here, and why: the control block's kept message bodies
+(``ControlBlock.post``) are a protocol that master and workers keep in step
+by one shared window, and the reply and inline areas' parsed layouts are
+keyed by a version that the writer puts in the area's header with the data:
+both are checked against shared memory at every use, so they cannot go
+stale; they use :class:`Table` for their capacity.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+__all__ = ["Table", "Mode", "Kept", "KeptCall", "Published", "InlineBody", "Resolved"]
+
+
+class Table(dict):
+    """A dict of at most ``capacity`` records: adding one to a full table drops the oldest."""
+
+    __slots__ = ("capacity",)
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        if capacity < 1:
+            raise ValueError(f"a Table needs a capacity of at least 1, got {capacity}")
+        self.capacity = capacity
+
+    def keep(self, key, record):
+        """Keep ``record`` under ``key`` (dropping the oldest record when full); return it."""
+        if key not in self and len(self) >= self.capacity:
+            del self[next(iter(self))]
+        self[key] = record
+        return record
+
+
+class Mode(enum.IntEnum):
+    """How a kept plan of a small collective may run now (:mod:`synkhronos.plans`)."""
+
+    FULL = 0      # not at all: the full path runs (and may plan again)
+    COMMAND = 1   # by its command: the fork is idle, a worker's value is not where it was found
+    DIRECT = 2    # by the master alone: every worker's value still where the plan found it
+
+
+class KeptCall(NamedTuple):
+    """A worker's kept call message: the very message object, its spec, share and lane."""
+
+    wire: tuple
+    call: Any
+    share: Any
+    lane: Any
+
+
+class Published(NamedTuple):
+    """A home a worker published on its board: the variable, the array, its shape, its generation."""
+
+    var: Any
+    home: Any
+    shape: tuple
+    generation: int
+
+
+class InlineBody(NamedTuple):
+    """A pickled inline collective command and the layout of the values it was made for."""
+
+    body: bytes
+    layout: tuple
+
+
+class Resolved(NamedTuple):
+    """A shared-variable argument resolved: the variables, their ids, whether it was one bare variable."""
+
+    items: list
+    sids: list
+    single: bool
+
+
+#: Capacities (records per table).
+RESOLVED = 256
+BODIES = 256
+PLANS = 64
+CALLS = 64
+CALL_PLANS = 8      # per Function: input shapes seen lately
+WORKER_PLANS = 64
+PUBLISHED = 16      # a worker checks each before every answer (about 0.15 us each)
+REDUCERS = 256
+
+
+class Kept:
+    """Every record of one process that lets a call or collective skip checks (see above)."""
+
+    def __init__(self):
+        self.generation = 1
+        self.resolved = Table(RESOLVED)
+        self.bodies = Table(BODIES)
+        self.plans = Table(PLANS)
+        self.calls = Table(CALLS)
+        self.worker_plans = Table(WORKER_PLANS)
+        self.published = Table(PUBLISHED)
+        self.reducers = Table(REDUCERS)
+        self._call_plans: dict[int, Table] = {}
+
+    def moved(self) -> int:
+        """Something may have moved (see the validity rule): a new generation; returns it."""
+        self.generation += 1
+        return self.generation
+
+    def calls_of(self, fid: int) -> Table:
+        """The planned calls of Function ``fid`` (master)."""
+        table = self._call_plans.get(fid)
+        if table is None:
+            table = self._call_plans[fid] = Table(CALL_PLANS)
+        return table
+
+    def forget_calls(self) -> None:
+        """Drop every kept call (a worker, when the master dropped a synk.data mapping they may view)."""
+        self.calls.clear()
+
+    def clear(self) -> None:
+        """Drop every record (close(), a fork that broke): records hold views of shared memory."""
+        self.moved()
+        for table in (self.resolved, self.bodies, self.plans, self.calls, self.worker_plans,
+                      self.published, self.reducers, *self._call_plans.values()):
+            table.clear()
