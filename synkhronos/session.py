@@ -34,6 +34,7 @@ class Session:
 
     def __init__(self, proc, pids: dict[int, int], thread_limit, close: Callable[[], None]):
         self.proc = proc
+        self.kept = proc.kept        # the master's kept records (kept.py; the same object as proc.kept)
         self._close = close          # runtime.close: a close() asked for during a command runs as it ends
         self.watch = ChildWatch(pids)
         self.thread_limit = thread_limit
@@ -222,7 +223,7 @@ class Session:
         dropped = self.dropped
         if dropped:
             self.dropped = []
-        self.proc.kept.moved()  # any command may move what a kept record points into (kept.py)
+        self.kept.generation += 1  # any command may move what a kept record points into (Kept.moved)
         try:
             if dropped or body is None:
                 ctl.post(cmd, (dropped, payload))

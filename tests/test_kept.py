@@ -1,0 +1,122 @@
+"""The rules kept state relies on (synkhronos/kept.py), each as a test.
+
+One owner per process (``proc.kept``), one capacity policy (:class:`Table`),
+one validity rule (``Kept.generation``: every posted command and every
+released ``synk.data`` moves it; a kept plan verified under an older
+generation runs directly only after the workers' boards were checked again).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytest
+from conftest import MODE
+from numpy.testing import assert_array_equal
+
+import synkhronos as synk
+from synkhronos import runtime
+from synkhronos.kept import Kept, Mode, Table
+
+
+def test_a_full_table_drops_its_oldest_record_only():
+    t = Table(3)
+    for k in range(3):
+        assert t.keep(k, str(k)) == str(k)
+    t.keep(1, "one again")  # a key already held: nothing dropped
+    assert list(t) == [0, 1, 2] and t[1] == "one again"
+    t.keep(3, "3")
+    assert list(t) == [1, 2, 3]
+    with pytest.raises(ValueError, match="capacity of at least 1, got 0"):
+        Table(0)
+
+
+def test_clear_drops_every_record_and_moves_the_generation():
+    k = Kept()
+    g = k.generation
+    k.plans.keep("p", 1)
+    k.calls_of(7).keep("c", 2)
+    k.published[3] = "home"
+    k.clear()
+    assert k.generation == g + 1
+    assert not k.plans and not k.calls_of(7) and not k.published
+    assert k.moved() == g + 2
+
+
+def _kept():
+    return runtime.session().proc.kept
+
+
+def _commands():
+    return runtime.session().proc.control.commands()
+
+
+def test_every_command_and_every_released_data_moves_the_generation(fork):
+    fork(2)
+    v = pytensor.shared(np.zeros(3), name="v")
+    x = pytensor.tensor.vector("x")
+    f = synk.function([x], (x * v.sum()).sum(), updates=[(v, v + 1)], mode=MODE)
+    kept = _kept()
+    steps = [
+        ("distribute", synk.distribute),
+        ("call", lambda: f(np.ones(4))),
+        ("set_value", lambda: synk.set_value(1, v, np.ones(3))),
+        ("scatter", lambda: synk.scatter(v, np.arange(6.0))),
+        ("broadcast with values", lambda: synk.broadcast(v, np.zeros(3))),
+        ("get_value", lambda: synk.get_value(1, v)),
+        ("all_gather", lambda: synk.all_gather(v)),
+    ]
+    for what, step in steps:
+        before, commands = kept.generation, _commands()
+        step()
+        assert _commands() > commands, what
+        assert kept.generation > before, what
+    d = synk.data(np.zeros((4, 2)))
+    before = kept.generation
+    d.set_value(np.zeros((400, 2)))  # reallocated: the old segment is released
+    assert kept.generation > before
+    before = kept.generation
+    d.free_memory()
+    assert kept.generation > before
+
+
+def test_a_direct_collective_moves_nothing_and_a_command_sends_the_next_to_the_boards(fork):
+    fork(2)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    kept = _kept()
+    synk.all_reduce(v, op="sum")        # the full path: keeps a plan
+    plan = next(p for key, p in kept.plans.items() if key[0] == "all_reduce")
+    synk.all_reduce(v, op="sum")        # first repeat: verified on the boards, then direct
+    assert plan.verified == kept.generation
+    commands, generation = _commands(), kept.generation
+    synk.all_reduce(v, op="sum")        # trusted under this generation: no command
+    assert (_commands(), kept.generation) == (commands, generation)
+    assert plan._mode() is Mode.DIRECT
+    synk.set_value(1, v, np.full(3, 5.0))  # a command: a new generation, rank 1's value elsewhere
+    assert kept.generation > plan.verified
+    assert plan._mode() is Mode.COMMAND  # the board no longer shows the home the plan found
+    synk.all_reduce(v, op="sum")
+    assert _commands() == commands + 2  # set_value, then the all_reduce as its command
+    want = 8 * np.arange(3.0) + 5.0  # rank 0 holds 8x its start after three sums, rank 1 the 5s
+    for r in range(2):
+        assert_array_equal(synk.get_value(r, v), want)
+
+
+def test_a_worker_publishes_at_most_its_table_s_capacity_and_the_rest_stay_right(fork):
+    fork(2)
+    vs = [pytensor.shared(np.full(2, float(k)), name=f"v{k}") for k in range(24)]
+    synk.function([], sum(v.sum() for v in vs), mode=MODE)
+    synk.distribute()
+    for rep in range(3):
+        for v in vs:
+            synk.all_reduce(v, op="sum")
+    for k, v in enumerate(vs):
+        for r in range(2):
+            assert_array_equal(synk.get_value(r, v), np.full(2, k * 8.0), err_msg=v.name)
+    capacity = _kept().published.capacity
+    # every worker's board names at most ``capacity`` homes (the rest went by command)
+    comm = runtime.session().proc.comm
+    board = comm.home_board(1)
+    assert 0 < sum(1 for slot in range(comm.home_slots) if board[slot]) <= capacity
