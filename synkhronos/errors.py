@@ -180,6 +180,21 @@ class PeerFailed(Exception):
     """Another process flagged a failure in this collective; nothing was combined."""
 
 
+def own_share_failed(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised by this process's own share of a call once that
+    process took its whole part in the call's protocol: the other processes can
+    finish the call as they would after any process's error, so the master
+    waits for them instead of stopping them, and every process applies its
+    updates exactly when its own share ran without error. Returns ``exc``."""
+    exc._synk_own_share_failed = True
+    return exc
+
+
+def is_own_share_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` was marked by :func:`own_share_failed`."""
+    return getattr(exc, "_synk_own_share_failed", False) is True
+
+
 def short_repr(value, limit: int = 80, ellipsis: str = "(...)") -> str:
     """A short text of a value for an error message: its repr, cut to ``limit`` characters."""
     text = repr(value)

@@ -23,7 +23,7 @@ from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
 from .distribute import distribute
 from .kept import KeptCall
-from .errors import PeerFailed, SynkError, as_interrupt, short_repr, user_stacklevel
+from .errors import PeerFailed, SynkError, as_interrupt, own_share_failed, short_repr, user_stacklevel
 from .shmem import oversized
 
 __all__ = ["Function", "function"]
@@ -284,8 +284,13 @@ class Lane:
             for i, value in own:
                 args[i] = value
         proc.device.keep_on_device(proc)
-        with interruptible:  # a worker: the master may stop this when it abandons the call
-            outs = _run_kept(self.fn, args, self.trust)
+        try:
+            with interruptible:  # a worker: the master may stop this when it abandons the call
+                outs = _run_kept(self.fn, args, self.trust)
+        except Exception as exc:  # (an inline call: no protocol left to take part in)
+            if as_interrupt(exc) is not exc:  # an interrupt, turned into SystemError by native code
+                raise as_interrupt(exc) from None
+            raise own_share_failed(exc)
         mine = [np.asarray(outs[k]) for k, _ in self.reduced]
         if self.casts is not None:
             for j, dtype in enumerate(self.casts):
@@ -429,10 +434,10 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
     except PeerFailed:
         # the collective fails in every process, the failing one too: report its own error
         if error is not None:
-            raise error from None
+            raise own_share_failed(error) from None
         raise
     if error is not None:
-        raise error
+        raise own_share_failed(error)
     return results
 
 
@@ -536,8 +541,8 @@ def _reply_inline(proc, outs, ops, weight, error):
     """The outputs of an inline call: a worker sends them back with its answer
     (see :mod:`synkhronos.replies`); the master keeps ``(outs, its reducible
     outputs, weight)`` for :func:`combine_inline`."""
-    if error is not None:
-        raise error
+    if error is not None:  # (no protocol left to take part in)
+        raise own_share_failed(error)
     mine = None if outs is None else [_as_result(outs[i], op) for i, op in enumerate(ops) if op is not None]
     if proc.is_master:
         return outs, mine, weight
@@ -836,6 +841,8 @@ class Function:
                 or a bad keyword value, named in the message.
             ValueError, IndexError: bad inputs or rows, named in the message.
             WorkerError or the worker's own exception type: a process failed.
+                Every process whose own share ran without error has applied its
+                updates; one whose share raised has applied none.
         """
         plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
         if plannable and self._planned and self._owner is context.current():

@@ -13,7 +13,7 @@ from typing import Callable
 from . import context, signals
 from .control import CHECK_EVERY, ChildWatch, Command
 from .errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
-                     unpack_exception)
+                     is_own_share_failure, unpack_exception)
 
 __all__ = ["Session"]
 
@@ -255,7 +255,9 @@ class Session:
                 stop = err
             else:
                 local_err = err
-            if not isinstance(err, PeerFailed):
+            # a failure reported through the protocol, or of the master's own share of a call
+            # (it took its part): the workers finish the command as after any process's error
+            if not isinstance(err, PeerFailed) and not is_own_share_failure(err):
                 self.abort()
                 aborted = True
             errors, stop = self._collect(stop)
