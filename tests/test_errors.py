@@ -436,3 +436,38 @@ def test_no_assert_statements_in_the_package():
             if isinstance(node, ast.Assert):
                 found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
     assert found == [], f"assert statements in synkhronos: {found}"
+
+
+@pytest.mark.parametrize("n", [2, 5])  # (5 on 2 cores: the master's share fails before some worker's began)
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "communicator"])
+def test_a_failed_call_applies_exactly_the_updates_of_the_shares_that_ran(fork, n, inline):
+    """The rule of a failed call: a process applies its updates exactly when its
+    own share ran without error, whoever failed (the master included), the same
+    every time, on a planned call and a fresh one, whether the outputs ride in
+    the reply areas or go through the communicator (a gather of rows). Workers
+    that sleep between commands (``idle_spin=0``) wake after a failure of the
+    master's share: they used to be stopped before they began, or not."""
+    fork(n, idle_spin=0)
+    x = pt.dmatrix("x")
+    count = pytensor.shared(np.int64(0), name="count")
+    checked = Assert("too big")(x, pt.all(pt.lt(x, 1000)))
+    out = (checked.sum(), "sum") if inline else (checked * 2, "gather")
+    f = synk.function([x], out, updates=[(count, count + 1)], mode=MODE)
+    synk.distribute()
+    rows = [len(range(*synk.batching.split(3 * n, n, r))) for r in range(n)]
+    held = np.zeros(n, np.int64)
+    for i in range(36):
+        bad_rank = i % (n + 1)  # n: nobody fails
+        x_value = np.ones((3 * n, 2))
+        if bad_rank < n:
+            x_value[sum(rows[:bad_rank])] = 5000.0  # a row of that rank's share only
+        if i % 4 == 3:
+            x_value = x_value.copy(order="F")  # not planned: the full path
+        if bad_rank < n:
+            with pytest.raises(AssertionError, match="too big"):
+                f(x_value)
+        else:
+            f(x_value)
+        held += np.arange(n) != bad_rank
+        got = np.array([int(synk.get_value(r, count)) for r in range(n)])
+        assert_array_equal(got, held, err_msg=f"call {i}, rank {bad_rank} failed")
