@@ -95,7 +95,7 @@ def _resolve(shared_vars):
 
 def _values_for(vars_, values, what: str, single: bool = False):
     # one variable given bare takes its value whole, nested Python lists included
-    if single or not isinstance(values, (list, tuple)) or (len(vars_) == 1 and not _is_value_list(values)):
+    if single or not isinstance(values, (list, tuple)) or (len(vars_) == 1 and not _is_value_list(values, vars_[0])):
         values = [values]
     if len(values) != len(vars_):
         raise ValueError(f"{what}: {len(values)} values for {len(vars_)} shared variables")
@@ -116,9 +116,15 @@ def _values_for(vars_, values, what: str, single: bool = False):
     return out
 
 
-def _is_value_list(values) -> bool:
-    return len(values) > 0 and all(isinstance(v, (np.ndarray, Data, list, tuple)) for v in values) \
-        and not isinstance(values, np.ndarray)
+def _is_value_list(values, var) -> bool:
+    """Whether ``values``, given for a list of the one variable ``var``, is a list of one
+    value per variable: its items are arrays, or ``var`` is 0-d, which no list can be
+    the value of (``[np.float32(2.5)]`` for ``[z]``); else it is the variable's value."""
+    if isinstance(values, np.ndarray) or not len(values):
+        return False
+    if var.type.ndim == 0 and len(values) == 1:
+        return True
+    return all(isinstance(v, (np.ndarray, Data, list, tuple)) for v in values)
 
 
 def _stage(fn_key, arrays):

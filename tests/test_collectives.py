@@ -91,6 +91,16 @@ def test_broadcast(forked, rng):
     # a nested Python list is one value for one variable
     synk.broadcast(a, [[1.0, 2.0], [3.0, 4.0]])
     assert_each(a, np.array([[1.0, 2.0], [3.0, 4.0]]), n)
+    # a list of one 0-d variable takes a list of its one value, a numpy scalar too (no list
+    # can be a 0-d value); a list of one 1-d variable still takes a list of scalars whole
+    z, v = shared(np.float32(0), "z"), shared(np.zeros(1), "v1")
+    use(z, v)
+    synk.broadcast([z], [np.float32(2.5)])
+    assert_each(z, np.float32(2.5), n)
+    synk.set_value(n - 1, [z], [np.float32(3.5)])
+    assert_array_equal(synk.get_value(n - 1, z), np.float32(3.5))
+    synk.broadcast([v], [7.0])
+    assert_each(v, np.array([7.0]), n)
 
 
 def test_scatter_uneven_and_gather(forked):
