@@ -233,8 +233,11 @@ def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
             error = ValueError(f"rank {proc.rank}: batch_s selects {len(rows)} rows of the sliceable "
                                f"shared variables but this process has {hi - lo} rows of scattered inputs")
     share = Share(lo, hi, 0.0 if error is not None else weight, active, rows, error)
+    # (a weight that is the length of the sliceable variables changes with them: such a share
+    # is worked out again at every call, never kept with a stale weight)
     if keep and error is None and rows is None and call.num_slices == 1 \
-            and (call.batch is None or isinstance(call.batch, slice)):
+            and (call.batch is None or isinstance(call.batch, slice)) \
+            and not (spec.sliceable and call.n_rows is None):
         try:
             share.args = _local_inputs(proc, call, lo, hi, dict.fromkeys(own_keys))
             share.fn = proc.functions[call.fid].compiled(call.subset)

@@ -120,3 +120,22 @@ def test_a_worker_publishes_at_most_its_table_s_capacity_and_the_rest_stay_right
     comm = runtime.session().proc.comm
     board = comm.home_board(1)
     assert 0 < sum(1 for slot in range(comm.home_slots) if board[slot]) <= capacity
+
+
+@pytest.mark.parametrize("master_rank", [0, 1])
+def test_a_call_weighted_by_its_sliceable_rows_follows_their_lengths(fork, master_rank):
+    """With no scattered inputs a process's weight is the length of its sliceable
+    variables, which a scatter or set_value changes: no kept share may keep it."""
+    fork(2, master_rank=master_rank)
+    S = pytensor.shared(np.zeros((3, 2)), name="S")
+    f = synk.function([], [(S.sum(axis=0), "avg")], sliceable_shareds=[S], mode=MODE)
+    synk.distribute()
+    rng = np.random.default_rng(master_rank)
+    for length in [3, 3, 5, 5, 2, 7, 7, 4]:
+        f()  # (a call of the old lengths first: planned, kept)
+        synk.scatter(S, rng.normal(size=(length, 2)))
+        parts = [synk.get_value(r, S) for r in range(2)]
+        for _ in range(2):
+            got = f()[0]
+            want = sum(len(p) * p.sum(axis=0) for p in parts) / sum(len(p) for p in parts)
+            np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=f"lengths {[len(p) for p in parts]}")
