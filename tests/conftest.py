@@ -163,3 +163,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.fspath.basename in _OWN_FILES and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(60, method="thread"))
+
+
+def pytest_addoption(parser):
+    """Options of tests/test_model.py (the model-based random test)."""
+    parser.addoption("--soak", type=float, default=0,
+                     help="test_model.py: run random seeds for this many seconds per process count "
+                          "(0, the default: skip the soak test)")
+    parser.addoption("--model-steps", type=int, default=0,
+                     help="test_model.py: random steps per process count (0: the file's defaults)")
