@@ -812,7 +812,7 @@ def _run_host(proc, spec: CollectiveSpec):
     elif kind == "reduce":
         got = comm.reduce(_resident(proc, spec.sids, vars_), spec.op, root=root)
         if got is not None and proc.is_master:
-            got = [cast_to(np.asarray(g), v.type.dtype) for g, v in zip(got, vars_)]
+            got = [np.asarray(cast_to(np.asarray(g), v.type.dtype)) for g, v in zip(got, vars_)]
             if spec.in_place:
                 for v, g in zip(vars_, got):
                     _assign(v, g)

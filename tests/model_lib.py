@@ -225,8 +225,9 @@ def combine(parts, op: str, weights=None) -> np.ndarray:
 
 
 def reduce_collective(parts, op: str, dtype) -> np.ndarray:
-    """What reduce/all_reduce store in a variable of ``dtype`` (the recipe of
-    tests/test_small_collectives.py::_numpy_reduce)."""
+    """What reduce/all_reduce store in a variable of ``dtype``: a fold in rank order;
+    avg as the sum times the reciprocal of the count (integers in float64), rounded
+    into integers (also tests/test_small_collectives.py's recipe)."""
     if op != "avg":
         return np.asarray(functools.reduce(_UFUNCS[op], parts)).astype(dtype)
     work = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float64)
@@ -774,12 +775,11 @@ class World:
             for nm, want in zip(names, wants):
                 self.model[self.master][nm] = want
         else:
-            # the docs promise the value "in the variable's dtype", not an ndarray: the 0-d avg of
-            # an integer comes back as a numpy scalar (rounded by cast_to), every other one as a 0-d array
-            if single and isinstance(got, np.generic):
-                got = np.asarray(got)
-            elif isinstance(got, tuple):
-                got = tuple(np.asarray(g) if isinstance(g, np.generic) else g for g in got)
+            # every result is an ndarray (0-d values too), in the variable's dtype
+            for g in (got,) if single else got:
+                if type(g) is not np.ndarray:
+                    raise ModelMismatch("return", f"reduce(in_place=False) returned {type(g).__name__} {g!r}, "
+                                        "not an ndarray")
             self._check_results(f"reduce({text}, {op!r}, in_place=False)", got, wants, single)
 
     def do_all_reduce(self, rng, names=None) -> None:

@@ -207,3 +207,19 @@ def test_regression_planned_call_weight_after_sliceable_resize(fork, master):
         got = f()
         assert got.dtype == np.float64 and got.shape == (2,)
         assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_regression_reduce_returns_arrays_for_0d_integer_avg(fork, n):
+    """reduce(in_place=False) returns ndarrays: the 0-d avg of an integer came back as a numpy scalar."""
+    fork(n)
+    c = pytensor.shared(np.int64(7), name="c")
+    f = pytensor.shared(np.float64(7), name="f")
+    synk.function([], [c + 0, f + 0], mode=MODE)
+    synk.distribute()
+    for var in (c, f):
+        for op in ("avg", "sum", "max", "c_avg"):
+            for _ in range(2):  # the inline path, then the kept plan
+                got = synk.reduce(var, op=op, in_place=False)
+                assert type(got) is np.ndarray and got.dtype == var.dtype and got.shape == ()
+                assert got == (7 if op.endswith(("avg", "max")) else 7 * n)

@@ -4,7 +4,6 @@ dtype and shape; errors and the switch between small and large values stay right
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import threading
@@ -21,6 +20,7 @@ from synkhronos.collectives import shm
 from synkhronos.control import CHECK_EVERY
 
 from conftest import MODE, worker_pids
+from model_lib import reduce_collective
 
 #: (dtype, shape) of the variables every fork holds: 0-d, vectors, matrices, empty.
 LAYOUTS = [("float32", ()), ("float64", (3,)), ("int64", (2, 3)), ("int32", ()), ("bool", (4,)),
@@ -39,16 +39,9 @@ def _random_value(rng, dtype, shape):
 
 def _numpy_reduce(parts, op, dtype):
     """What the reduction stores in a variable of ``dtype``: a fold in rank order;
-    avg as the sum times the reciprocal of the count (integers in float64), rounded into integers."""
-    if op != "avg":
-        ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
-        return np.asarray(functools.reduce(ufunc, parts)).astype(dtype)
-    work = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float64)
-    total = functools.reduce(np.add, [np.asarray(p, dtype=work) for p in parts])
-    mean = np.asarray(total * work.type(1.0 / len(parts)))
-    if np.dtype(dtype).kind != "f":
-        mean = mean.round()
-    return mean.astype(dtype)
+    avg as the sum times the reciprocal of the count (integers in float64), rounded into integers
+    (the model-based test's recipe)."""
+    return reduce_collective(parts, op, dtype)
 
 
 def _make_vars(n_sets=1):

@@ -203,7 +203,8 @@ def reduced(proc, op, parts, dtype) -> np.ndarray:
     """Every process's value (``parts``, in rank order) reduced with ``op`` into new
     memory (never a view of an area or a home), in ``dtype``: the master's
     ``reduce``, by the inline path or directly, with the same bits."""
-    return cast_to(kept_reducer(proc.kept.reducers, op, parts).run(parts), dtype)
+    # (an ndarray also where the Reducer's scalar path gave a numpy scalar: a 0-d integer avg)
+    return np.asarray(cast_to(kept_reducer(proc.kept.reducers, op, parts).run(parts), dtype))
 
 
 def fold_into(homes, parts, reducers, casts) -> None:
