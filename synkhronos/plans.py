@@ -148,7 +148,7 @@ class _Plan:
         self.parts = None    # direct: per variable, every process's value, in rank order
         self.outs = None     # direct: per variable, where its result goes (every other process's home)
         self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
-        self.verified = None  # direct: the kept generation under which the fork was last found idle and every value home
+        self.verified = None  # direct: the kept generation when the fork was last found idle, every value home
 
     def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
         """The collective; False, having done nothing, when the plan no longer holds."""

@@ -95,7 +95,8 @@ def _resolve(shared_vars):
 
 def _values_for(vars_, values, what: str, single: bool = False):
     # one variable given bare takes its value whole, nested Python lists included
-    if single or not isinstance(values, (list, tuple)) or (len(vars_) == 1 and not _is_value_list(values, vars_[0])):
+    if single or not isinstance(values, (list, tuple)) \
+            or (len(vars_) == 1 and not _is_value_list(values, vars_[0])):
         values = [values]
     if len(values) != len(vars_):
         raise ValueError(f"{what}: {len(values)} values for {len(vars_)} shared variables")

@@ -77,7 +77,7 @@ class InlineArea:
         self._version = -1       # reader: the header version its views were made for
         self._rviews = []
         self._rlayout = ()
-        self._seen = Table(_MAX_LAYOUTS)          # reader: version -> (layout, views or None), of the layouts read before
+        self._seen = Table(_MAX_LAYOUTS)          # reader: version -> (layout, views or None) of layouts read before
 
     def fits(self, layout) -> bool:
         need = area_bytes(layout)
