@@ -58,8 +58,6 @@ class Process:
             raise Aborted("the master abandoned this command")
 
     def close(self) -> None:
-        for local in self.functions.values():
-            local.close()
         self.kept.clear()
         for seg, _ in self.data_cache.values():
             seg.close()

@@ -106,9 +106,6 @@ class LocalFunction:
             self._compiled[key] = fn
         return fn
 
-    def close(self) -> None:
-        """Nothing to release: the planned calls are the process's kept records (kept.py)."""
-
     def plan(self, proc, subset):
         """``(ops, groups)`` for an output subset: each output's op, and the outputs
         grouped by (op, communicator), one collective per group. Cached: the
