@@ -1145,20 +1145,22 @@ class World:
             for r in range(self.n):
                 self.set_model(r, nm, value)
 
+    def _same_shapes(self, rng, a, b) -> None:
+        """Repair ``a`` and ``b`` (drawing from ``rng`` once either way) where a rank holds them in different shapes."""
+        repair = np.random.default_rng(int(rng.integers(2**63 - 1)))
+        if any(self.model[r][a].shape != self.model[r][b].shape for r in range(self.n)):
+            self._repair([a, b], repair)
+
     def do_call_fast(self, rng) -> None:
         m = self.model
-        repair = np.random.default_rng(int(rng.integers(2**63 - 1)))
-        if any(m[r]["w"].shape != m[r]["prev"].shape for r in range(self.n)):
-            self._repair(["prev", "w"], repair)
+        self._same_shapes(rng, "prev", "w")
         self._call_no_inputs(self.f_fast, "f_fast", lambda r: [m[r]["w"] * 1.0],
                              lambda r: [m[r]["w"] * 2.0, m[r]["w"] + m[r]["prev"], m[r]["C"],
                                         m[r]["B"] * np.float32(2)], ["gather"], ["prev", "w", "B", "C"])
 
     def do_call_givens(self, rng) -> None:
         m = self.model
-        repair = np.random.default_rng(int(rng.integers(2**63 - 1)))
-        if any(m[r]["G"].shape != m[r]["H"].shape for r in range(self.n)):
-            self._repair(["G", "H"], repair)
+        self._same_shapes(rng, "G", "H")
         self._call_no_inputs(self.f_givens, "f_givens", lambda r: [m[r]["H"] * 2.0],
                              lambda r: [m[r]["G"] + m[r]["H"] * 2.0], ["gather"], ["G"])
 
