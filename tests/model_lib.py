@@ -69,6 +69,10 @@ KINDS = {
 }
 #: Late functions (built after distribute()) a world makes at most.
 MAX_LATE = 6
+#: An all_gather whose result would pass this many bytes first gives those variables new
+#: values of their usual sizes: each all_gather multiplies a variable's length by n, so
+#: without it a long run at 5 processes grows one variable past the machine's memory.
+ALL_GATHER_CAP = 16 << 20
 #: Returned arrays kept to check that nothing writes them afterwards.
 KEEP_RETURNED = 8
 #: A marker that makes the failing function's Assert fail (in the rows of a chosen rank).
@@ -744,12 +748,28 @@ class World:
         if any(self.vars[nm].ndim == 0 for nm in names):
             self._expect_error(ValueError, lambda: synk.all_gather(arg), "all_gather of a 0-d variable")
             return
+        self._cap_growth(names, rng)
         got = synk.all_gather(arg)
         wants = [np.concatenate([self.model[r][nm] for r in range(self.n)], axis=0) for nm in names]
         for nm, want in zip(names, wants):
             for r in range(self.n):
                 self.model[r][nm] = want.copy()
         self._check_results(f"all_gather({text})", got, wants, single)
+
+    def _cap_growth(self, names, rng) -> None:
+        """Broadcast new values (usual sizes) to those of ``names`` whose all_gather would
+        pass ALL_GATHER_CAP bytes (drawing from ``rng`` once either way; logged as a step)."""
+        sub = np.random.default_rng(int(rng.integers(2**63 - 1)))
+        big = [nm for nm in names if sum(self.model[r][nm].nbytes for r in range(self.n)) > ALL_GATHER_CAP]
+        if not big:
+            return
+        made = [self.new_value(nm, sub) for nm in big]
+        self._say(f"synk.broadcast([{', '.join(big)}], [" + ", ".join(text for _, text in made) + "])"
+                  "  # smaller values: this all_gather would pass ALL_GATHER_CAP")
+        synk.broadcast([self._v(nm) for nm in big], [value for value, _ in made])
+        for nm, (value, _) in zip(big, made):
+            for r in range(self.n):
+                self.set_model(r, nm, value)
 
     def _reduce_op(self, names, rng) -> tuple:
         """``(op as given, op)``: the given one sometimes ``c_``-prefixed (the CPU path: the same here)."""
