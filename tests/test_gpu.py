@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import context, gpu, runtime
+from synkhronos import context, devices, gpu, runtime
 from synkhronos.devices import gpu_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,6 +199,52 @@ def test_no_gpu_per_the_probe(monkeypatch):
     assert synk.fork(2, device="auto") == 2
     assert runtime.session().proc.device.name == "cpu" and runtime.session().proc.device.comm is None
     synk.close()
+
+
+def test_auto_warns_once_that_the_gpu_path_is_unvalidated(monkeypatch):
+    """device="auto" picking the GPU warns once per process and names both choices;
+    device="gpu" (or the original's use_gpu=True) chose it knowingly: no warning."""
+    monkeypatch.setattr(devices, "_warned_unvalidated", False)
+    monkeypatch.setattr(devices, "GPU_VALIDATED", False)
+    monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 2))
+    with pytest.warns(UserWarning, match=r"^device='auto' chose the GPU: .* not yet been validated on a "
+                                         r"real GPU\. Pass device='gpu' .* or device='cpu'"):
+        assert devices.choose("auto", None) == (devices.GpuDevice, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert devices.choose("auto", None) == (devices.GpuDevice, 2)   # once per process
+        monkeypatch.setattr(devices, "_warned_unvalidated", False)
+        assert devices.choose("gpu", None) == (devices.GpuDevice, 2)
+        assert devices.choose("auto", True) == (devices.GpuDevice, 2)
+        monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 0))
+        assert devices.choose("auto", None) == (devices.CpuDevice, 0)   # no GPU: nothing to say
+
+
+def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
+    """With the CuPy stand-in counting one GPU (and an importable jax), the real probe finds
+    it and auto warns once, at the caller's line; a GPU-less stand-in says nothing."""
+    paths = [FAKE]
+    if not HAS_JAX:
+        paths.append(_shim(tmp_path, "jax", "# an importable jax: the probe only imports it"))
+    code = """
+        import warnings
+        from synkhronos import devices
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = devices.choose("auto", None)
+            second = devices.choose("auto", None)
+        print("CHOSE:", first[0].__name__, first[1], second[0].__name__)
+        for w in caught:
+            print("WARNING:", w.filename, str(w.message)[:40])
+    """
+    done = _run_python(code, paths, FAKE_CUPY_GPUS="1", CUDA_VISIBLE_DEVICES="0")
+    assert done.returncode == 0, done.stderr
+    assert "CHOSE: GpuDevice 1 GpuDevice" in done.stdout
+    assert done.stdout.count("WARNING:") == 1, done.stdout
+    assert "WARNING: <string> device='auto' chose the GPU" in done.stdout, done.stdout
+    done = _run_python(code, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stderr
+    assert "CHOSE: CpuDevice 0 CpuDevice" in done.stdout and "WARNING:" not in done.stdout, done.stdout
 
 
 @pytest.mark.skipif(NO_GPU is None, reason="a GPU is present here")

@@ -16,6 +16,14 @@ __all__ = ["Device", "CpuDevice", "GpuDevice", "DEVICES", "choose", "create"]
 DEVICES = {"cpu": CpuDevice, "gpu": GpuDevice}
 #: What ``device="auto"`` tries, in order: the first with units to use, else the last.
 AUTO = ("gpu", "cpu")
+#: Whether the GPU path has run on a real GPU: until it has, ``device="auto"`` warns
+#: (once per process) when it picks the GPU (see docs/gpu-validation.rst).
+GPU_VALIDATED = False
+UNVALIDATED_GPU = ("device='auto' chose the GPU: synkhronos's GPU path (PyTensor's JAX backend, "
+                   "NCCL through CuPy) is tested against stand-ins but has not yet been validated "
+                   "on a real GPU. Pass device='gpu' to use it knowingly (no warning), or "
+                   "device='cpu' to run one process per CPU core.")
+_warned_unvalidated = False
 
 
 def choose(device: str, use_gpu: bool | None) -> tuple:
@@ -30,7 +38,18 @@ def choose(device: str, use_gpu: bool | None) -> tuple:
     if use_gpu and not units:
         warnings.warn(f"use_gpu=True, but {gpu_stack.no_gpu_reason() or 'no GPU can be used'}: running on "
                       "the CPU (device='gpu' makes this an error)", stacklevel=user_stacklevel())
+    if device == "auto" and units and name == "gpu" and not use_gpu:
+        _warn_unvalidated()
     return (DEVICES[name] if units else CpuDevice), units
+
+
+def _warn_unvalidated() -> None:
+    """Warn, once per process, that ``device="auto"`` picked a GPU path never run on a GPU."""
+    global _warned_unvalidated
+    if GPU_VALIDATED or _warned_unvalidated:
+        return
+    _warned_unvalidated = True
+    warnings.warn(UNVALIDATED_GPU, UserWarning, stacklevel=user_stacklevel())
 
 
 def create(cls, units: int, n_parallel: int, master_rank: int) -> Device:
