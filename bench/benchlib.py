@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import datetime
 import os
+import platform
 import statistics
 import sys
 import time
@@ -24,6 +26,29 @@ __all__ = ["SIZES", "QUICK_SIZES", "sizes_for", "reps_for", "measure", "summariz
 SIZES = [4, 256, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 #: --quick keeps a few small sizes and drops the large ones.
 QUICK_SIZES = [4, 4 << 10, 4 << 20]
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_label(when: str | None = None, cores: int | None = None) -> str:
+    """What every plot carries in its corner: the CPU, its core count and the date of the run."""
+    day = (when or datetime.date.today().isoformat())[:10]
+    return f"{cpu_model()}, {cores or os.cpu_count()} cores, {day}"
+
+
+def stamp(fig, text: str) -> None:
+    """Write the machine label into a matplotlib figure's lower right corner."""
+    fig.text(0.995, 0.005, text, ha="right", va="bottom", fontsize=7, color="0.35")
 
 
 def sizes_for(quick: bool) -> list[int]:

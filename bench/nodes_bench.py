@@ -111,7 +111,8 @@ def plot(got: dict, path: Path) -> None:
         ax.text(i, m, f"{m:.1f}", ha="center", va="bottom")
     ax.set(ylabel="ms (median, slowest rank)", title="all_reduce of 64 MiB float32 across nodes")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    bl.stamp(fig, bl.machine_label())
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -188,7 +188,7 @@ def targets_18(parts) -> list[dict]:
     for size in ("4MiB", "64MiB"):
         s, m = _med(synk, "all_reduce", size), _med(parts, "mpi", "all_reduce", size)
         r = _ratio(s, m)
-        out.append(_target(f"no regression: all_reduce {size} ≤ 0.5 × Open MPI (as before issue 18)", s, r,
+        out.append(_target(f"no regression: all_reduce {size} ≤ 0.5 × Open MPI", s, r,
                            "≤ 0.5", None if r is None else r <= 0.5, f"synk {fmt_time(s)} vs MPI {fmt_time(m)}"))
     cpu = ov.get("idle_cpu") or {}
     if cpu:
@@ -312,7 +312,7 @@ def format_report(result) -> str:
             ["first distributed call (workers' first)", fmt_time(fc["workers_first_call_s"])],
             ["later distributed calls", fmt_time(fc["distributed_steady_call_s"])]])
 
-    for title, key in (("Targets of issue 6", "targets"), ("Goals of issue 18 (microsecond calls)", "targets_18")):
+    for title, key in (("Targets", "targets"), ("Goals (microsecond calls)", "targets_18")):
         out.append("")
         out.append(title + (" (quick run: smoke only, not a measurement)" if meta["quick"] else ""))
         for t in result.get(key, []):
@@ -332,16 +332,18 @@ def plot(result, outdir) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchlib import SIZES, label
+    from benchlib import SIZES, label, stamp
 
     bytes_of = {label(n): n for n in SIZES}
+    meta = result.get("meta", {})
+    machine = f"{meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {str(meta.get('when', '?'))[:10]}"
     paths = []
     rows = result["collectives"]
     if any(r[k] for r in rows for k in ("synk", "mpi", "gloo", "numpy_copy")):
-        paths.append(_plot_collectives(plt, rows, bytes_of, outdir))
+        paths.append(_plot_collectives(plt, rows, bytes_of, outdir, machine))
     tr = result["training"]
     if tr:
-        paths.append(_plot_training(plt, tr, outdir))
+        paths.append(_plot_training(plt, tr, outdir, machine))
     parts = result["parts"]
     bars = [("synk overhead", _get(parts, "synk", "overhead", "overhead_us")),
             ("Pool.map", _med(parts, "local", "pool_map")),
@@ -352,11 +354,11 @@ def plot(result, outdir) -> list[str]:
             ("gloo all-reduce 4 B", _med(parts, "gloo", "all_reduce", "4B"))]
     bars = [(n, (v * 1e-6 if n == "synk overhead" else v)) for n, v in bars if v is not None]
     if bars:
-        paths.append(_plot_per_call(plt, bars, outdir))
+        paths.append(_plot_per_call(plt, bars, outdir, machine))
     return paths
 
 
-def _plot_collectives(plt, rows, bytes_of, outdir) -> str:
+def _plot_collectives(plt, rows, bytes_of, outdir, machine: str) -> str:
     fig, axes = plt.subplots(1, len(OPS), figsize=(5 * len(OPS), 4.5), sharey=True)
     for ax, op in zip(axes, OPS):
         for key, name, style in (("synk", "synkhronos", "o-"), ("mpi", "Open MPI (sm)", "s-"),
@@ -373,14 +375,15 @@ def _plot_collectives(plt, rows, bytes_of, outdir) -> str:
     axes[0].set_ylabel("seconds (median)")
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend()
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    stamp(fig, machine)
     path = f"{outdir}/collectives.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _plot_training(plt, tr, outdir) -> str:
+def _plot_training(plt, tr, outdir, machine: str) -> str:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name, style in (("2 processes", "o-"), ("1 process, 1 core", "s-"), ("1 process, all cores", "^--")):
         pts = [(r["batch"], r[name]) for r in tr if r.get(name)]
@@ -392,23 +395,25 @@ def _plot_training(plt, tr, outdir) -> str:
     ax.set_title("MLP training step (call + all_reduce of parameters)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    stamp(fig, machine)
     path = f"{outdir}/training.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _plot_per_call(plt, bars, outdir) -> str:
+def _plot_per_call(plt, bars, outdir, machine: str) -> str:
     fig, ax = plt.subplots(figsize=(7.5, 4))
     ax.barh([b[0] for b in bars], [b[1] * 1e6 for b in bars])
     ax.set_xscale("log")
     ax.set_xlabel("µs per call (median)")
     ax.set_title("Per-call cost, 2 processes")
-    ax.axvline(15, color="r", ls="--", lw=1, label="goal (issue 18): 15 µs")
+    ax.axvline(15, color="r", ls="--", lw=1, label="goal: 15 µs")
     ax.legend()
     ax.invert_yaxis()
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    stamp(fig, machine)
     path = f"{outdir}/per_call.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -268,15 +268,6 @@ def versions() -> dict:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv=None) -> int:
@@ -294,7 +285,7 @@ def main(argv=None) -> int:
         print(f"[bench] warning: the CPUs were {busy:.0%} busy before the run; numbers will be noisy",
               flush=True)
     meta = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
-            "only": args.only, "host": platform.node(), "cpu": cpu_model(), "cores": bl_cores(),
+            "only": args.only, "host": platform.node(), "cpu": bl.cpu_model(), "cores": bl_cores(),
             "cpu_busy_before": busy, "loadavg_before": os.getloadavg(), "versions": versions(),
             "compile_cache": "fresh (empty PyTensor cache: first calls include compiling)" if fresh
             else "the user's PyTensor cache (possibly warm)"}

@@ -21,7 +21,11 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from numpy.testing import assert_allclose, assert_array_equal
-from pytensor import wrap_py
+
+try:
+    from pytensor import wrap_py
+except ImportError:  # older PyTensor (2.30) names it as_op
+    from pytensor.compile.ops import as_op as wrap_py
 
 import synkhronos as synk
 from conftest import MODE, shm_names, worker_pids
