@@ -325,6 +325,12 @@ def format_report(result) -> str:
 # plots
 
 
+def _stamp(fig, machine: str) -> None:
+    from benchlib import stamp
+
+    stamp(fig, machine)
+
+
 def plot(result, outdir) -> list[str]:
     """Draw the PNGs under ``outdir``; returns their paths (empty without matplotlib)."""
     import matplotlib
@@ -332,7 +338,7 @@ def plot(result, outdir) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchlib import SIZES, label, stamp
+    from benchlib import SIZES, label
 
     bytes_of = {label(n): n for n in SIZES}
     meta = result.get("meta", {})
@@ -376,7 +382,7 @@ def _plot_collectives(plt, rows, bytes_of, outdir, machine: str) -> str:
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend()
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    stamp(fig, machine)
+    _stamp(fig, machine)
     path = f"{outdir}/collectives.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -396,7 +402,7 @@ def _plot_training(plt, tr, outdir, machine: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    stamp(fig, machine)
+    _stamp(fig, machine)
     path = f"{outdir}/training.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -413,7 +419,7 @@ def _plot_per_call(plt, bars, outdir, machine: str) -> str:
     ax.legend()
     ax.invert_yaxis()
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    stamp(fig, machine)
+    _stamp(fig, machine)
     path = f"{outdir}/per_call.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
