@@ -48,7 +48,7 @@ language = "en"
 
 html_theme = "alabaster"
 html_theme_options = {
-    "description": "Data-parallel PyTensor on one machine",
+    "description": "Data-parallel PyTensor on one machine and on several",
     "fixed_sidebar": True,
 }
 html_static_path = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,29 @@ def test_docs_build_without_warnings(tmp_path):
            "-d", str(tmp_path / "doctrees"), str(ROOT / "docs"), str(tmp_path / "html")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"sphinx failed or warned:\n{proc.stdout}\n{proc.stderr}"
-    for page in ("index", "install", "tutorial", "shared", "deep_learning", "gpu", "porting",
-                 "performance", "internals", "api", "extensions_api"):
+    for page in ("index", "install", "tutorial", "shared", "deep_learning", "gpu", "gpu-validation",
+                 "nodes", "porting", "performance", "multiverso", "internals", "api", "extensions_api"):
         assert (tmp_path / "html" / f"{page}.html").is_file(), f"{page}.html was not built"
+    gpu = (tmp_path / "html" / "gpu.html").read_text()
+    assert 'href="gpu-validation.html"' in gpu, "the GPU page does not link the validation page"
     api = (tmp_path / "html" / "api.html").read_text()
     assert "synkhronos.fork" in api and "synkhronos.all_reduce" in api, "API page lacks the docstrings"
+
+
+#: What a reader sees: the README, the docs' pages, the changelog and the downloads they offer.
+USER_PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.rst")),
+              *sorted((ROOT / "docs" / "_static").rglob("*.txt"))]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_user_page_names_an_internal_issue(page):
+    text = page.read_text()
+    found = re.findall(r"(?i)\bissues? \d+|(?<![\w&])#\d+\b", text)
+    assert not found, f"{page.relative_to(ROOT)} names internal issue numbers: {sorted(set(found))}"
+
+
+def test_every_kept_perf_file_is_referenced():
+    """docs/_static/perf holds only what a page shows or offers for download."""
+    pages = "".join(p.read_text() for p in (ROOT / "docs").glob("*.rst"))
+    unreferenced = [f.name for f in (ROOT / "docs" / "_static" / "perf").iterdir() if f.name not in pages]
+    assert unreferenced == []
