@@ -194,7 +194,8 @@ def targets_18(parts) -> list[dict]:
     if cpu:
         out.append(_target("CPU used by idle workers (reported, no goal)", None, None, "—", None,
                            "; ".join(f"{k}: {v:.2f} CPU-s per s" for k, v in cpu.items() if k != "workers")
-                           + f" ({cpu.get('workers')} workers, idle_spin=0.02 s)"))
+                           + f" ({cpu.get('workers')} worker{'' if cpu.get('workers') == 1 else 's'}, "
+                             "idle_spin=0.02 s)"))
     return out
 
 

@@ -18,6 +18,10 @@ TARGET_ACCURACY = 0.93
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread{'' if n == 1 else 's'}"
+
+
 def parse_args(description, argv=None, threads_of="threads"):
     """The demos' command line; ``threads_of`` names what ``--threads`` sets."""
     p = argparse.ArgumentParser(description=description)
@@ -36,7 +40,7 @@ def parse_args(description, argv=None, threads_of="threads"):
     p.add_argument("--no-baseline", action="store_true", help="skip the 1-worker run")
     p.add_argument("--results", default=os.path.join(HERE, "results"),
                    help="where the plot goes (default: demos/results)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     p.add_argument("--history", help=argparse.SUPPRESS)   # the 1-worker child writes its history here
     args = p.parse_args(argv)
@@ -125,8 +129,8 @@ def report(histories, args, name):
         total_base, total_par = (sum(h["epoch_s"]) for h in histories)
         print(f"speed-up of {final['n']} workers over 1: {base / par:.2f}x (median epoch time), "
               f"{total_base / total_par:.2f}x (total training time)")
-        print(f"(the 1-worker run used {histories[0]['threads']} threads, each of the {final['n']} "
-              f"workers {final['threads']}; the figure depends on what else runs on the machine)")
+        print(f"(the 1-worker run used {_threads(histories[0]['threads'])}, each of the {final['n']} "
+              f"workers {_threads(final['threads'])}; the figure depends on what else runs on the machine)")
     print(f"loss curves: {path}")
     ok = final["val_acc"][-1] >= TARGET_ACCURACY
     print(f"validation accuracy with {final['n']} workers: {final['val_acc'][-1]:.2%} "

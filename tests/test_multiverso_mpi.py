@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or not os.access(MPIRUN, os.X_OK),
                        reason=f"needs mpi4py and Open MPI's mpirun at {MPIRUN} "
-                              "(pip install -e '.[mpi]')"),
+                              "(pip install -e '.[mpi-wheel]')"),
 ]
 
 TCP = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp"}

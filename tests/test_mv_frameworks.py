@@ -32,7 +32,7 @@ SCRIPT = HERE / "frameworks.py"
 ENV = {"KERAS_BACKEND": "torch"}
 needs_mpi = pytest.mark.skipif(
     importlib.util.find_spec("mpi4py") is None or not os.access(MPIRUN, os.X_OK),
-    reason=f"needs mpi4py and Open MPI's mpirun at {MPIRUN} (pip install -e '.[mpi]')")
+    reason=f"needs mpi4py and Open MPI's mpirun at {MPIRUN} (pip install -e '.[mpi-wheel]')")
 
 
 def passed(r, parts, n=2):
