@@ -65,23 +65,27 @@ docs: $(VENV)/.docs
 # output op and collective, synk.data, the parameter-server tables, porting) on the
 # lowest PyTensor and NumPy that pyproject.toml allows, and on the newest.
 COMPAT_LOW   := pytensor==2.30.0 numpy==1.26.4
+# the oldest and the newest Python tested, where pyenv has them (else $(PYTHON)): the newest
+# PyTensor and NumPy need the newest Python
+COMPAT_LOW_PYTHON  ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) $(PYTHON))
+COMPAT_HIGH_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) $(PYTHON))
 COMPAT_TESTS := tests/test_function.py tests/test_correctness.py tests/test_data.py \
                 tests/test_collectives.py tests/test_multiverso.py tests/test_port.py
 COMPAT_VENVS := .venv-compat-low .venv-compat-high
 
 .venv-compat-low/.installed: $(DEPS)
-	$(PYTHON) -m venv .venv-compat-low
+	$(COMPAT_LOW_PYTHON) -m venv .venv-compat-low
 	.venv-compat-low/bin/python -m pip install -q -e . pytest pytest-timeout $(COMPAT_LOW)
 	touch $@
 
 .venv-compat-high/.installed: $(DEPS)
-	$(PYTHON) -m venv .venv-compat-high
+	$(COMPAT_HIGH_PYTHON) -m venv .venv-compat-high
 	.venv-compat-high/bin/python -m pip install -q --upgrade -e . pytest pytest-timeout pytensor numpy
 	touch $@
 
 compat: $(COMPAT_VENVS:%=%/.installed)
 	@for v in $(COMPAT_VENVS); do \
-	  $$v/bin/python -c 'import numpy, pytensor, sys; print(sys.argv[1] + ": PyTensor", pytensor.__version__, "NumPy", numpy.__version__)' $$v; \
+	  $$v/bin/python -c 'import numpy, pytensor, sys; print(sys.argv[1] + ": Python", sys.version.split()[0], "PyTensor", pytensor.__version__, "NumPy", numpy.__version__)' $$v; \
 	  $$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || exit 1; \
 	done
 
