@@ -9,16 +9,15 @@ dead process is noticed within a fraction of a second and nothing hangs.
 from __future__ import annotations
 
 import enum
-import os
 import pickle
-import time
 from typing import Callable
 
 import numpy as np
 import posix_ipc
 
 from . import context
-from .errors import WorkerDiedError, pack_exception
+from .errors import pack_exception
+from .group import block_on, take, wait_until
 from .replies import ELSEWHERE, ReplyArea
 from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
@@ -63,9 +62,10 @@ _COMMANDS = {int(c): c for c in Command}
 
 
 def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
-    """Take ``sem``: poll it for ``spin`` seconds, then sleep in slices; ``check()``
-    runs between slices, and every ``CHECK_EVERY`` seconds while polling, so a
-    spinning waiter notices a dead peer as soon as a sleeping one does.
+    """Take ``sem``: poll it for ``spin`` seconds, then block in slices
+    (:func:`synkhronos.group.wait_until`); ``check()`` runs every
+    ``CHECK_EVERY`` seconds, so a spinning waiter notices a dead peer as
+    soon as a blocked one does.
 
     Polling reads the count (``sem_getvalue``, no system call, no exception)
     and takes a token only when one is there: a loop of calls finds its peers
@@ -74,51 +74,11 @@ def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = S
     can run, and a poll without it slowed large collectives by 10-40% on a
     2-vCPU machine (the cores' siblings compete).
     """
-    if sem.value:
-        try:
-            sem.acquire(0)
-            return
-        except posix_ipc.BusyError:  # another waiter of the same semaphore took it
-            pass
-    if spin > 0 and _poll(sem, check, spin):
+    if sem.value and take(sem):
         return
-    while True:
-        try:
-            sem.acquire(WAIT_SLICE)
-            return
-        except posix_ipc.BusyError:
-            check()
-        except posix_ipc.SignalError:
-            # a signal (Ctrl-C) interrupted the wait: its Python handler runs
-            # at the next bytecode; check() still guards against dead peers
-            check()
-
-
-def _poll(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float) -> bool:
-    """Poll ``sem`` for up to ``spin`` seconds; True once a token was taken."""
-    polite = context.spin.oversubscribed  # check the clock at every turn, not every 32nd
-    clock = time.perf_counter
-    now = clock()
-    end, next_check = now + spin, now + CHECK_EVERY
-    turns = 0
-    while True:
-        if sem.value:
-            try:
-                sem.acquire(0)
-                return True
-            except posix_ipc.BusyError:
-                pass
-        os.sched_yield()
-        if not polite:
-            turns += 1
-            if turns & 31:
-                continue
-        now = clock()
-        if now >= end:
-            return False
-        if now >= next_check:
-            next_check = now + CHECK_EVERY
-            check()
+    # where processes outnumber cores, read the clock at every turn, not every 32nd
+    wait_until(lambda: sem.value and take(sem), check, spin=spin, check_every=CHECK_EVERY,
+               block=block_on(sem, WAIT_SLICE), clock_every=1 if context.spin.oversubscribed else 32)
 
 
 def drain(sem: posix_ipc.Semaphore) -> None:
@@ -421,54 +381,3 @@ class ControlBlock:
         if self._overflow is not None:
             self._overflow.close()
         self._seg.close()
-
-
-class ChildWatch:
-    """The master's view of its worker processes: reap, and raise on death."""
-
-    def __init__(self, pids: dict[int, int]):
-        self.pids = dict(pids)  # rank -> pid
-        self.exited: dict[int, int] = {}
-
-    def poll(self) -> None:
-        for rank, pid in self.pids.items():
-            if rank in self.exited:
-                continue
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            if done:
-                self.exited[rank] = os.waitstatus_to_exitcode(status) if status else 0
-        if self.exited:
-            rank = min(self.exited)
-            raise WorkerDiedError(rank, self.exited[rank])
-
-    def alive(self) -> dict[int, int]:
-        """rank -> pid of every worker not yet seen to exit."""
-        return {r: p for r, p in self.pids.items() if r not in self.exited}
-
-    @staticmethod
-    def kill(pids, sig) -> None:
-        """Send ``sig`` to every process of ``pids`` that still exists."""
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    @staticmethod
-    def wait(pending: dict[int, int], seconds: float) -> None:
-        """Reap the processes of ``pending`` (rank -> pid), removing each one
-        that is gone, until none is left or ``seconds`` have passed."""
-        end = time.monotonic() + seconds
-        while pending and time.monotonic() < end:
-            for rank, pid in list(pending.items()):
-                try:
-                    done, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    done = pid
-                if done:
-                    del pending[rank]
-            if pending:
-                time.sleep(0.002)

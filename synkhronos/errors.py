@@ -8,7 +8,8 @@ import signal
 import sys
 import traceback
 
-__all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError", "SynkTimeoutError"]
+__all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError", "SynkTimeoutError",
+           "WorkerFailedError", "NodeFailedError"]
 
 
 class SynkError(RuntimeError):
@@ -70,6 +71,41 @@ class WorkerDiedError(SynkError):
 
     def __reduce__(self):
         return (WorkerDiedError, (self.rank, self.exitcode))
+
+
+class WorkerFailedError(SynkError):
+    """Another worker of the parameter server raised an exception or died; this
+    worker cannot go on.
+
+    Attributes:
+        rank: the rank of the worker that failed first.
+        remote_traceback: its traceback as text ("" when it died without one).
+        exitcode: its exit status when known (``-signal`` when a signal ended it).
+    """
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = "", exitcode=None):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+
+    def __reduce__(self):
+        return (WorkerFailedError, (self.rank, self.args[0], self.remote_traceback, self.exitcode))
+
+
+class NodeFailedError(SynkError):
+    """Another node failed in the middle of a collective; this one cannot finish.
+
+    Attributes:
+        node: the rank (node index) in the MPI communicator of the node that failed.
+        reason: what went wrong there, as that node said it.
+    """
+
+    def __init__(self, node: int, reason: str, what: str = "a collective"):
+        super().__init__(f"node {node} failed during {what}: {reason}; the MPI communicator "
+                         "cannot be used again: call synk.close() and synk.fork() again")
+        self.node = node
+        self.reason = reason
 
 
 class SynkTimeoutError(SynkError, TimeoutError):

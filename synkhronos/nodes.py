@@ -31,7 +31,8 @@ import warnings
 
 import numpy as np
 
-from . import context
+from . import context, group
+from .group import LAUNCHER_VARS, launched
 from .batching import split
 from .errors import SynkError
 from .collectives import BACKENDS
@@ -40,21 +41,9 @@ from .collectives.hier import NodeCommunicator
 __all__ = ["World", "world", "shard", "launched", "join", "join_worker", "check_same_functions",
            "from_first_node", "share_host_cores", "warn_if_mpi_started", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
 
-#: Environment variables a launcher sets in every copy it starts (Open MPI,
-#: MPICH/Hydra and Intel MPI, PMIx and PMI-2 launchers, ``srun --mpi=...``).
-LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")
 #: Seconds a node whose node communicator was abandoned waits at exit before
 #: it aborts the MPI job (the other nodes raise and close meanwhile).
 ABORT_GRACE = 5.0
-#: ``SYNKHRONOS_NODES=0`` keeps a launched copy to its own node (no MPI at all).
-SWITCH = "SYNKHRONOS_NODES"
-
-
-def launched() -> bool:
-    """Whether an MPI launcher started this process (and joining is not switched off)."""
-    if os.environ.get(SWITCH, "").strip().lower() in ("0", "no", "false", "off"):
-        return False
-    return any(os.environ.get(v) for v in LAUNCHER_VARS)
 
 
 #: (copies on this host, this copy's index among them) as launchers tell it.
@@ -100,15 +89,9 @@ def warn_if_mpi_started() -> None:
 @functools.cache
 def _mpi():
     """mpi4py's MPI, initialised now (after the fork), finalised at exit."""
-    import mpi4py
-
-    mpi4py.rc.initialize = False  # MPI_Init after the workers are forked, not at import
-    mpi4py.rc.finalize = False    # finalised by _finalize, after close() at exit
-    from mpi4py import MPI
-
-    if not MPI.Is_initialized():
-        MPI.Init_thread(MPI.THREAD_SERIALIZED)
-        atexit.register(_finalize, MPI)
+    MPI = group.mpi()
+    if group.mpi_started_here():
+        atexit.register(_finalize, MPI)  # finalised after close() at exit
     return MPI
 
 

@@ -7,18 +7,18 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import warnings
 
 import numpy as np
 
-from . import context, devices, nodes, shareds, signals
+from . import context, devices, group, nodes, shareds, signals
 from .context import Process, session  # session: runtime.session() is the running fork
-from .control import ChildWatch, Command, ControlBlock
+from .control import Command, ControlBlock
 from .errors import user_stacklevel
 from .session import Session
-from .shmem import Lease, disown, unlink_prefix, unlink_stale
+from .group import Lease
+from .shmem import disown, unlink_prefix
 from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
 from .worker.loop import serve, serve_profiled
 
@@ -169,10 +169,7 @@ def _check_parallel(n_parallel, default: int, cores: int, master_rank) -> int:
 def _open_master(device, n_parallel: int, master_rank: int, profile_dir) -> Process:
     """The master's Process: its lock file, control block and host communicator
     (all undone if one of them fails)."""
-    stale = unlink_stale()
-    if stale:
-        log.info("removed %d shared-memory objects left by synkhronos forks no longer alive", len(stale))
-    lease = Lease.new()  # the fork's lock file: created first, unlinked last
+    lease = Lease.new()  # the fork's lock file: created first, unlinked last (stale names go first)
     prefix = lease.prefix
     proc = Process(prefix, master_rank, n_parallel, master_rank, device)
     proc.lease = lease
@@ -193,24 +190,20 @@ def _spawn_workers(proc: Process, groups, threads: int) -> dict:
     and becomes a worker, never returning here."""
     # the workers' rule: they die of a signal only where the master would
     context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids = {}
-    for rank in range(proc.size):
-        if rank == proc.master_rank:
-            continue
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child, which never returns
-            if groups is not None:
-                pin(groups[rank])
-            _become_worker(proc, rank, threads)
-        pids[rank] = pid
+    def in_child(rank: int) -> None:  # pragma: no cover - the child, which never returns
+        if groups is not None:
+            pin(groups[rank])
+        _become_worker(proc, rank, threads)
+
+    children = group.Children()
+    children.spawn([r for r in range(proc.size) if r != proc.master_rank], in_child)
+    for rank, pid in children.pids.items():
         if groups is not None:  # here too: fork() returns with every worker pinned, not only soon after
             try:
                 os.sched_setaffinity(pid, groups[rank])
             except (AttributeError, OSError):  # gone already (the master notices), or unsupported
                 pass
-    return pids
+    return children.pids
 
 
 def _check_timeout(timeout) -> float | None:
@@ -269,7 +262,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
     code = 0
     try:
         signals.worker_signals()
-        signals.set_parent_death_signal()
+        group.set_parent_death_signal()
         atexit._clear()
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
@@ -296,8 +289,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         terminate_signal = context.signal_state.terminate_signal
         if terminate_signal is not None:  # die of the signal, so the master can name it
             try:
-                signal.signal(terminate_signal, signal.SIG_DFL)
-                os.kill(os.getpid(), terminate_signal)
+                group.die_of(terminate_signal)
             except BaseException:
                 pass
         os._exit(code)
@@ -407,7 +399,7 @@ def _teardown(s: Session) -> None:
         step(s.interrupt_workers)
     # also after a failure: live workers finish what they do, then leave
     step(proc.control.post, Command.CLOSE, None)
-    step(_reap, s.watch, interrupts)
+    step(s.watch.end, CLOSE_GRACE, interrupts)
     step(release_memory)
     step(proc.kept.clear)  # kept records hold views of the workers' homes: unmapped with the rest
     step(leave_homes)
@@ -424,30 +416,6 @@ def _teardown(s: Session) -> None:
         context.set_current(None)
     if interrupts:
         raise interrupts[0]
-
-
-def _reap(watch: ChildWatch, interrupts: list | None = None) -> None:
-    """Wait for the workers to leave; SIGTERM, then SIGKILL the ones that don't.
-
-    A Ctrl-C meanwhile (kept in ``interrupts``) goes straight to SIGKILL.
-    """
-    pending = watch.alive()
-    ladder = ((None, CLOSE_GRACE), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0))
-    stage = 0
-    while pending and stage < len(ladder):
-        sig, grace = ladder[stage]
-        try:
-            if sig is not None:
-                for rank, pid in pending.items():
-                    log.warning("worker rank %d (pid %d) did not exit; sending %s", rank, pid, sig.name)
-                    watch.kill([pid], sig)
-            watch.wait(pending, grace)
-            stage += 1
-        except KeyboardInterrupt as err:
-            if interrupts is None:
-                raise
-            interrupts.append(err)
-            stage = len(ladder) - 1
 
 
 def _close_at_exit() -> None:

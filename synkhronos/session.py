@@ -11,7 +11,8 @@ import time
 from typing import Callable
 
 from . import context, signals
-from .control import CHECK_EVERY, ChildWatch, Command
+from .group import Children
+from .control import CHECK_EVERY, Command
 from .errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
                      is_own_share_failure, unpack_exception)
 
@@ -36,7 +37,7 @@ class Session:
         self.proc = proc
         self.kept = proc.kept        # the master's kept records (kept.py; the same object as proc.kept)
         self._close = close          # runtime.close: a close() asked for during a command runs as it ends
-        self.watch = ChildWatch(pids)
+        self.watch = Children(pids)         # the workers: reap, signal, end
         self.thread_limit = thread_limit
         self.broken: BaseException | None = None
         self.distributed = set()     # ids of functions the workers hold
@@ -100,13 +101,7 @@ class Session:
         that a long computation stops at its next Python step."""
         now = time.monotonic() if now is None else now
         self._next_signal = now + _RESIGNAL_EVERY
-        for rank in self.proc.control.pending():
-            pid = self.watch.pids.get(rank)
-            if pid is not None and rank not in self.watch.exited:
-                try:
-                    os.kill(pid, signals.INTERRUPT_SIGNAL)
-                except ProcessLookupError:
-                    pass
+        self.watch.signal(signals.INTERRUPT_SIGNAL, self.proc.control.pending())
 
     def _poll_abandoned(self, grace_end: float) -> None:
         """The check while waiting for workers to leave an abandoned command."""

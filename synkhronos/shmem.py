@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import math
 import mmap
 import os
@@ -282,7 +281,7 @@ def unlink_prefix(prefix: str) -> list[str]:
     removed = []
     lock = None
     for entry in _entries():
-        if entry == prefix + _LOCK:
+        if entry == prefix + LOCK_NAME:
             lock = entry
         elif entry.startswith(prefix):
             unlink_segment(entry)
@@ -299,15 +298,12 @@ def unlink_prefix(prefix: str) -> list[str]:
     return removed
 
 
-# -- which process owns what -------------------------------------------------
+# -- which names belong to whom ---------------------------------------------
 
-#: The lock file of a fork is ``<prefix>lock`` in /dev/shm. Every live process
-#: of the fork (master and workers, each through a descriptor of its own)
-#: holds a shared ``flock`` on it; the kernel drops a process's lock when it
-#: dies, however it dies. A fork's names are stale only when an exclusive lock
-#: can be taken: a pid is no proof of death (another PID namespace that shares
-#: /dev/shm has its own pids), a lock is.
-_LOCK = "lock"
+#: The lock file of a group is ``<prefix>lock`` in /dev/shm (see
+#: :class:`synkhronos.group.Lease`, which holds it): it is unlinked last.
+LOCK_NAME = "lock"
+SHM_DIR = _SHM_DIR
 
 
 def _is_foreign(name: str) -> bool:
@@ -319,90 +315,11 @@ def disown(prefix: str) -> None:
     context.foreign_prefixes.add(prefix)
 
 
-class Lease:
-    """This process's shared lock on its fork's lock file (see ``_LOCK``)."""
-
-    __slots__ = ("prefix", "fd")
-
-    def __init__(self, prefix: str, create: bool = False):
-        self.prefix = prefix
-        path = os.path.join(_SHM_DIR, prefix + _LOCK)
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                raise FileNotFoundError(path)
-        except OSError as err:  # a stale-name cleanup elsewhere took it between open and lock
-            os.close(fd)
-            raise OSError(f"the synkhronos lock file {path} was removed by another process") from err
-        self.fd = fd
-
-    @classmethod
-    def new(cls) -> "Lease":
-        """The lease of a new fork, under a fresh prefix (created first, unlinked last)."""
-        error = None
-        for _ in range(8):  # a stale-name cleanup elsewhere may catch it before it is locked
-            try:
-                return cls(new_prefix(), create=True)
-            except OSError as err:
-                error = err
-        raise error
-
-    def last_out(self) -> bool:
-        """True when no other process holds the fork's lock (this one may unlink).
-
-        Of several processes that ask at once, at least one gets True (a
-        failed try drops this process's own shared lock; it is leaving).
-        """
-        if self.fd is None:
-            return False
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        return True
-
-    def close(self) -> None:
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
-
-
-def unlink_stale() -> list[str]:
-    """Remove the names of forks none of whose processes is alive.
-
-    A fork counts as dead only when its lock file exists and nobody holds a
-    lock on it. Names without a lock file (a fork by an older synkhronos, or
-    another user's) are left alone: nothing proves their owner is gone.
-    """
-    removed = []
-    seen = set()
+def known_prefixes() -> list[str]:
+    """The prefixes of the synkhronos names in /dev/shm, each once."""
+    seen = {}
     for entry in _entries():
         m = _NAME_RE.match(entry)
-        if m is None:
-            continue
-        prefix = f"{_ROOT}.{m.group(1)}.{m.group(2)}."
-        if prefix in seen:
-            continue
-        seen.add(prefix)
-        path = os.path.join(_SHM_DIR, prefix + _LOCK)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                    continue
-            except OSError:  # held: a process of that fork is alive
-                continue
-            removed.extend(unlink_prefix(prefix))
-        finally:
-            os.close(fd)
-    return removed
-
+        if m is not None:
+            seen[f"{_ROOT}.{m.group(1)}.{m.group(2)}."] = None
+    return list(seen)

@@ -10,21 +10,17 @@ live in :data:`synkhronos.context.signal_state`.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
 
 from . import context
 from .errors import Interrupted, MasterGone
+from .group import PARENT_DEATH_SIGNAL, die_of
 from .shmem import unlink_prefix
 
 __all__ = []
 
-#: Sent to a worker when its master dies: a signal of its own, because the
-#: kernel may deliver it before the worker is reparented (getppid() then still
-#: names the dead master), and a SIGTERM may also come from close().
-PARENT_DEATH_SIGNAL = signal.SIGRTMIN + 7
 #: Sent by the master to a worker still busy with a command it abandoned
 #: (Ctrl-C, a timeout, close()): the worker's computation stops at its next
 #: Python step. A signal of synkhronos's own, so a user's SIGINT or SIGUSR1
@@ -39,15 +35,6 @@ INTERRUPT_SIGNAL = signal.SIGRTMIN + 8
 FATAL_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGXCPU", "SIGPWR")
     if hasattr(signal, name))
-
-
-def set_parent_death_signal() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0)
-    except Exception:  # not Linux: the liveness checks still catch a dead master
-        pass
 
 
 def worker_signals() -> None:  # pragma: no cover - worker only
@@ -112,14 +99,10 @@ def _on_fatal_signal(signum, frame):
     s = context.current()
     if s is not None and os.getpid() == s.pid:
         emergency_cleanup(s)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    os._exit(128 + signum)  # pragma: no cover - the default action ended the process already
+    die_of(signum)
 
 
 def emergency_cleanup(s) -> None:
     """The master is about to die: no protocol, kill and reap the workers, unlink everything."""
-    pending = s.watch.alive()
-    s.watch.kill(pending.values(), signal.SIGKILL)
-    s.watch.wait(pending, 5.0)
+    s.watch.kill_now()
     unlink_prefix(s.proc.prefix)

@@ -43,55 +43,57 @@ LAYERS = {
     "synkhronos.shmem": 2,
     "synkhronos.replies": 2,
     "synkhronos.collectives.inline": 2,
-    # 3: the control plane; the communicator interface
-    "synkhronos.control": 3,
-    "synkhronos.collectives.base": 3,
-    # 4: signals; communicator backends
-    "synkhronos.signals": 4,
-    "synkhronos.collectives.shm": 4,
-    "synkhronos.collectives.nccl": 4,
-    "synkhronos.collectives.mpi": 4,
-    "synkhronos.collectives.hier": 4,
-    # 5: the backend registry; the master's command runner
-    "synkhronos.collectives": 5,
-    "synkhronos.session": 5,
-    # 6-8: devices (the only modules that know a GPU exists), then their registry
-    "synkhronos.devices.base": 6,
-    "synkhronos.nodes": 6,
-    "synkhronos.devices.gpu_stack": 6,
-    "synkhronos.devices.cpu": 7,
-    "synkhronos.devices.gpu": 7,
-    "synkhronos.devices": 8,
-    # 9-10: features, master and worker halves together
-    "synkhronos.data": 9,
-    "synkhronos.distribute": 9,
-    "synkhronos.plans": 9,
-    "synkhronos.function": 10,
-    "synkhronos.shareds": 10,
-    # 11-12: the worker's command table and loop; fork() and close()
-    "synkhronos.worker.loop": 11,
-    "synkhronos.worker": 12,
-    "synkhronos.runtime": 12,
-    # 13-14: the public face
-    "synkhronos.gpu": 13,
-    "synkhronos": 14,
-    # 15-17: helpers built on the public API only
-    "synkhronos.extensions.updates": 15,
-    "synkhronos.extensions.train": 16,
-    "synkhronos.extensions": 17,
-    # 15-25: the parameter-server tables (multiverso), on shmem, errors and context only
-    "synkhronos.multiverso.spmd": 15,
-    "synkhronos.multiverso.shm_tables": 16,
-    "synkhronos.multiverso.mpi_world": 16,
-    "synkhronos.multiverso.api": 17,
-    "synkhronos.multiverso.tables": 18,
-    "synkhronos.multiverso.pytensor_ext.sharedvar": 19,
-    "synkhronos.multiverso.pytensor_ext.param_manager": 20,
-    "synkhronos.multiverso.pytensor_ext": 21,
-    "synkhronos.multiverso.torch_ext": 22,
-    "synkhronos.multiverso.keras_ext": 22,
-    "synkhronos.multiverso.theano_ext": 22,
-    "synkhronos.multiverso": 23,
+    # 3: the process group (fork, reap, liveness, waiting, launchers and MPI)
+    "synkhronos.group": 3,
+    # 4: the control plane; the communicator interface
+    "synkhronos.control": 4,
+    "synkhronos.collectives.base": 4,
+    # 5: signals; communicator backends
+    "synkhronos.signals": 5,
+    "synkhronos.collectives.shm": 5,
+    "synkhronos.collectives.nccl": 5,
+    "synkhronos.collectives.mpi": 5,
+    "synkhronos.collectives.hier": 5,
+    # 6: the backend registry; the master's command runner
+    "synkhronos.collectives": 6,
+    "synkhronos.session": 6,
+    # 7-9: devices (the only modules that know a GPU exists), then their registry
+    "synkhronos.devices.base": 7,
+    "synkhronos.nodes": 7,
+    "synkhronos.devices.gpu_stack": 7,
+    "synkhronos.devices.cpu": 8,
+    "synkhronos.devices.gpu": 8,
+    "synkhronos.devices": 9,
+    # 10-11: features, master and worker halves together
+    "synkhronos.data": 10,
+    "synkhronos.distribute": 10,
+    "synkhronos.plans": 10,
+    "synkhronos.function": 11,
+    "synkhronos.shareds": 11,
+    # 12-13: the worker's command table and loop; fork() and close()
+    "synkhronos.worker.loop": 12,
+    "synkhronos.worker": 13,
+    "synkhronos.runtime": 13,
+    # 14-15: the public face
+    "synkhronos.gpu": 14,
+    "synkhronos": 15,
+    # 16-18: helpers built on the public API only
+    "synkhronos.extensions.updates": 16,
+    "synkhronos.extensions.train": 17,
+    "synkhronos.extensions": 18,
+    # 16-24: the parameter-server tables (multiverso), on group, shmem, errors and context only
+    "synkhronos.multiverso.spmd": 16,
+    "synkhronos.multiverso.shm_tables": 17,
+    "synkhronos.multiverso.mpi_world": 17,
+    "synkhronos.multiverso.api": 18,
+    "synkhronos.multiverso.tables": 19,
+    "synkhronos.multiverso.pytensor_ext.sharedvar": 20,
+    "synkhronos.multiverso.pytensor_ext.param_manager": 21,
+    "synkhronos.multiverso.pytensor_ext": 22,
+    "synkhronos.multiverso.torch_ext": 23,
+    "synkhronos.multiverso.keras_ext": 23,
+    "synkhronos.multiverso.theano_ext": 23,
+    "synkhronos.multiverso": 24,
 }
 
 #: Modules left out of the core checks while work on them is in progress

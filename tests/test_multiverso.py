@@ -163,15 +163,19 @@ def test_data_is_copied_only_when_needed():
 
 
 def test_launcher_detection(monkeypatch):
+    from synkhronos.group import LAUNCHER_VARS, SWITCH
     from synkhronos.multiverso import under_launcher
-    from synkhronos.multiverso.api import LAUNCHER_VARS
 
+    monkeypatch.delenv(SWITCH, raising=False)
     for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
     assert not under_launcher()
     for var in LAUNCHER_VARS:
         monkeypatch.setenv(var, "2")
         assert under_launcher()
+        monkeypatch.setenv(SWITCH, "0")  # as for synk.fork(): the copy keeps to itself
+        assert not under_launcher()
+        monkeypatch.delenv(SWITCH)
         monkeypatch.delenv(var)
 
 

@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import pickle
-import time
 from typing import Callable
 
 import numpy as np
 
 from ..control import WAIT_SLICE
-from ..errors import PeerFailed, SynkError
+from ..errors import NodeFailedError, PeerFailed, SynkError
+from ..group import Notices, mpi as _mpi, wait_until
 from .base import Communicator
 from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 
@@ -73,29 +72,6 @@ HEADER_SLOT = 512
 INLINE_BYTES = 256
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
-_NOTICE_TAG = 7
-
-@functools.cache
-def _mpi():
-    from mpi4py import MPI  # only here: importing the package never imports mpi4py
-
-    return MPI
-
-
-class NodeFailedError(SynkError):
-    """Another node failed in the middle of a collective; this one cannot finish.
-
-    Attributes:
-        node: the rank (node index) in the MPI communicator of the node that failed.
-        reason: what went wrong there, as that node said it.
-    """
-
-    def __init__(self, node: int, reason: str, what: str = "a collective"):
-        super().__init__(f"node {node} failed during {what}: {reason}; the MPI communicator "
-                         "cannot be used again: call synk.close() and synk.fork() again")
-        self.node = node
-        self.reason = reason
-
 
 #: reduce op -> MPI op name ("avg" is a weighted sum).
 MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
@@ -197,9 +173,8 @@ class MpiCommunicator(Communicator):
         self.rank = comm.Get_rank()
         self.size = size
         self.master_rank = int(master_rank)
-        self._comm = self._ctl = None
-        self._notice = None
-        self._sent: list = []
+        self._comm = None
+        self._notices = None        # the failure channel between nodes (group.Notices)
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
@@ -208,27 +183,20 @@ class MpiCommunicator(Communicator):
         self._wait([req, req2], "creating the MPI communicator", notices=False)
         for c in (comm_dup, ctl_dup):
             c.Set_errhandler(MPI.ERRORS_RETURN)  # MPI errors become exceptions, never an abort
-        self._comm, self._ctl = comm_dup, ctl_dup
-        self._notice_buf = np.zeros(NOTICE_BYTES, dtype=np.uint8)
-        self._notice = ctl_dup.Irecv([self._notice_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                     tag=_NOTICE_TAG)
+        self._comm = comm_dup
+        self._notices = Notices(ctl_dup, NOTICE_BYTES)
 
     # -- waiting and failures ----------------------------------------------
 
     def _peer_failed(self, what: str):
-        # the notice has arrived: its request is complete (Test returned True)
-        raw = self._notice_buf.tobytes()
-        try:
-            node, reason = pickle.loads(raw)
-        except Exception:  # noqa: BLE001 - a cut notice still names nothing better
-            node, reason = "?", "(unreadable failure notice)"
+        node, reason = self._notices.received(unreadable=("?", "(unreadable failure notice)"))
         self.broken = self.broken or f"node {node} failed: {reason}"
         raise NodeFailedError(node, reason, what)
 
     def _enter(self, what: str) -> None:
         if self._comm is None:
             raise SynkError(f"{what} on a closed MPI communicator")
-        if self._notice.Test():
+        if self._notices.received() is not None:
             self._peer_failed(what)
         if self.broken is not None:
             raise SynkError(f"the MPI communicator was abandoned after an earlier failure "
@@ -243,24 +211,17 @@ class MpiCommunicator(Communicator):
         communicator's lifetime instead of returned to the allocator.
         """
         Testall = self._MPI.Request.Testall
+
+        def ready() -> bool:
+            if notices and self._notices.received() is not None:
+                self._peer_failed(what)
+            return Testall(reqs)
+
         try:
             if Testall(reqs):
                 return
-            start = time.perf_counter()
-            next_check = start + WAIT_SLICE
-            while True:
-                if notices and self._notice.Test():
-                    self._peer_failed(what)
-                now = time.perf_counter()
-                if now >= next_check:
-                    next_check = now + WAIT_SLICE
-                    self.check()
-                if Testall(reqs):
-                    return
-                if now - start < SPIN_SECONDS:
-                    os.sched_yield()
-                else:
-                    time.sleep(POLL_SLEEP)
+            wait_until(ready, self.check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
+                       first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
         except BaseException as exc:
             self._abandoned.append((reqs, keep))
             if not isinstance(exc, NodeFailedError):
@@ -277,20 +238,8 @@ class MpiCommunicator(Communicator):
         if self.broken is not None:
             return
         self.broken = reason
-        if self._ctl is None:
-            return
-        blob = pickle.dumps((self.rank, reason), protocol=pickle.HIGHEST_PROTOCOL)
-        if len(blob) > NOTICE_BYTES:
-            blob = pickle.dumps((self.rank, reason[:NOTICE_BYTES // 2] + " ..."),
-                                protocol=pickle.HIGHEST_PROTOCOL)
-        buf = np.frombuffer(blob, dtype=np.uint8)
-        for r in range(self.size):
-            if r != self.rank:
-                try:
-                    self._sent.append((buf, self._ctl.Isend([buf, self._MPI.BYTE], dest=r,
-                                                            tag=_NOTICE_TAG)))
-                except Exception:  # noqa: BLE001 - a node already gone needs no notice
-                    pass
+        if self._notices is not None:
+            self._notices.send((self.rank, reason), lambda v: (v[0], v[1][:NOTICE_BYTES // 2] + " ..."))
 
     def _started(self, what: str, start):
         """``start()`` (buffers and MPI calls); a local error there abandons the
@@ -624,7 +573,6 @@ class MpiCommunicator(Communicator):
         (an abandoned collective) only releases what is local."""
         if self._comm is None:
             return
-        MPI = self._MPI
         error = None
         if self.broken is None:
             try:
@@ -632,31 +580,11 @@ class MpiCommunicator(Communicator):
                 self._wait([self._comm.Ibarrier()], "close")
             except BaseException as exc:  # noqa: BLE001 - released below, then raised
                 error = exc
-        # the notice receive: cancelled, then complete (locally, at once)
-        if self._notice is not None:
-            try:
-                if not self._notice.Test():
-                    self._notice.Cancel()
-                    end = time.perf_counter() + 5.0
-                    while not self._notice.Test() and time.perf_counter() < end:
-                        time.sleep(POLL_SLEEP)
-            except Exception:  # noqa: BLE001
-                pass
-        # notices sent: small, so MPI completes them eagerly; give them a moment
-        end = time.perf_counter() + 1.0
-        while self._sent and time.perf_counter() < end:
-            try:
-                if MPI.Request.Testall([req for _, req in self._sent]):
-                    break
-            except Exception:  # noqa: BLE001
-                break
-            time.sleep(POLL_SLEEP)
-        self._sent = []
-        for c in (self._comm, self._ctl):
-            try:
-                c.Free()
-            except Exception:  # noqa: BLE001 - freed or unusable after a failure
-                pass
-        self._comm = self._ctl = self._notice = None
+        self._notices.close()  # its receive cancelled, its sends given a moment, freed
+        try:
+            self._comm.Free()
+        except Exception:  # noqa: BLE001 - freed or unusable after a failure
+            pass
+        self._comm = self._notices = None
         if error is not None:
             raise error

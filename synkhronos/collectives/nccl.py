@@ -12,15 +12,14 @@ error in all of them, never a process left waiting inside NCCL.
 from __future__ import annotations
 
 import math
-import os
 import pickle
-import time
 
 import numpy as np
 
 from ..arrays import to_cupy
 from ..control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
+from ..group import wait_until
 from .base import Communicator
 from .ops import agreed_layout, identity
 
@@ -189,21 +188,16 @@ class NcclCommunicator(Communicator):
         stream = self._stream
         if stream.done:
             return
-        spin_end = time.perf_counter() + SPIN_SECONDS
-        next_check = time.perf_counter() + WAIT_SLICE
-        while not stream.done:
-            now = time.perf_counter()
-            if now < spin_end:
-                os.sched_yield()
-                continue
-            time.sleep(50e-6)
-            if now >= next_check:
-                next_check = now + WAIT_SLICE
-                try:
-                    self._shm.check()
-                except BaseException as exc:
-                    self.abort(f"{type(exc).__name__}: {exc}")
-                    raise
+
+        def check() -> None:
+            try:
+                self._shm.check()
+            except BaseException as exc:
+                self.abort(f"{type(exc).__name__}: {exc}")
+                raise
+
+        wait_until(lambda: stream.done, check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
+                   first_sleep=50e-6, max_sleep=50e-6)
 
     def abort(self, why: str) -> None:
         """Abandon the NCCL communicator (its peers will not come); later collectives fail."""

@@ -7,7 +7,7 @@ the rest of the script. See the "Parameter-server tables" page of the docs.
 
 from .api import (barrier, init, is_master_worker, server_id, shutdown, under_launcher,
                   worker_id, workers_num)
-from .spmd import WorkerFailedError
+from ..errors import WorkerFailedError
 from .tables import ArrayTableHandler, MatrixTableHandler, TableHandler
 
 __all__ = ["init", "shutdown", "barrier", "workers_num", "worker_id", "server_id",

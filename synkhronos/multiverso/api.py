@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import context
+from ..group import launched
 from ..errors import SynkError
 from .shm_tables import ShmStore
 from .spmd import ForkedWorld
@@ -12,9 +13,6 @@ from .spmd import ForkedWorld
 __all__ = ["init", "shutdown", "barrier", "workers_num", "worker_id", "server_id",
            "is_master_worker", "under_launcher"]
 
-#: Environment variables that a launcher (Open MPI's mpirun, MPICH/Hydra, Slurm's
-#: PMI/PMIx) sets in every process it starts.
-LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")
 
 
 class _State:
@@ -30,8 +28,9 @@ class _State:
 
 
 def under_launcher() -> bool:
-    """True when an MPI launcher started this process (then every rank is a worker)."""
-    return any(v in os.environ for v in LAUNCHER_VARS)
+    """True when an MPI launcher started this process (then every rank is a worker),
+    unless ``SYNKHRONOS_NODES=0`` keeps it to itself, as for ``synk.fork()``."""
+    return launched()
 
 
 def _cores() -> int:

@@ -29,23 +29,21 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import sys
-import time
 import traceback
 
 import numpy as np
 
-from ..errors import RemoteTraceback, SynkError
-from .spmd import (CHECK_EVERY, describe_table, DEADLOCK_AFTER, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET,
-                   MAX_SLEEP, NOT_WAITING, RUNNING, SHUTDOWN, SPIN, WorkerFailedError,
-                   deadlock_error)
+from .. import group
+from ..errors import SynkError, WorkerFailedError
+from ..group import wait_until
+from .spmd import (describe_table, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET, NOT_WAITING,
+                   RUNNING, SHUTDOWN, World, deadlock_error, raised_error, stuck_too_long)
 
 __all__ = ["MpiWorld", "MpiStore"]
 
 #: Largest failure notice (bytes); longer tracebacks are cut.
 NOTICE_BYTES = 16384
-_NOTICE_TAG = 77
 _ACK_TAG = 78
 _RELEASE_TAG = 79
 #: Seconds a rank that failed waits for the others to report its failure before
@@ -56,30 +54,18 @@ _STATE_TEXT = {SHUTDOWN: "called shutdown()", EXITED: "ended its script"}
 _COLLECTIVES = ("barrier()", "the construction of a table")
 
 
-def _mpi():
-    import mpi4py
-
-    mpi4py.rc.initialize = False  # initialised below, after the launcher check
-    mpi4py.rc.finalize = False    # finalised by shutdown(), after the windows are freed
-    from mpi4py import MPI
-
-    return MPI
-
-
-class MpiWorld:
+class MpiWorld(World):
     """The ranks of an MPI job as Multiverso workers (see the module docstring)."""
 
     kind = "mpi"
 
     def __init__(self):
-        MPI = _mpi()
+        MPI = group.mpi()  # finalised by shutdown(), after the windows are freed
         self.MPI = MPI
-        self._own_mpi = not MPI.Is_initialized()
-        if self._own_mpi:
-            MPI.Init_thread(MPI.THREAD_SERIALIZED)
+        self._own_mpi = group.mpi_started_here()
         world = MPI.COMM_WORLD
         self.comm = world.Dup()     # collectives and windows
-        self._ctl = world.Dup()     # failure notices
+        self.notices = group.Notices(world.Dup(), NOTICE_BYTES)  # failure notices, acks
         self._fin = world.Dup()     # the final barrier, never matched by a user's barrier
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -87,10 +73,6 @@ class MpiWorld:
         self.closed = False
         self.failed = False
         self.stores: dict = {}
-        self._sent: list = []
-        self._notice_buf = np.zeros(NOTICE_BYTES, dtype=np.uint8)
-        self._notice = self._ctl.Irecv([self._notice_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                       tag=_NOTICE_TAG)
         # on rank 0: every rank's state, what it waits in, and for what (3 x size words)
         self._state_win = MPI.Win.Allocate(24 * self.size if self.rank == 0 else 0, disp_unit=1,
                                            comm=self.comm)
@@ -128,106 +110,48 @@ class MpiWorld:
         self.failed = True
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         message = f"{type(exc).__name__}: {exc}"
-        blob = pickle.dumps((self.rank, message, text))
-        if len(blob) > NOTICE_BYTES:
-            blob = pickle.dumps((self.rank, message[:500], "...\n" + text[-NOTICE_BYTES // 2:]))
-        buf = np.frombuffer(blob, dtype=np.uint8)
-        reqs = []
-        for r in range(self.size):
-            if r != self.rank:
-                try:
-                    reqs.append(self._ctl.Isend([buf, self.MPI.BYTE], dest=r, tag=_NOTICE_TAG))
-                except Exception:  # noqa: BLE001 - a rank already gone needs no notice
-                    pass
-        self._sent.append((buf, reqs))
+        self.notices.send((self.rank, message, text),
+                          lambda v: (v[0], v[1][:500], "...\n" + v[2][-NOTICE_BYTES // 2:]))
 
     def _await_acks(self) -> None:
         """The failed rank: wait (a while) until every other rank has printed its report."""
         acks = [np.zeros(1, dtype=np.int8) for _ in range(self.size)]
-        reqs = [self._ctl.Irecv([acks[r], self.MPI.BYTE], source=r, tag=_ACK_TAG)
+        reqs = [self.notices.comm.Irecv([acks[r], self.MPI.BYTE], source=r, tag=_ACK_TAG)
                 for r in range(self.size) if r != self.rank]
-        self._sent.append((acks, reqs))
-        end = time.monotonic() + ACK_WAIT
-        while reqs and time.monotonic() < end and not self.MPI.Request.Testall(reqs):
-            time.sleep(0.002)
+        self.notices.sent.append((acks, reqs))
+        wait_until(lambda: self.MPI.Request.Testall(reqs), timeout=ACK_WAIT)
         # then let them all go at once: over TCP a rank that exits early breaks its
         # sockets, and MPI aborts a peer that has not printed its report yet
         one = np.ones(1, dtype=np.int8)
-        sends = [self._ctl.Isend([one, self.MPI.BYTE], dest=r, tag=_RELEASE_TAG)
-                 for r in range(self.size) if r != self.rank]
-        self._sent.append((one, sends))
-        end = time.monotonic() + 1.0
-        while sends and time.monotonic() < end and not self.MPI.Request.Testall(sends):
-            time.sleep(0.001)
+        sends = self.notices.to_others(one, _RELEASE_TAG)
+        self.notices.sent.append((one, sends))
+        wait_until(lambda: self.MPI.Request.Testall(sends), timeout=1.0)
 
     def _acknowledge(self, rank: int) -> None:
         """Tell the failed rank that this one has reported its failure."""
         sys.stderr.flush()
         buf = np.ones(1, dtype=np.int8)
         try:
-            req = self._ctl.Isend([buf, self.MPI.BYTE], dest=rank, tag=_ACK_TAG)
+            req = self.notices.comm.Isend([buf, self.MPI.BYTE], dest=rank, tag=_ACK_TAG)
         except Exception:  # noqa: BLE001 - it may be gone already
             return
         release = np.zeros(1, dtype=np.int8)
-        wait = self._ctl.Irecv([release, self.MPI.BYTE], source=rank, tag=_RELEASE_TAG)
-        self._sent.append((buf, release, [req, wait]))
-        end = time.monotonic() + ACK_WAIT + 1.0
-        while time.monotonic() < end and not self.MPI.Request.Testall([req, wait]):
-            time.sleep(0.001)
+        wait = self.notices.comm.Irecv([release, self.MPI.BYTE], source=rank, tag=_RELEASE_TAG)
+        self.notices.sent.append(((buf, release), [req, wait]))
+        wait_until(lambda: self.MPI.Request.Testall([req, wait]), timeout=ACK_WAIT + 1.0)
 
     def check(self, what: str = "this call") -> None:
         """Raise :class:`WorkerFailedError` once another rank has sent a failure notice."""
-        if self._notice is not None and self._notice.Test():
-            self._notice = None
-            self.failed = True
-            rank, message, tb = pickle.loads(self._notice_buf.tobytes())
-            self._failure = (rank, message, tb)
-        failure = getattr(self, "_failure", None)
+        failure = self.notices.received(unreadable=("?", "(an unreadable failure notice)", ""))
         if failure is not None:
+            self.failed = True
             rank, message, tb = failure
-            err = WorkerFailedError(rank, f"worker {rank} of {self.size} raised {message} "
-                                          f"(seen by worker {self.rank} in {what})", tb)
-            err.__cause__ = RemoteTraceback(f'\n"""\nTraceback from worker {rank}:\n{tb}"""')
-            raise err
+            raise raised_error(rank, self.size, message, tb, self.rank, what)
 
     def _poll(self, reqs, what: str, also=None, waiting=None) -> None:
         """Until every request completes; ``check`` (and ``also``) between slices."""
         Testall = self.MPI.Request.Testall
         self.wait_until(lambda: Testall(reqs), what, waiting, also)
-
-    def wait_until(self, pred, what: str, waiting=None, also=None) -> None:
-        """Poll ``pred`` until it holds, raising when a peer fails meanwhile.
-
-        ``waiting`` (kind, argument) is published on rank 0 for the deadlock
-        check, as on one machine (see :meth:`.ForkedWorld.wait_until`).
-        """
-        self.check(what)
-        if pred():
-            return
-        if waiting is not None:
-            self._publish(*waiting)
-        stuck = {"since": None, "seen": None}
-        try:
-            start = time.monotonic()
-            next_check = start
-            sleep = 50e-6
-            while not pred():
-                now = time.monotonic()
-                if now >= next_check:
-                    self.check(what)
-                    if also is not None:
-                        also(what)
-                    if waiting is not None:
-                        self._deadlock(what, stuck)
-                    next_check = now + CHECK_EVERY
-                if now - start < SPIN:
-                    os.sched_yield()
-                else:
-                    time.sleep(sleep)
-                    sleep = min(sleep * 2, MAX_SLEEP)
-        finally:
-            if waiting is not None and not self.closed:
-                self._publish(NOT_WAITING, 0)
 
     def _publish(self, kind: int, arg: int) -> None:
         MPI, win, n = self.MPI, self._state_win, self.size
@@ -261,11 +185,7 @@ class MpiWorld:
         if len(collectives) == 1 and all(k == IN_BARRIER for _, k, _ in waits):
             stuck["since"] = None  # everybody in the same collective: it will complete
             return
-        now = time.monotonic()
-        if stuck["seen"] != waits or stuck["since"] is None:
-            stuck["seen"], stuck["since"] = waits, now
-            return
-        if now - stuck["since"] >= DEADLOCK_AFTER:
+        if stuck_too_long(stuck, waits):
             raise deadlock_error(what, [(r, k, _COLLECTIVES[a] if k == IN_BARRIER else a)
                                         for r, k, a in waits])
 
@@ -342,11 +262,8 @@ class MpiWorld:
             store.close()
         self.stores.clear()
         self._state_win.Free()
-        if self._notice is not None:
-            self._notice.Cancel()
-            self._notice.Wait()
-            self._notice = None
-        for c in (self.comm, self._ctl, self._fin):
+        self.notices.close()
+        for c in (self.comm, self._fin):
             c.Free()
         if self._own_mpi:
             self.MPI.Finalize()

@@ -12,13 +12,14 @@ with :func:`synkhronos.shmem.new_prefix` (so ``synk.<pid of rank 0>.``):
   rank for the traceback of an exception it raised;
 - a semaphore used as the control lock, and a pool of semaphores used as the
   tables' stripe locks (see :mod:`.shm_tables`);
-- a liveness file: every rank holds a POSIX record lock (``lockf``) on its own
-  byte of it. The kernel drops such a lock when the process ends, however it
-  ends, and never passes it to a child, so a rank whose byte can be locked by
-  someone else is gone. Its state slot then tells a clean end (``shutdown()``
-  or the end of its script) from a death.
+- the group's lock file (:class:`synkhronos.group.Lease`, as for a fork):
+  every rank holds a shared lock on it, so whoever leaves last removes the
+  names, and a run killed outright has its names reclaimed by the next
+  ``init()`` or ``synk.fork()`` on the machine; every rank also holds its own
+  byte of it, so a rank whose byte reads free is gone. Its state slot then
+  tells a clean end (``shutdown()`` or the end of its script) from a death.
 
-Every wait polls (a short spin, then short sleeps) and runs :meth:`check`
+Every wait polls (:func:`synkhronos.group.wait_until`) and runs :meth:`check`
 every :data:`CHECK_EVERY` seconds: the first failure anywhere (an exception
 some rank raised, a rank that died) turns into :class:`WorkerFailedError`
 naming that rank, with its traceback chained, in every rank's next blocking
@@ -30,13 +31,10 @@ makes the exit status non-zero when any rank failed.
 from __future__ import annotations
 
 import atexit
-import ctypes
-import fcntl
 import gc
 import os
 import pickle
 import signal
-import struct
 import sys
 import time
 import traceback
@@ -44,18 +42,13 @@ import traceback
 import numpy as np
 import posix_ipc
 
-from .. import shmem
+from .. import group, shmem
 from ..arrays import round_up
-from ..errors import RemoteTraceback, SynkError
+from ..errors import RemoteTraceback, SynkError, WorkerFailedError, describe_exit
+from ..group import CHECK_EVERY, Children, Lease, block_on, take, wait_until
 
-__all__ = ["WorkerFailedError", "ForkedWorld"]
+__all__ = ["World", "ForkedWorld"]
 
-#: Seconds between liveness checks inside a wait.
-CHECK_EVERY = 0.05
-#: Seconds a wait spins (yielding the core) before it starts to sleep.
-SPIN = 0.001
-#: Longest sleep between polls (seconds).
-MAX_SLEEP = 0.002
 #: Seconds rank 0 waits, once something failed, for the other ranks to end on
 #: their own (they raise in their next blocking call) before it kills them.
 GRACE = 5.0
@@ -80,33 +73,27 @@ NOT_WAITING, IN_BARRIER, IN_SYNC_GET, IN_SYNC_ADD = 0, 1, 2, 3
 #: the ranks are declared deadlocked (they called different things).
 DEADLOCK_AFTER = 0.5
 
-_PR_SET_PDEATHSIG = 1
-#: struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid (64-bit off_t).
-_FLOCK = struct.Struct("hhqqi4x")
-
-
-class WorkerFailedError(SynkError):
-    """Another worker raised an exception or died; this worker cannot go on.
-
-    Attributes:
-        rank: the rank of the worker that failed first.
-        remote_traceback: its traceback as text ("" when it died without one).
-        exitcode: its exit status when known (``-signal`` when a signal ended it).
-    """
-
-    def __init__(self, rank: int, message: str, remote_traceback: str = "", exitcode=None):
-        super().__init__(message)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.exitcode = exitcode
-
-    def __reduce__(self):
-        return (WorkerFailedError, (self.rank, self.args[0], self.remote_traceback, self.exitcode))
-
-
 def _new_lock(name: str) -> posix_ipc.Semaphore:
     """A new semaphore at 1, used as a lock (unlinked with the prefix by unlink_prefix)."""
     return posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
+
+
+def raised_error(rank: int, size: int, message: str, tb: str, seen_by: int, what: str):
+    """The error for a worker that raised ``message`` (its traceback ``tb`` chained)."""
+    err = WorkerFailedError(rank, f"worker {rank} of {size} raised {message} "
+                                  f"(seen by worker {seen_by} in {what})", tb)
+    err.__cause__ = RemoteTraceback(f'\n"""\nTraceback from worker {rank}:\n{tb}"""')
+    return err
+
+
+def stuck_too_long(stuck: dict, waits: list) -> bool:
+    """Whether the same ``waits`` were seen for DEADLOCK_AFTER seconds (``stuck`` keeps
+    what was seen, and since when)."""
+    now = time.monotonic()
+    if stuck["seen"] != waits or stuck["since"] is None:
+        stuck["seen"], stuck["since"] = waits, now
+        return False
+    return now - stuck["since"] >= DEADLOCK_AFTER
 
 
 def deadlock_error(what: str, waits) -> SynkError:
@@ -129,39 +116,41 @@ def deadlock_error(what: str, waits) -> SynkError:
                      "barrier(), in the same order and the same number of times")
 
 
-def describe_exit(code) -> str:
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+class World:
+    """What the two worlds (:class:`ForkedWorld`, ``mpi_world.MpiWorld``) share."""
 
+    closed = False
 
-def _wait_until(pred, check, what: str) -> None:
-    """Poll ``pred()`` until true; ``check(what)`` every CHECK_EVERY seconds."""
-    if pred():
-        return
-    start = time.monotonic()
-    next_check = start
-    sleep = 50e-6
-    while True:
-        now = time.monotonic()
-        if now >= next_check:
-            check(what)
-            next_check = now + CHECK_EVERY
+    def wait_until(self, pred, what: str, waiting=None, also=None) -> None:
+        """Poll ``pred`` until it holds, raising when a peer fails meanwhile.
+
+        ``waiting`` (kind, argument) is published for the deadlock check: when
+        every working rank waits and none of their waits can ever end (they
+        called different things), each raises instead of hanging. ``also(what)``
+        runs with each liveness check.
+        """
+        self.check(what)
         if pred():
             return
-        if now - start < SPIN:
-            os.sched_yield()
-        else:
-            time.sleep(sleep)
-            sleep = min(sleep * 2, MAX_SLEEP)
+        if waiting is not None:
+            self._publish(*waiting)
+        stuck = {"since": None, "seen": None}
+
+        def check():
+            self.check(what)
+            if also is not None:
+                also(what)
+            if waiting is not None:
+                self._deadlock(what, stuck)
+
+        try:
+            wait_until(pred, check)
+        finally:
+            if waiting is not None and not self.closed:
+                self._publish(NOT_WAITING, 0)
 
 
-class ForkedWorld:
+class ForkedWorld(World):
     """The processes of one ``mv.init()`` on one machine (see the module docstring).
 
     Attributes:
@@ -176,71 +165,61 @@ class ForkedWorld:
         self.store_class = store_class
         self.size = size
         self.rank = 0
-        self.prefix = shmem.new_prefix()
-        self.pids: dict[int, int] = {}
+        self.lease = Lease.new()  # the group's lock file: created first, unlinked last
+        self.prefix = self.lease.prefix
+        self.children = Children()
         self.stores: dict = {}
         self.closed = False
         self._probing = False
         self._next_probe = 0.0
-        self._exit_codes: dict[int, int] = {}
         ints = _HEADER + _PER_RANK * size
         self._ctl_bytes = round_up(ints * 8)
-        made = []
         try:
+            self.lease.hold(0)
             self._seg = shmem.Segment(self.prefix + "ctl", self._ctl_bytes + ERROR_SLOT * size,
                                       create=True, what="the multiverso control block")
-            made.append(self._seg)
             self._ctl = self._seg.array(np.int64, (ints,))
             self._ctl[_FIRST_FAILED] = -1
             self._lock = _new_lock(self.prefix + "lock.ctl")
             self.stripe_locks = [_new_lock(f"{self.prefix}lock.{i}")
                                  for i in range(NUM_STRIPE_LOCKS)]
-            self._live_path = os.path.join("/dev/shm", self.prefix + "live")
-            self._live_fd = os.open(self._live_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                    0o600)
-            os.ftruncate(self._live_fd, max(size, 1))
-            fcntl.lockf(self._live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
         except BaseException:
             shmem.unlink_prefix(self.prefix)
+            self.lease.close()
             raise
 
     # -- start ---------------------------------------------------------------
 
     def start(self) -> None:
         """Fork the other ranks; each child returns from here as its rank."""
-        sys.stdout.flush()
-        sys.stderr.flush()
         parent = os.getpid()
-        for rank in range(1, self.size):
-            pid = os.fork()
-            if pid == 0:
-                self._become_child(rank, parent)
-                return
-            self.pids[rank] = pid
+        if self.children.spawn(range(1, self.size), lambda rank: self._become_child(rank, parent)) is not None:
+            return
         self._install_hooks()
         self._await_start()
 
     def _await_start(self) -> None:
         """A child holds its liveness byte only once it runs: until every child
         does, deaths are seen by rank 0's waitpid only, never by probing."""
-        _wait_until(lambda: int(self._ctl[_STARTED]) >= self.size - 1, self.check, "init()")
+        wait_until(lambda: int(self._ctl[_STARTED]) >= self.size - 1, lambda: self.check("init()"))
         self._probing = True
 
     def _become_child(self, rank: int, parent: int) -> None:
         self.rank = rank
-        self.pids = {}
+        self.children = Children()
         # what the parent made stays out of this child's collections: the final
         # one (at interpreter exit) otherwise walked all of it, for seconds
         gc.freeze()
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+        group.set_parent_death_signal()  # the same signal as a fork's workers
+        signal.signal(group.PARENT_DEATH_SIGNAL, self._terminated)
         signal.signal(signal.SIGTERM, self._terminated)
         if os.getppid() != parent:  # rank 0 ended before the signal was armed
             self._terminated(signal.SIGTERM, None)
-        fcntl.lockf(self._live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        # the parent's descriptor goes first (closing a descriptor of the file
+        # drops this process's record locks on it), then this rank takes its own
+        self.lease.close()
+        self.lease = Lease(self.prefix)
+        self.lease.hold(rank)
         self._install_hooks()
         with self.locked():
             self._ctl[_STARTED] += 1
@@ -263,23 +242,12 @@ class ForkedWorld:
         """Rank 0 told to stop: end the workers, remove every name, then die of the signal
         as before (its exit status still says SIGTERM)."""
         self.closed = True
-        for pid in self.pids.values():
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + GRACE
-        while time.monotonic() < end and any(self._alive(r) for r in self.pids):
-            time.sleep(0.005)
-        for pid in self.pids.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+        self.children.signal(signal.SIGTERM)
+        wait_until(lambda: not any(self._alive(r) for r in self.children.pids), timeout=GRACE)
+        self.children.kill_now()
         shmem.unlink_prefix(self.prefix)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        self.lease.close()
+        group.die_of(signal.SIGTERM)
 
     # -- shared state --------------------------------------------------------
 
@@ -325,28 +293,12 @@ class ForkedWorld:
                 self._ctl[_FIRST_FAILED] = rank
 
     def _alive(self, rank: int) -> bool:
-        """Whether process ``rank`` still runs (its liveness byte is held).
-
-        Asked with F_GETLK, which takes no lock: a probe that took the byte for
-        a moment would make a second prober believe the owner alive.
-        """
-        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, rank, 1, 0)
-        reply = fcntl.fcntl(self._live_fd, fcntl.F_GETLK, query)
-        return _FLOCK.unpack(reply)[0] != fcntl.F_UNLCK
+        """Whether process ``rank`` still runs (it holds its byte of the lock file)."""
+        return self.lease.alive(rank)
 
     def _reap(self) -> None:
         """Rank 0: collect the exit status of children that ended."""
-        for rank, pid in list(self.pids.items()):
-            if rank in self._exit_codes:
-                continue
-            try:
-                got, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                got, status = pid, None
-            if got == 0:
-                continue
-            code = None if status is None else os.waitstatus_to_exitcode(status)
-            self._exit_codes[rank] = code
+        for rank, code in self.children.reap().items():
             if code != 0 or self.state(rank) in (RUNNING, SHUTDOWN, FAILED, DIED):
                 self._mark_dead(rank, code)
                 if code != 0 and self.state(rank) == EXITED:
@@ -361,7 +313,7 @@ class ForkedWorld:
         ``record=False`` only reads and never takes the control lock (for waits
         on that lock itself, whose holder may be the one that died).
         """
-        if record and self.rank == 0 and self.pids:
+        if record and self.rank == 0 and self.children.pids:
             self._reap()
         now = time.monotonic()
         if self._probing and self._ctl[_FIRST_FAILED] < 0 and now >= self._next_probe:
@@ -385,10 +337,7 @@ class ForkedWorld:
             start = self._ctl_bytes + ERROR_SLOT * rank
             n = self._seg.get_int(start)
             message, tb = pickle.loads(self._seg.get_bytes(start + 8, start + 8 + n))
-            err = WorkerFailedError(rank, f"worker {rank} of {self.size} raised {message} "
-                                          f"(seen by worker {self.rank} in {what})", tb)
-            err.__cause__ = RemoteTraceback(f'\n"""\nTraceback from worker {rank}:\n{tb}"""')
-            return err
+            return raised_error(rank, self.size, message, tb, self.rank, what)
         known = code if (state == DIED and code) else None
         if state == EXITED:
             return WorkerFailedError(rank, f"worker {rank} of {self.size} ended with "
@@ -397,35 +346,10 @@ class ForkedWorld:
         return WorkerFailedError(rank, f"worker {rank} of {self.size} died ({describe_exit(known)}) "
                                        f"(seen by worker {self.rank} in {what})", exitcode=known)
 
-    def wait_until(self, pred, what: str, waiting=None, also=None) -> None:
-        """Poll ``pred`` until it holds, raising when a peer fails meanwhile.
-
-        ``waiting`` (kind, argument) is published for the deadlock check: when
-        every working rank waits and none of their waits can ever end (they
-        called different things), each raises instead of hanging. ``also(what)``
-        runs with each liveness check.
-        """
-        self.check(what)
-        if pred():
-            return
-        if waiting is None:
-            _wait_until(pred, self.check, what)
-            return
+    def _publish(self, kind: int, arg: int) -> None:
         base = self._slot(self.rank, _WAIT)
-        self._ctl[base + 1] = waiting[1]
-        self._ctl[base] = waiting[0]
-        stuck = {"since": None, "seen": None}
-
-        def check(w):
-            self.check(w)
-            if also is not None:
-                also(w)
-            self._deadlock(w, stuck)
-
-        try:
-            _wait_until(pred, check, what)
-        finally:
-            self._ctl[base] = NOT_WAITING
+        self._ctl[base + 1] = arg
+        self._ctl[base] = kind
 
     def _can_end(self, kind: int, arg: int):
         """Whether a wait of ``kind`` for ``arg`` can end now (None: cannot tell)."""
@@ -449,13 +373,8 @@ class ForkedWorld:
                 stuck["since"] = None
                 return
             waits.append((r, kind, arg))
-        now = time.monotonic()
-        if stuck["seen"] != waits or stuck["since"] is None:
-            stuck["seen"], stuck["since"] = waits, now
-            return
-        if now - stuck["since"] < DEADLOCK_AFTER:
-            return
-        raise deadlock_error(what, [(r, k, "barrier()" if k == IN_BARRIER else a)
+        if stuck_too_long(stuck, waits):
+            raise deadlock_error(what, [(r, k, "barrier()" if k == IN_BARRIER else a)
                                     for r, k, a in waits])
 
     # -- collective steps ------------------------------------------------------
@@ -534,15 +453,12 @@ class ForkedWorld:
         that forked exits, and rank 0's other threads (BLAS) may still hold
         its files, and so its byte, for a while.
         """
-        try:
-            fcntl.lockf(self._live_fd, fcntl.LOCK_UN, 1, self.rank)
-        except OSError:
-            pass
-        end = time.monotonic() + 2.0
-        while wait_for_parent and self._alive(0) and time.monotonic() < end:
-            time.sleep(0.002)
-        if not any(self._alive(r) for r in range(self.size) if r != self.rank):
+        self.lease.let_go(self.rank)
+        if wait_for_parent:
+            wait_until(lambda: not self._alive(0), timeout=2.0)
+        if not any(self._alive(r) for r in range(self.size) if r != self.rank) and self.lease.last_out():
             shmem.unlink_prefix(self.prefix)
+        self.lease.close()
 
     def _at_exit(self) -> None:
         if self.closed:
@@ -557,6 +473,7 @@ class ForkedWorld:
             return
         failed = self._wait_children()
         shmem.unlink_prefix(self.prefix)
+        self.lease.close()
         if failed is not None:
             sys.stderr.write(f"synkhronos.multiverso: {failed}; exiting with status 1\n")
             sys.stdout.flush()
@@ -568,26 +485,17 @@ class ForkedWorld:
 
         Returns the text of the first failure, or None.
         """
-        deadline = None
-        while True:
+        def ended(or_failed: bool) -> bool:
             self._reap()
-            if all(r in self._exit_codes for r in self.pids):
-                break
-            first = int(self._ctl[_FIRST_FAILED])
-            if first >= 0 and deadline is None:
-                deadline = time.monotonic() + GRACE
-            if deadline is not None and time.monotonic() > deadline:
-                for r, pid in self.pids.items():
-                    if r not in self._exit_codes:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                deadline = time.monotonic() + 3600
-            time.sleep(0.005)
+            return not self.children.alive() or (or_failed and int(self._ctl[_FIRST_FAILED]) >= 0)
+
+        wait_until(lambda: ended(True), spin=0.0, max_sleep=0.005)
+        # something failed: the others get GRACE seconds to raise and end, then SIGKILL
+        wait_until(lambda: ended(False), timeout=GRACE, spin=0.0, max_sleep=0.005)
+        self.children.kill_now()
         first = int(self._ctl[_FIRST_FAILED])
         if first < 0:
-            for r, code in self._exit_codes.items():
+            for r, code in self.children.exited.items():
                 if code:
                     return f"worker {r} ended with {describe_exit(code)}"
             return None
@@ -604,17 +512,10 @@ class _Held:
         self.world = world
 
     def __enter__(self):
-        try:
-            self.sem.acquire(0)
-            return self
-        except posix_ipc.BusyError:
-            pass
-        while True:
-            try:
-                self.sem.acquire(CHECK_EVERY)
-                return self
-            except posix_ipc.BusyError:
-                self.world.check("waiting for a lock", record=False)
+        if not take(self.sem):
+            wait_until(lambda: False, lambda: self.world.check("waiting for a lock", record=False),
+                       spin=0.0, block=block_on(self.sem, CHECK_EVERY))
+        return self
 
     def __exit__(self, *exc):
         self.sem.release()

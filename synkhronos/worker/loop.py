@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from functools import partial
 
 from ..control import Command
@@ -15,6 +14,7 @@ from ..function import LocalFunction, worker_call
 from ..plans import publish_homes
 from ..shareds import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
+from ..group import wait_until
 from ..shmem import unlink_prefix
 
 __all__ = ["serve", "serve_profiled"]
@@ -120,10 +120,6 @@ def _last_out(proc) -> bool:
     """
     if proc.lease is None:
         return False
-    tries = 50 if proc.master_died() else 1
-    for i in range(tries):
-        if proc.lease.last_out():
-            return True
-        if i + 1 < tries:
-            time.sleep(0.01)
-    return False
+    if not proc.master_died():
+        return proc.lease.last_out()
+    return wait_until(proc.lease.last_out, timeout=0.5, spin=0.0, first_sleep=0.01, max_sleep=0.01)

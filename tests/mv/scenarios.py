@@ -291,6 +291,43 @@ def fault_term_master():
     raise AssertionError("SIGTERM did not end rank 0")
 
 
+def fault_term_group():
+    """SIGTERM to the whole process group (a terminal, ``timeout``, a batch scheduler)
+    while every rank works: rank 0 ends the others, removes everything, dies of it."""
+    t = mv.ArrayTableHandler(10)
+    mv.barrier()
+    if mv.worker_id() == 0:
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+    for _ in range(3000):
+        t.add(np.ones(10))
+        time.sleep(0.01)
+    raise AssertionError("SIGTERM to the group did not end the run")
+
+
+def fault_kill_all():
+    """Every process of the run SIGKILLed at once: nothing can clean up; what it leaves
+    is reclaimed by the next init() or synk.fork() (group.unlink_stale)."""
+    mv.ArrayTableHandler(10)
+    mv.barrier()
+    from synkhronos import context
+
+    print(f"PREFIX {context.multiverso_server().world.prefix}", flush=True)
+    mv.barrier()
+    if mv.worker_id() == 0:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    time.sleep(30)
+    raise AssertionError("SIGKILL to the group did not end the run")
+
+
+def pdeathsig():
+    """Every rank prints the signal it gets when its parent dies (0: none armed)."""
+    import ctypes
+
+    got = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+    print(f"PDEATHSIG rank {mv.worker_id()} {got.value}", flush=True)
+
+
 def fault_sync_get():
     """A worker fails while the others wait for it in a sync get."""
     t = mv.ArrayTableHandler(10)
@@ -407,7 +444,7 @@ def torch_all():
 SCENARIOS = {f.__name__: f for f in (
     tables, stress, sharedvar, async_all, sync, shapes, deadlock, arraylike, torch_manager,
     torch_all, fault_raise, fault_kill, fault_kill_master, fault_term_master, fault_sync_get,
-    fault_early_exit)}
+    fault_early_exit, fault_term_group, fault_kill_all, pdeathsig)}
 
 
 def main():

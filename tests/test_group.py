@@ -1,0 +1,153 @@
+"""The process group under the runtime and the parameter server (synkhronos/group.py).
+
+``synk.fork()`` and ``multiverso.init()`` share one group: the same
+parent-death signal, the same lock file (so a run killed outright has its
+names reclaimed, whichever started it), the same launcher switch and the
+same waits. Each test here runs real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytensor.tensor as pt
+import pytest
+from conftest import MODE
+from pytensor import wrap_py
+
+import synkhronos as synk
+from mv.runner import run
+from synkhronos import group
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _pdeathsig() -> int:
+    import ctypes
+
+    got = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return got.value
+
+
+@wrap_py(itypes=[pt.dvector], otypes=[pt.lvector])
+def _pdeathsig_op(x):
+    return np.full(len(x), _pdeathsig(), dtype=np.int64)
+
+
+def test_parent_death_signal_is_the_same_for_both(fork):
+    """A fork's workers and a multiverso run's children arm one signal: group.PARENT_DEATH_SIGNAL."""
+    fork(3)
+    x = pt.dvector("x")
+    f = synk.function([x], (_pdeathsig_op(x), "gather"), mode=MODE)
+    synk.distribute()
+    got = f(np.zeros(3))
+    assert got.tolist()[1:] == [int(group.PARENT_DEATH_SIGNAL)] * 2, got  # rank 0 is the master
+    synk.close()
+
+    r = run(["pdeathsig", 3])
+    assert r.rc == 0, r.output[-3000:]
+    seen = {int(rank): int(sig) for rank, sig in re.findall(r"PDEATHSIG rank (\d+) (\d+)", r.output)}
+    assert seen == {0: 0, 1: int(group.PARENT_DEATH_SIGNAL), 2: int(group.PARENT_DEATH_SIGNAL)}, r.output
+    assert r.leftovers == [] and r.stragglers == []
+
+
+def test_killed_multiverso_run_is_reclaimed():
+    """Every process of an mv.init() run SIGKILLed: its names stay, with the group's lock
+    file, until the next start on the machine reclaims them, as for a killed fork."""
+    r = run(["fault_kill_all", 3])
+    assert r.rc == -signal.SIGKILL, r.output[-3000:]
+    prefix = re.search(r"PREFIX (\S+)", r.output).group(1)
+    assert r.leftovers, "a run killed outright removed its names: nothing to reclaim"
+    assert any(name == prefix + "lock" for name in r.leftovers), r.leftovers
+    removed = group.unlink_stale()
+    assert set(r.leftovers) <= {n for n in removed}, (r.leftovers, removed)
+    assert not [n for n in os.listdir("/dev/shm") if prefix in n]
+
+
+def test_killed_fork_is_reclaimed(tmp_path):
+    """The same for synk.fork(): a script's master and workers SIGKILLed at once."""
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal, synkhronos as synk\n"
+        "synk.fork(2, device='cpu')\n"
+        "print('PREFIX', synk.runtime.session().proc.prefix, flush=True)\n"
+        "os.killpg(os.getpgid(0), signal.SIGKILL)\n")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         start_new_session=True)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    prefix = re.search(r"PREFIX (\S+)", out.stdout).group(1)
+    time.sleep(0.5)  # the workers die of the same signal
+    left = [n for n in os.listdir("/dev/shm") if prefix in n]
+    assert prefix + "lock" in left
+    removed = group.unlink_stale()
+    assert set(left) <= set(removed)
+    assert not [n for n in os.listdir("/dev/shm") if prefix in n]
+
+
+def test_nodes_switch_keeps_multiverso_to_one_machine():
+    """SYNKHRONOS_NODES=0 under a launcher's environment: mv.init() forks, as synk.fork() does."""
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "PMI_SIZE": "2",
+           group.SWITCH: "0"}
+    r = run(["tables", 2], env=env)
+    assert r.rc == 0, r.output[-3000:]
+    assert sorted(re.findall(r"PASS tables rank (\d+) of 2", r.output)) == ["0", "1"], r.output[-3000:]
+    assert r.leftovers == [] and r.stragglers == []
+
+
+def test_multiverso_group_sigterm():
+    """SIGTERM to the whole process group of an mv.init() run: it dies of it, nothing left."""
+    r = run(["fault_term_group", 3])
+    assert r.rc == -signal.SIGTERM, r.output[-3000:]
+    assert r.leftovers == [] and r.stragglers == []
+
+
+# -- the helpers themselves -------------------------------------------------------
+
+
+def test_wait_until_times_out_and_checks():
+    checks = []
+    start = time.monotonic()
+    assert not group.wait_until(lambda: False, lambda: checks.append(1), timeout=0.2, check_every=0.01)
+    assert 0.2 <= time.monotonic() - start < 2.0
+    assert len(checks) >= 5
+
+    flag = threading.Event()
+    threading.Timer(0.05, flag.set).start()
+    assert group.wait_until(flag.is_set, timeout=5.0)
+
+    def boom():
+        raise RuntimeError("peer died")
+
+    with pytest.raises(RuntimeError, match="peer died"):
+        group.wait_until(lambda: False, boom, check_every=0.01)
+
+
+def test_children_reap_signal_and_end():
+    kids = group.Children()
+    for rank in (1, 2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            if rank == 1:
+                os._exit(3)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # needs SIGKILL
+            time.sleep(60)
+            os._exit(0)
+        kids.pids[rank] = pid
+    assert group.wait_until(lambda: 1 in kids.exited or bool(kids.reap()) and 1 in kids.exited, timeout=10)
+    assert kids.exited[1] == 3
+    with pytest.raises(synk.WorkerDiedError, match="worker rank 1 died"):
+        kids.poll()
+    assert list(kids.alive()) == [2]
+    start = time.monotonic()
+    kids.end(0.1)
+    assert kids.exited[2] == -signal.SIGKILL
+    assert time.monotonic() - start < 5.0
