@@ -63,13 +63,13 @@ def wait_until(ready, check=None, *, timeout: float | None = None, spin: float =
     next_check = start + check_every
     end = None if timeout is None else start + timeout
     sleep = first_sleep
-    turns = 0
+    turns, mask = 0, clock_every - 1  # a power of two: the clock at every clock_every-th turn
     while True:
         os.sched_yield()
         if ready():
             return True
         turns += 1
-        if clock_every > 1 and turns % clock_every:
+        if turns & mask:
             continue
         now = clock()
         if now - start < spin:

@@ -90,6 +90,18 @@ def test_master_killed():
     failed(r)
 
 
+@pytest.mark.parametrize("scenario", ["fault_term_add", "fault_term_row", "fault_term_barrier"])
+def test_worker_terminated_while_holding_a_lock(scenario):
+    """SIGTERM to a worker looping on add (whole table, or one row larger than a stripe:
+    it holds a table lock most of the time) or on barrier(): the other raises within a
+    second, naming the signal. The others waited on the lock for ever (15 of 20 runs)."""
+    r = run([scenario, 2], timeout=40)
+    failed(r)
+    m = re.search(r"NOTICED after ([0-9.]+) s: worker 1 of 2 died \(killed by signal SIGTERM\)", r.output)
+    assert m, r.output[-3000:]
+    assert float(m.group(1)) < 1.5, r.output[-3000:]
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_master_terminated(n):
     """SIGTERM to rank 0 (after its workers ended): it removes everything, then dies of it."""

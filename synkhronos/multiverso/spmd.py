@@ -214,7 +214,7 @@ class ForkedWorld(World):
         signal.signal(group.PARENT_DEATH_SIGNAL, self._terminated)
         signal.signal(signal.SIGTERM, self._terminated)
         if os.getppid() != parent:  # rank 0 ended before the signal was armed
-            self._terminated(signal.SIGTERM, None)
+            self._terminated(group.PARENT_DEATH_SIGNAL, None)
         # the parent's descriptor goes first (closing a descriptor of the file
         # drops this process's record locks on it), then this rank takes its own
         self.lease.close()
@@ -437,13 +437,19 @@ class ForkedWorld(World):
     # -- the end ---------------------------------------------------------------
 
     def _terminated(self, signum, frame):  # noqa: ARG002 - signal handler signature
-        """A child told to stop (rank 0 died, or SIGTERM): leave cleanly and at once."""
-        # no lock here: the handler may have interrupted this process holding it
+        """A child told to stop (its parent died, or SIGTERM): at once the others see it
+        died of ``signum`` (the first failure, if none came before), then it leaves
+        and dies of the signal."""
+        # no lock here: the handler may have interrupted this process holding one. A
+        # lock it held is never released: the others raise, they never wait for it
         slot = self._slot(self.rank, _STATE)
         if self._ctl[slot] in (RUNNING, SHUTDOWN):
             self._ctl[slot] = DIED
-        self._leave(wait_for_parent=True)
-        os._exit(128 + signal.SIGTERM)
+            self._ctl[self._slot(self.rank, _EXIT)] = -signum
+            if self._ctl[_FIRST_FAILED] < 0:
+                self._ctl[_FIRST_FAILED] = self.rank
+        self._leave(wait_for_parent=signum == group.PARENT_DEATH_SIGNAL)
+        group.die_of(signum)
 
     def _leave(self, wait_for_parent: bool = False) -> None:
         """Drop this rank's liveness byte; the last process out removes the names.

@@ -69,10 +69,16 @@ def as_numpy(data, what: str) -> np.ndarray:
     return arr
 
 
-def _values(data, dtype, count: int, what: str, expect: str) -> np.ndarray:
+def _values(data, dtype, count: int, what: str, expect: str, rows: tuple | None = None) -> np.ndarray:
+    """``data`` as a flat array of ``count`` values; with ``rows`` (the matrix shape it
+    stands for) data of two or more dimensions must have that shape exactly (a transposed
+    matrix has the right size too)."""
     arr = as_numpy(data, what)
     if arr.size != count:
         raise ValueError(f"{what}: data has {arr.size} values (shape {arr.shape}) but {expect}")
+    if rows is not None and arr.ndim >= 2 and arr.shape != rows:
+        raise ValueError(f"{what}: data has shape {arr.shape} but {expect} in shape {rows} "
+                         "(or flat)")
     return np.ascontiguousarray(arr, dtype=dtype).reshape(-1)
 
 
@@ -113,8 +119,10 @@ def _row_ids(row_ids, num_row: int, what: str) -> np.ndarray:
         raise ValueError(f"{what}: row_ids must be one-dimensional, got shape {ids.shape}")
     if ids.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"{what}: row_ids must be ints, got dtype {ids.dtype} ({row_ids!r:.80})")
+    flags = not isinstance(row_ids, np.ndarray) and any(isinstance(i, (bool, np.bool_)) for i in row_ids)
+    if ids.dtype.kind not in "iu" or flags:
+        raise TypeError(f"{what}: row_ids must be ints, got {row_ids!r:.80} (dtype {ids.dtype}; "
+                        "True and False are not row ids)")
     bad = ids[(ids < 0) | (ids >= num_row)]
     if bad.size:
         raise IndexError(f"{what}: row id {int(bad[0])} is out of range for a table of {num_row} "
@@ -329,12 +337,14 @@ class MatrixTableHandler(TableHandler):
         what = "MatrixTableHandler.add()"
         if row_ids is None:
             flat = _values(data, self._dtype, self._size, what,
-                           f"the table holds {self._num_row}x{self._num_col} = {self._size}")
+                           f"the table holds {self._num_row}x{self._num_col} = {self._size}",
+                           rows=(self._num_row, self._num_col))
             self._add(flat, None, sync)
             return
         ids = _row_ids(row_ids, self._num_row, what)
         flat = _values(data, self._dtype, len(ids) * self._num_col, what,
-                       f"{len(ids)} row ids of {self._num_col} columns need {len(ids) * self._num_col}")
+                       f"{len(ids)} row ids of {self._num_col} columns need {len(ids) * self._num_col}",
+                       rows=(len(ids), self._num_col))
         rows = flat.reshape(len(ids), self._num_col)
         uniq, inverse = np.unique(ids, return_inverse=True)
         if len(uniq) != len(ids):

@@ -130,6 +130,11 @@ def errors(m, t):
     raises(IndexError, "row id -1 is out of range", m.get, [-1])
     raises(TypeError, "row_ids must be ints", m.get, [0.5])
     raises(ValueError, "2 row ids of 3 columns need 6", m.add, np.ones(3), row_ids=[0, 1])
+    # the right size in the wrong shape (a transposed matrix), and a bool taken for a row id
+    raises(ValueError, "data has shape (3, 4) but", m.add, np.ones((3, 4)))
+    raises(ValueError, "data has shape (3, 2) but", m.add, np.ones((3, 2)), row_ids=[0, 1])
+    raises(TypeError, "True and False are not row ids", m.add, np.ones((2, 3)), row_ids=[1, True])
+    raises(TypeError, "True and False are not row ids", m.get, [True])
     raises(TypeError, "out has dtype float64", m.get, out=np.zeros((4, 3)))
     raises(ValueError, "out has shape (3, 3)", m.get, out=np.zeros((3, 3), dtype=np.float32))
     raises(TypeError, "dtype must be float32 or float64", mv.ArrayTableHandler, 3, dtype=np.int32)
@@ -304,6 +309,50 @@ def fault_term_group():
     raise AssertionError("SIGTERM to the group did not end the run")
 
 
+def _term_worker_1(step):
+    """Rank 0 sends SIGTERM to rank 1 while both run ``step`` in a loop; rank 0 must raise
+    WorkerFailedError naming the signal within a second of it, whatever lock rank 1 held."""
+    import threading
+
+    from synkhronos import context
+
+    mv.barrier()
+    sent = []
+    if mv.worker_id() == 0:
+        pid = context.multiverso_server().world.children.pids[1]
+
+        def term():
+            sent.append(time.monotonic())
+            os.kill(pid, signal.SIGTERM)
+
+        threading.Timer(0.3, term).start()
+    end = time.monotonic() + 20
+    try:
+        while time.monotonic() < end:
+            step()
+    except mv.WorkerFailedError as err:
+        if sent:
+            print(f"NOTICED after {time.monotonic() - sent[0]:.2f} s: {err}", flush=True)
+        raise
+    raise AssertionError("the SIGTERMed worker was not noticed")
+
+
+def fault_term_add():
+    t = mv.ArrayTableHandler(2_000_000)
+    ones = np.ones(2_000_000, np.float32)
+    _term_worker_1(lambda: t.add(ones))
+
+
+def fault_term_row():
+    t = mv.MatrixTableHandler(1, 2_000_000)  # one row, larger than a stripe: one lock per add
+    ones = np.ones((1, 2_000_000), np.float32)
+    _term_worker_1(lambda: t.add(ones))
+
+
+def fault_term_barrier():
+    _term_worker_1(mv.barrier)
+
+
 def fault_kill_all():
     """Every process of the run SIGKILLed at once: nothing can clean up; what it leaves
     is reclaimed by the next init() or synk.fork() (group.unlink_stale)."""
@@ -427,6 +476,9 @@ def sharedvar(rounds=100):
     check(s.get_value() == 1.5 * n, f"manager scalar: {s.get_value()}")
     check(np.array_equal(f.get_value(), np.ones((2, 2))), "manager float32")
     raises(TypeError, "needs PyTensor shared variables", SharedVarParamManager, [np.zeros(2)])
+    # a variable whose shape changed: an error naming it and both shapes (it was NumPy's)
+    b.set_value(np.zeros(4, dtype=np.float32))
+    raises(ValueError, "b has shape (4,) but its table was made for shape (3,)", b.mv_sync)
 
 
 def async_all():
@@ -444,7 +496,8 @@ def torch_all():
 SCENARIOS = {f.__name__: f for f in (
     tables, stress, sharedvar, async_all, sync, shapes, deadlock, arraylike, torch_manager,
     torch_all, fault_raise, fault_kill, fault_kill_master, fault_term_master, fault_sync_get,
-    fault_early_exit, fault_term_group, fault_kill_all, pdeathsig)}
+    fault_early_exit, fault_term_group, fault_kill_all, pdeathsig, fault_term_add, fault_term_row,
+    fault_term_barrier)}
 
 
 def main():

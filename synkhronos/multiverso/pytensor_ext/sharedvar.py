@@ -82,6 +82,10 @@ class MVSharedVariable:
             raise api.SynkError(f"mv_sync(): {self._svobj} was unpickled; its table is not "
                                 "restored (make it again with mv_shared)")
         current = np.asarray(self._svobj.get_value(borrow=True), dtype=self._mv_array.dtype)
+        if current.shape != tuple(self._shape):
+            raise ValueError(f"mv_sync(): {self._svobj} has shape {current.shape} but its table was "
+                             f"made for shape {tuple(self._shape)}; an mv_shared variable keeps "
+                             "its shape")
         delta = np.zeros_like(self._last_mv_data)
         delta[:current.size] = current.reshape(-1)
         delta -= self._last_mv_data
