@@ -234,6 +234,9 @@ def next_data_id() -> int:
 #: a master after synk.fork()): nothing of theirs is unlinked from here.
 foreign_prefixes: set[str] = set()
 
+#: Keys of the warnings given once per process, already given here.
+warned: set[str] = set()
+
 #: A node communicator was abandoned in a failure here: MPI is aborted at exit,
 #: not finalised (nodes.py).
 nodes_broken = False

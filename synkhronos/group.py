@@ -23,6 +23,7 @@ import signal
 import struct
 import sys
 import time
+import warnings
 
 import numpy as np
 import posix_ipc
@@ -147,6 +148,12 @@ def die_of(signum: int) -> None:
 # -- children -----------------------------------------------------------------
 
 
+#: Python 3.12's warning on os.fork() in a process that has threads: the
+#: master always has some (its BLAS and OpenMP pools, idle between calls),
+#: and forking with them is what synkhronos has always done.
+FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks"
+
+
 class Children:
     """The processes this one forked: ``pids`` (rank -> pid) and ``exited`` (rank ->
     exit status, ``-signal`` for a signal, None when reaped elsewhere)."""
@@ -161,7 +168,9 @@ class Children:
         sys.stdout.flush()
         sys.stderr.flush()
         for rank in ranks:
-            pid = os.fork()
+            with warnings.catch_warnings():  # Python 3.12+: see FORK_WARNING
+                warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
+                pid = os.fork()
             if pid == 0:
                 in_child(rank)
                 return rank

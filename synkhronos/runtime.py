@@ -267,6 +267,8 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
         master_proc.device.bind(rank)  # before anything touches the accelerator
+        # the master compiles every function too, and gives this warning once
+        warnings.filterwarnings("ignore", "PyTensor could not link to a BLAS installation", UserWarning)
         proc = Process(master_proc.prefix, rank, master_proc.size, master_proc.master_rank,
                        master_proc.device)
         proc.master_pid = os.getppid()

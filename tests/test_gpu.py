@@ -204,7 +204,7 @@ def test_no_gpu_per_the_probe(monkeypatch):
 def test_auto_warns_once_that_the_gpu_path_is_unvalidated(monkeypatch):
     """device="auto" picking the GPU warns once per process and names both choices;
     device="gpu" (or the original's use_gpu=True) chose it knowingly: no warning."""
-    monkeypatch.setattr(devices, "_warned_unvalidated", False)
+    monkeypatch.setattr(context, "warned", set())
     monkeypatch.setattr(devices, "GPU_VALIDATED", False)
     monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 2))
     with pytest.warns(UserWarning, match=r"^device='auto' chose the GPU: .* not yet been validated on a "
@@ -213,7 +213,7 @@ def test_auto_warns_once_that_the_gpu_path_is_unvalidated(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert devices.choose("auto", None) == (devices.GpuDevice, 2)   # once per process
-        monkeypatch.setattr(devices, "_warned_unvalidated", False)
+        monkeypatch.setattr(context, "warned", set())
         assert devices.choose("gpu", None) == (devices.GpuDevice, 2)
         assert devices.choose("auto", True) == (devices.GpuDevice, 2)
         monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 0))

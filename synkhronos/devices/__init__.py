@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+from .. import context
 from ..errors import user_stacklevel
 from . import gpu_stack
 from .base import Device
@@ -23,7 +24,6 @@ UNVALIDATED_GPU = ("device='auto' chose the GPU: synkhronos's GPU path (PyTensor
                    "NCCL through CuPy) is tested against stand-ins but has not yet been validated "
                    "on a real GPU. Pass device='gpu' to use it knowingly (no warning), or "
                    "device='cpu' to run one process per CPU core.")
-_warned_unvalidated = False
 
 
 def choose(device: str, use_gpu: bool | None) -> tuple:
@@ -45,10 +45,9 @@ def choose(device: str, use_gpu: bool | None) -> tuple:
 
 def _warn_unvalidated() -> None:
     """Warn, once per process, that ``device="auto"`` picked a GPU path never run on a GPU."""
-    global _warned_unvalidated
-    if GPU_VALIDATED or _warned_unvalidated:
+    if GPU_VALIDATED or "unvalidated GPU" in context.warned:
         return
-    _warned_unvalidated = True
+    context.warned.add("unvalidated GPU")
     warnings.warn(UNVALIDATED_GPU, UserWarning, stacklevel=user_stacklevel())
 
 
