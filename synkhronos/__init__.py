@@ -2,7 +2,8 @@
 
 from .data import Data, data
 from .distribute import distribute
-from .errors import RemoteTraceback, SynkError, SynkTimeoutError, WorkerDiedError, WorkerError
+from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkError, SynkTimeoutError,
+                     WorkerDiedError, WorkerError)
 from .function import Function, function
 from .gpu import get_n_gpu
 from .nodes import World, shard, world
@@ -17,6 +18,7 @@ __all__ = [
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
     "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu", "world", "World", "shard",
     "SynkError", "WorkerError", "WorkerDiedError", "RemoteTraceback", "SynkTimeoutError",
+    "NodeFailedError", "StepMismatchError",
 ]
 
 

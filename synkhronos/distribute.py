@@ -103,7 +103,8 @@ def distribute() -> None:
         names = ", ".join(repr(lf.spec.name) for lf in new)
         raise TypeError(f"could not pickle functions {names} for the workers: {err}") from err
     # across nodes: every node must be distributing the same functions
-    nodes.check_same_functions(s.proc, lambda: [(lf.spec.name, graph_digest(lf)) for lf in new])
+    nodes.check_same_functions(s.proc, lambda: [(lf.spec.name, graph_digest(lf), lf.spec.output_modes
+                                                  or lf.spec.output_ops, lf.spec.bcast) for lf in new])
     s.run(Command.DISTRIBUTE, buf.getvalue())
     for sid, var in fresh:
         s.shared_ids[id(var)] = sid

@@ -9,7 +9,7 @@ import sys
 import traceback
 
 __all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError", "SynkTimeoutError",
-           "WorkerFailedError", "NodeFailedError"]
+           "WorkerFailedError", "NodeFailedError", "StepMismatchError"]
 
 
 class SynkError(RuntimeError):
@@ -106,6 +106,33 @@ class NodeFailedError(SynkError):
                          "cannot be used again: call synk.close() and synk.fork() again")
         self.node = node
         self.reason = reason
+
+
+class StepMismatchError(SynkError):
+    """The nodes met in different steps: their scripts called different things, or
+    one node made a step the others did not. Raised on every node, in the step
+    each was making; nothing was combined, and the runtime stays usable.
+
+    Attributes:
+        steps: per node, the step it was making, as words ("call f (step 12)").
+    """
+
+    def __init__(self, what: str, steps):
+        self.steps = list(steps)
+        super().__init__(f"{what}: the nodes are in different steps: "
+                         + "; ".join(f"node {r}: {t}" for r, t in enumerate(self.steps))
+                         + "; every node's script must make the same calls and collectives, "
+                           "with the same functions, variables and ops, in the same order")
+
+    def __reduce__(self):
+        return (_rebuild, (StepMismatchError, self.args, {"steps": self.steps}))
+
+
+def _rebuild(cls, args, attrs):
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(attrs)
+    return err
 
 
 class SynkTimeoutError(SynkError, TimeoutError):

@@ -371,7 +371,15 @@ def launched() -> bool:
 
 @functools.cache
 def _bootstrap():
-    import mpi4py
+    try:
+        import mpi4py
+    except ImportError as err:
+        found = [v for v in LAUNCHER_VARS if os.environ.get(v)]
+        raise ImportError(f"synkhronos: an MPI launcher started this process ({', '.join(found) or 'MPI'} "
+                          "is set), and joining the other copies needs mpi4py: pip install "
+                          "'synkhronos[mpi]' (mpi4py for the site's MPI) or 'synkhronos[mpi-wheel]' "
+                          f"(with Open MPI's wheel); or set {SWITCH}=0 to run each copy on its "
+                          "own") from err
 
     mpi4py.rc.initialize = False  # initialised below, after any fork; never at import
     mpi4py.rc.finalize = False    # finalised by its user, after what it allocated is freed

@@ -261,6 +261,7 @@ def check_same_functions(proc, entries) -> None:
     inter = _inter(proc)
     if inter is None:
         return
+    inter.begin(("distribute",), "distribute()")
     error = None
     try:
         mine = list(entries())
@@ -279,17 +280,54 @@ def check_same_functions(proc, entries) -> None:
     for node, mine in enumerate(lists[1:], start=1):
         if len(mine) != len(first):
             raise ValueError(f"distribute(): node 0 built {len(first)} new function(s) "
-                             f"{[n for n, _ in first]} but node {node} built {len(mine)} "
-                             f"{[n for n, _ in mine]}; every node's script must build the same "
+                             f"{[e[0] for e in first]} but node {node} built {len(mine)} "
+                             f"{[e[0] for e in mine]}; every node's script must build the same "
                              "functions in the same order")
-        for k, ((name0, d0), (name, d)) in enumerate(zip(first, mine)):
-            if d0 != d:
-                raise ValueError(f"distribute(): function #{k} differs between nodes: node 0 built "
-                                 f"{name0!r}, node {node} built {name!r} with a different graph; every "
-                                 "node's script must build the same functions in the same order")
+        for k, ((name0, *d0), (name, *d)) in enumerate(zip(first, mine)):
+            for part, a, b in zip(("a different graph", "different output ops", "different inputs "
+                                   "broadcast (bcast_inputs)"), d0, d):
+                if a != b:
+                    raise ValueError(f"distribute(): function #{k} differs between nodes: node 0 built "
+                                     f"{name0!r}, node {node} built {name!r} with {part}; every node's "
+                                     "script must build the same functions in the same order")
 
 
-def from_first_node(proc, make):
+def begin_step(proc, cmd, wire) -> None:
+    """The node master starts a command: what must be the same on every node (the kind
+    of command, the function and output subset of a call, the kind, variables, op and
+    rank of a collective) goes with every exchange among node masters until the next
+    (:meth:`.collectives.mpi.MpiCommunicator.begin`)."""
+    comm = proc.comm
+    if isinstance(comm, NodeCommunicator) and comm.inter is not None:
+        kind = cmd.name.lower()
+        comm.inter.begin(step_key(kind, wire), (step_words, proc, kind, wire))
+
+
+def step_key(kind: str, wire) -> tuple:
+    """What of a command must be the same on every node (see :func:`begin_step`)."""
+    if kind == "call" and isinstance(wire, tuple) and len(wire) == 8:
+        return ("call", wire[0], wire[5])  # the function, the output subset
+    if kind == "collective" and isinstance(wire, tuple) and len(wire) == 9 and isinstance(wire[0], str):
+        return (wire[0], tuple(wire[1]), wire[2], wire[3], wire[6], wire[7])  # kind, sids, op, rank, ...
+    return (kind,)
+
+
+def step_words(proc, kind: str, wire) -> str:
+    """A command in words, for :class:`~synkhronos.errors.StepMismatchError`."""
+    key = step_key(kind, wire)
+    if key[0] == "call":
+        fn = proc.functions.get(key[1])
+        name = fn.spec.name if fn is not None else f"#{key[1]}"
+        return f"call {name}" + (f" (outputs {list(key[2])})" if key[2] else "")
+    if len(key) == 6:
+        what, sids, op, rank = key[:4]
+        names = ", ".join(getattr(proc.shareds.get(sid), "name", None) or f"#{sid}" for sid in sids)
+        extra = "".join(f", {k}={v!r}" for k, v in (("op", op), ("rank", rank)) if v is not None)
+        return f"{what}([{names}]{extra})"
+    return f"{kind}()"
+
+
+def from_first_node(proc, make, what: str, sids, rank=None):
     """The values of a collective that takes values (scatter, set_value): node
     0's master computes them with ``make()`` and sends them to every other
     node's master, where ``make`` is not called (the script may pass None
@@ -298,6 +336,8 @@ def from_first_node(proc, make):
     inter = _inter(proc)
     if inter is None:
         return make()
+    wire = (what, sids, None, rank, None, None, True, 1, False)
+    inter.begin(("values",) + step_key("collective", wire), (step_words, proc, "collective", wire))
     with _between_commands(inter):
         if inter.rank != 0:
             return inter.broadcast(None, 0)

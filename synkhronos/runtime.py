@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -140,6 +141,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     try:
         if proc.launched:  # MPI starts now, after the fork; the workers wait for the node table
             nodes.join(proc, s.check)
+            s.on_step = functools.partial(nodes.begin_step, proc)
         atexit.register(_close_at_exit)  # after join: it runs before MPI is finalised at exit
         device.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
     except BaseException:

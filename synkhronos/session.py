@@ -58,6 +58,7 @@ class Session:
         self._next_warning = 0.0
         self._next_signal = 0.0
         self._next_alive = 0.0       # check_alive(): when the workers' liveness is checked next
+        self.on_step = None          # across nodes: on_step(cmd, payload) starts each command's step
 
     @property
     def n_parallel(self) -> int:
@@ -215,6 +216,8 @@ class Session:
             self._settle()
         if self.close_requested:
             raise _closed_meanwhile(cmd.name.lower())
+        if self.on_step is not None:
+            self.on_step(cmd, payload)
         dropped = self.dropped
         if dropped:
             self.dropped = []

@@ -212,7 +212,8 @@ def scatter(shared_vars, values, batch=None):
     """
     s, vars_, sids, single = _resolve(shared_vars)
     # across nodes: node 0's values (the others may pass None)
-    arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "scatter", single))
+    arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "scatter", single), "scatter",
+                                   sids)
     batches = []
     for var, arr in zip(vars_, arrays):
         if arr.ndim == 0:
@@ -403,7 +404,8 @@ def set_value(rank, shared_vars, values, batch=None):
     """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
-    arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "set_value", single))
+    arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "set_value", single),
+                                   "set_value", sids, rank)
     batches = [check_batch(batch, len(a)) if batch is not None else None for a in arrays]
     if batch is not None and any(a.ndim == 0 for a in arrays):
         raise ValueError("set_value: batch needs values with at least one dimension")

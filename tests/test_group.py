@@ -151,3 +151,22 @@ def test_children_reap_signal_and_end():
     kids.end(0.1)
     assert kids.exited[2] == -signal.SIGKILL
     assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize("start", ["synk.fork(1, device='cpu')", "mv.init(num_workers=1)"])
+def test_launcher_without_mpi4py_says_what_to_do(start):
+    """Under a launcher without mpi4py, fork() and mv.init() say what to install and how
+    to run each copy on its own (it was a bare ModuleNotFoundError)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['mpi4py'] = None\n"
+            "import synkhronos as synk, synkhronos.multiverso as mv\n"
+            f"try:\n    {start}\nexcept ImportError as err:\n    print('ERR', err)\n"
+            "synk.close()\n")
+    env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+    env.pop(group.SWITCH, None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert "ERR synkhronos: an MPI launcher started this process" in out.stdout, out.stdout + out.stderr
+    assert "synkhronos[mpi]" in out.stdout and f"{group.SWITCH}=0" in out.stdout, out.stdout

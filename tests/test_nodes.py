@@ -70,6 +70,38 @@ def test_worker_killed_on_node_one(tmp_path):
     _no_shm_left(tmp_path, 2)
 
 
+@needs_mpi
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), (3, "2,1")], ids=["np2", "np3"])
+def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
+    """Node 1 calls g where the others call f, all_reduce against a call, another op,
+    another variable, scatter against broadcast, set_value of another rank, one
+    collective more, gather against all_gather: every node raises StepMismatchError
+    naming every node's step (each went on silently before), and the next call works."""
+    rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", "diverge", sizes)
+    assert_all_ok(rc, output, verdicts, n)
+    assert all(v["cases"] == 8 for v in verdicts.values())
+    _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+def test_one_process_node_failure_reaches_the_others(tmp_path):
+    """Node 1 forks one process and its rows fail inside a call (sum, gather and max
+    outputs): node 0 raises PeerFailed naming node 1 (it returned a result of its own
+    rows only, 16 of 16 runs), node 1 its Assert; the next call works on both."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "alone", "2,1")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_node_closes_while_the_others_call(tmp_path):
+    """close() on node 1 while node 0 calls: node 0 raises naming node 1's close(),
+    then NodeFailedError saying it closed; nothing hangs, nothing is left."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "leave", "1,2")
+    assert verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    _no_shm_left(tmp_path, 2)
+
+
 def test_without_launcher_one_node():
     """Without a launcher: world() is node 0 of 1 with the fork's own ranks,
     shard() is every row, and mpi4py is never imported."""

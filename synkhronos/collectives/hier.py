@@ -42,6 +42,13 @@ MASTERS = "masters"
 _YES, _NO = np.ones(1, dtype=np.int8), np.zeros(1, dtype=np.int8)
 
 
+def _own_failure(failed) -> None:
+    """A node of one process: its own failure is the node's (raised in the first step,
+    it goes to the other nodes as the node's failure, as a local collective's flag does)."""
+    if failed:
+        raise PeerFailed(failed if isinstance(failed, str) else "its own part failed")
+
+
 class HierarchicalCommunicator(Communicator):
     """One communicator over every process of every node.
 
@@ -172,6 +179,7 @@ class HierarchicalCommunicator(Communicator):
         in an avg)`` in the node master (None elsewhere, and where nothing)."""
         local, lm = self._local, self._lm
         if self._alone:  # this process's arrays are the node's part
+            _own_failure(failed)
             if arrays is None:
                 return None, None
             return [np.asarray(a).astype(result_dtype(np.asarray(a).dtype, op), copy=False)
@@ -263,6 +271,7 @@ class HierarchicalCommunicator(Communicator):
 
         def first():
             if self._alone:
+                _own_failure(failed)
                 return None if arrays is None else [[a] for a in arrays]
             return local.gather(arrays, lm, failed=failed)
 

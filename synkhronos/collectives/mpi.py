@@ -45,12 +45,14 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import struct
+import zlib
 from typing import Callable
 
 import numpy as np
 
 from ..control import WAIT_SLICE
-from ..errors import NodeFailedError, PeerFailed, SynkError
+from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
 from ..group import Notices, mpi as _mpi, wait_until
 from .base import Communicator
 from .ops import agreed_layout, cast_to, combine, identity, result_dtype
@@ -70,6 +72,10 @@ HEADER_SLOT = 512
 #: Reductions of at most this many bytes per node travel inside the agreement
 #: (one MPI exchange instead of two) and are combined on every node.
 INLINE_BYTES = 256
+#: The head of each node's header slot: its header's length, its step's number and key checksum.
+_HEAD = struct.Struct("<qqq")
+#: Bytes of a step's words (see MpiCommunicator.begin) that travel when steps differ.
+STEP_TEXT = 96
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 
@@ -175,6 +181,9 @@ class MpiCommunicator(Communicator):
         self.master_rank = int(master_rank)
         self._comm = None
         self._notices = None        # the failure channel between nodes (group.Notices)
+        self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
+        self._words = "fork()"      # what this step is, in words
+        self._crcs: dict = {}       # step key -> its checksum
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
@@ -252,6 +261,35 @@ class MpiCommunicator(Communicator):
 
     # -- agreement ---------------------------------------------------------
 
+    def begin(self, key: tuple, words) -> None:
+        """This node starts its next step. Its number and ``key`` (what must be the
+        same on every node: the kind of step, the function or variables, the op, as
+        a checksum) travel in every exchange of the step, so nodes in different steps
+        raise :class:`StepMismatchError`, every one of them, at their first exchange,
+        never combine what they should not. ``words`` (a string, or a function and
+        its arguments that make it, as a tuple) name the step in that error: they
+        travel only then."""
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = self._crcs[key] = zlib.crc32(repr(key).encode())
+            if len(self._crcs) > 4096:
+                self._crcs.clear()
+        self.step = (self.step[0] + 1, crc)
+        self._words = words
+
+    def _mismatch(self, what: str) -> StepMismatchError:
+        """Every node found that the steps differ: one more exchange, of each node's
+        words for its step (every node makes it, then raises the same error)."""
+        words = self._words if isinstance(self._words, str) else self._words[0](*self._words[1:])
+        mine = np.zeros(STEP_TEXT, dtype=np.uint8)
+        raw = f"{words} (step {self.step[0]})".encode()[:STEP_TEXT]
+        mine[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        every = np.zeros((self.size, STEP_TEXT), dtype=np.uint8)
+        self._wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
+                   (mine, every))
+        texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
+        return StepMismatchError(what, texts)
+
     def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False):
         """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
 
@@ -269,16 +307,19 @@ class MpiCommunicator(Communicator):
             payload = [_as_bytes(a).tobytes() for a in arrays]
         blob = pickle.dumps((layout, float(weight), flag, payload), protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
-        room = HEADER_SLOT - 8
+        room = HEADER_SLOT - _HEAD.size
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        slot[:8].view(np.int64)[0] = len(blob)
+        _HEAD.pack_into(slot, 0, len(blob), *self.step)  # the blob's length, then the step
         if len(blob) <= room:
-            slot[8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((size, HEADER_SLOT), dtype=np.uint8)
         self._wait([self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])], what, (slot, slots))
-        lens = [int(x) for x in slots[:, :8].copy().view(np.int64).reshape(-1)]
+        heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
+        if any(h[1:] != heads[0][1:] for h in heads):  # nodes in different steps
+            raise self._mismatch(what)
+        lens = [h[0] for h in heads]
         if max(lens) <= room:
-            blobs = [slots[r, 8:8 + n].tobytes() for r, n in enumerate(lens)]
+            blobs = [slots[r, _HEAD.size:_HEAD.size + n].tobytes() for r, n in enumerate(lens)]
         else:  # somebody's header did not fit: everybody sends it again, sized
             displs = [sum(lens[:r]) for r in range(size)]
             recv = np.empty(sum(lens), dtype=np.uint8)
@@ -303,8 +344,8 @@ class MpiCommunicator(Communicator):
     # -- collectives -------------------------------------------------------
 
     def barrier(self) -> None:
-        self._enter("barrier")
-        self._wait([self._comm.Ibarrier()], "barrier")
+        """An exchange of headers (not MPI's barrier): nodes in different steps find out."""
+        self._agree("barrier", None)
 
     def _reduce(self, arrays, op, weight, failed, root, in_place=False, into=None):
         what = "all_reduce" if root is None else "reduce"
@@ -575,11 +616,13 @@ class MpiCommunicator(Communicator):
             return
         error = None
         if self.broken is None:
+            self.begin(("close",), "close()")
             try:
-                self._enter("close")
-                self._wait([self._comm.Ibarrier()], "close")
+                self._agree("close", None)
             except BaseException as exc:  # noqa: BLE001 - released below, then raised
                 error = exc
+                # the others may be in another step: they must learn that this node left
+                self.abort(f"node {self.rank} closed (synk.close()): {type(exc).__name__}: {exc}"[:500])
         self._notices.close()  # its receive cancelled, its sends given a moment, freed
         try:
             self._comm.Free()

@@ -13,6 +13,11 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``count``: a short ``ops`` then the distribute() mismatch in count.
 - ``kill``: a worker of node 1 is killed; every node's next call raises,
   naming node 1's rank, within seconds; close() is clean.
+- ``diverge``: node 1 makes another step than the others (another function,
+  op, variable, kind of collective, rank, one collective more): every node
+  raises StepMismatchError naming each node's step; the next call works.
+- ``leave``: node 1 closes while the others call.
+- ``alone``: node 1 (one process) fails an Assert on its rows inside a call.
 """
 
 from __future__ import annotations
@@ -142,8 +147,9 @@ def check_collectives(v, node, node_sizes):
     synk.broadcast(w, np.array([1.0, 2.0, 3.0]) if first else None)
     v.expect(np.array_equal(synk.gather(w), np.tile([1.0, 2.0, 3.0], (size, 1))), "broadcast values")
     synk.reduce(w, "sum")  # in place: every node master's value
-    v.expect(np.array_equal(synk.get_value(sum(node_sizes[:node]), w), [size, 2.0 * size, 3.0 * size]),
-             "reduce in place on this node's master")
+    for k in range(len(node_sizes)):  # every node master's, asked by every node (one step for all)
+        v.expect(np.array_equal(synk.get_value(sum(node_sizes[:k]), w), [size, 2.0 * size, 3.0 * size]),
+                 f"reduce in place on node {k}'s master")
     # scatter of uneven rows by global rank, then all_gather back
     n_rows = 2 * size + 1
     values = np.arange(n_rows * 2, dtype=np.int64).reshape(n_rows, 2)
@@ -262,6 +268,93 @@ def scenario_master_fails(v, node, node_sizes, how, out):
     v.expect("node 1" in text and "on purpose" in text, f"error names node 1: {text}")
 
 
+def scenario_diverge(v, node, node_sizes):
+    """Node 1 makes a different step from the others, one kind of divergence at a time:
+    every node raises StepMismatchError naming each node's step, within seconds, and
+    the next step, the same everywhere, works (the runtime stays usable)."""
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.ones(3), name="w")
+    u = pytensor.shared(np.ones(3), name="u")
+    r = pytensor.shared(np.zeros((0, 2)), name="r")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    g = synk.function([x], (x.sum(axis=0), "max"), mode=MODE, name="g")
+    synk.function([], [(w.sum(), "sum"), (u.sum(), "sum"), (r.sum(), "sum")], mode=MODE, name="h")
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    mine = per_node[node]
+    size = sum(node_sizes)
+    first = node == 0
+    cases = [  # (name, what every other node does, what node 1 does, words each must show)
+        ("f against g", lambda: f(mine), lambda: g(mine), ("call f", "call g")),
+        ("a call against all_reduce", lambda: f(mine), lambda: synk.all_reduce(w, "sum"),
+         ("call f", "all_reduce([w], op='sum')")),
+        ("all_reduce sum against max", lambda: synk.all_reduce(w, "sum"),
+         lambda: synk.all_reduce(w, "max"), ("all_reduce([w], op='sum')", "all_reduce([w], op='max')")),
+        ("all_reduce of w against u", lambda: synk.all_reduce(w, "sum"),
+         lambda: synk.all_reduce(u, "sum"), ("all_reduce([w]", "all_reduce([u]")),
+        ("scatter against broadcast", lambda: synk.scatter(r, np.ones((size, 2)) if first else None),
+         lambda: synk.broadcast(w), ("scatter([r])", "broadcast([w])")),
+        ("set_value(0) against set_value(1)", lambda: synk.set_value(0, w, np.ones(3) if first else None),
+         lambda: synk.set_value(1, w, None), ("set_value([w], rank=0)", "set_value([w], rank=1)")),
+        ("one collective more on node 1", lambda: f(mine),
+         lambda: (synk.all_reduce(w, "sum"), f(mine)), ("call f", "all_reduce([w]")),
+        ("gather against all_gather", lambda: synk.gather(w), lambda: synk.all_gather(w),
+         ("gather([w]", "all_gather([w]")),
+    ]
+    for name, others, ones, words in cases:
+        text = raises_soon(v, ones if node == 1 else others, name)
+        v.expect(text.startswith("StepMismatchError"), f"{name}: {text}")
+        want = (f"node 0: {words[0]}", f"node 1: {words[1]}")
+        v.expect(all(wd in text for wd in want), f"{name}: {want} in {text}")
+        got = f(mine)
+        v.expect(np.allclose(got, data.sum(0)), f"the call after {name}: {got}")
+    v.info["cases"] = len(cases)
+    # the same graph with other output ops on node 1: distribute() says so on every node
+    y = pt.dvector("y")
+    synk.function([y], (y.sum(), "max" if node == 1 else "sum"), mode=MODE, name="k")
+    text = raises_soon(v, synk.distribute, "distribute() of other output ops")
+    v.expect("differs between nodes" in text and "different output ops" in text, text)
+
+
+def scenario_alone_raises(v, node, node_sizes):
+    """Node 1 has one process and its rows fail an Assert inside a call (sum, gather,
+    max outputs): node 1 raises the Assert, every other node PeerFailed naming node 1
+    (they returned a result of their own rows only); then the next call works."""
+    from pytensor.raise_op import Assert
+
+    x = pt.dmatrix("x")
+    data, per_node = all_rows(node_sizes)
+    for op, out, want in (("sum", x.sum(axis=0), data.sum(0)), ("gather", x, data),
+                          ("max", x.max(axis=0), data.max(0))):
+        f = synk.function([x], (Assert("row too large")(out, pt.all(x < 100)), op), mode=MODE)
+        mine = per_node[node].copy()
+        if node == 1:
+            mine[0, 0] = 1000.0
+        text = raises_soon(v, lambda: f(mine), f"{op} with node 1's rows failing")
+        if node == 1:
+            v.expect("row too large" in text, f"{op}: node 1's own error: {text}")
+        else:
+            v.expect("node(s) [1]" in text, f"{op}: names node 1: {text}")
+        got = f(per_node[node])
+        v.expect(np.allclose(got, want), f"{op}: the next call {got}")
+
+
+def scenario_leave(v, node, node_sizes):
+    """Node 1 closes while the others call: they raise StepMismatchError naming its
+    close(), and their next call NodeFailedError saying it closed; nothing hangs."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before node 1 closed")
+    if node == 1:
+        synk.close()
+        return
+    text = raises_soon(v, lambda: f(per_node[node]), "a call while node 1 closed")
+    v.expect("node 1: close()" in text, f"names node 1's close(): {text}")
+    text = raises_soon(v, lambda: f(per_node[node]), "the next call")
+    v.expect(text.startswith("NodeFailedError") and "node 1 closed" in text, f"node 1 left: {text}")
+
+
 def main() -> int:
     out, scenario, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     node = node_index()
@@ -284,6 +377,12 @@ def main() -> int:
             check_mismatch(v, node, "count" if len(node_sizes) > 2 or scenario == "count" else "graph")
         elif scenario == "kill":
             scenario_kill(v, node, node_sizes)
+        elif scenario == "diverge":
+            scenario_diverge(v, node, node_sizes)
+        elif scenario == "alone":
+            scenario_alone_raises(v, node, node_sizes)
+        elif scenario == "leave":
+            scenario_leave(v, node, node_sizes)
         elif scenario in ("raise", "sigkill"):
             scenario_master_fails(v, node, node_sizes, scenario, out)
     except BaseException as err:  # noqa: BLE001
