@@ -352,6 +352,16 @@ def from_first_node(proc, make, what: str, sids, rank=None):
         return inter.broadcast(arrays, 0)
 
 
+def failed_alone(proc, what: str, err: BaseException) -> None:
+    """A step failed in this node master before it reached the others (a bad value of
+    node 0's): tell them, so that they raise NodeFailedError naming it instead of
+    waiting for this node; the communicator among the nodes is abandoned."""
+    inter = _inter(proc)
+    if inter is not None and inter.broken is None:
+        inter.abort(f"{what} failed on node {inter.rank}: {type(err).__name__}: {err}"[:500])
+        context.nodes_broken = True
+
+
 def abandon_at_exit(proc) -> None:
     """At exit with an uncaught exception in a node master's script: tell the
     other nodes (they raise ``NodeFailedError`` naming this node within one

@@ -181,7 +181,12 @@ def _broadcast(shared_vars, values, nccl) -> None:
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None and nodes.world().node == 0:  # across nodes node 0's values are sent
-        for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
+        try:
+            checked = _values_for(vars_, values, "broadcast", single)
+        except Exception as err:
+            nodes.failed_alone(s.proc, "broadcast", err)  # the other nodes are waiting in it
+            raise
+        for var, val in zip(vars_, checked):
             var.set_value(val)
     _send(s, CollectiveSpec("broadcast", sids, cpu=cpu),
           plan_key=None if values is not None else ("broadcast", resolve_key(shared_vars), None, nccl))

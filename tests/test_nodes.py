@@ -94,6 +94,35 @@ def test_one_process_node_failure_reaches_the_others(tmp_path):
 
 
 @needs_mpi
+@pytest.mark.parametrize("n, sizes, seed", [(2, "1,2", 35000), (3, "2,1", 36000)], ids=["np2", "np3"])
+def test_random_divergence(tmp_path, n, sizes, seed):
+    """Random sequences of calls and collectives (two functions, all_reduce and reduce
+    with every op, broadcast with and without values, gather, get_value, set_value of
+    any global rank) drawn alike on every node; in 4 of 5 node 1 perturbs one step
+    (another function, op, variable, kind or rank, a step skipped, a step more). Every
+    perturbed sequence raises StepMismatchError on every node within seconds, every
+    other step matches numpy exactly, and each node goes on. ``SYNK_DIVERGE_SEQUENCES``
+    sets how many sequences (40 here; a few hundred were run once, see the notes)."""
+    count = int(os.environ.get("SYNK_DIVERGE_SEQUENCES", "40"))
+    rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", f"random:{seed}:{count}", sizes,
+                                  limit=max(120, count * 3))
+    assert_all_ok(rc, output, verdicts, n)
+    for node, v in verdicts.items():
+        c = v["counts"]
+        assert c["sequences"] == count and c["raised"] == c["perturbed"] > 0 and c["steps"] > count, (node, c)
+    _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+def test_bad_broadcast_value_on_node_zero(tmp_path):
+    """A value of the wrong ndim given to broadcast() on node 0 (None elsewhere): node 0
+    raises it, node 1 NodeFailedError naming it within seconds (it waited for ever)."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "bad_broadcast", "1,2")
+    assert verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 def test_node_closes_while_the_others_call(tmp_path):
     """close() on node 1 while node 0 calls: node 0 raises naming node 1's close(),
     then NodeFailedError saying it closed; nothing hangs, nothing is left."""

@@ -18,6 +18,9 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
   raises StepMismatchError naming each node's step; the next call works.
 - ``leave``: node 1 closes while the others call.
 - ``alone``: node 1 (one process) fails an Assert on its rows inside a call.
+- ``bad_broadcast``: node 0 gives broadcast() a bad value.
+- ``random:<seed>:<count>``: random sequences of steps drawn alike on every
+  node; node 1 perturbs one step of most of them (scenario_random).
 """
 
 from __future__ import annotations
@@ -339,6 +342,166 @@ def scenario_alone_raises(v, node, node_sizes):
         v.expect(np.allclose(got, want), f"{op}: the next call {got}")
 
 
+# -- random divergence ---------------------------------------------------------------
+
+#: The steps a random sequence draws from (see scenario_random).
+STEP_KINDS = ("f", "g", "all_reduce", "broadcast", "broadcast_values", "gather", "get_value",
+              "set_value", "reduce")
+#: How node 1 perturbs one step of a sequence.
+PERTURBATIONS = ("other function", "other op", "other variable", "other kind", "other rank",
+                 "skipped", "extra")
+
+
+class _Model:
+    """Every process's value of w and u (float64 integers, so every result is exact)."""
+
+    def __init__(self, size):
+        self.size = size
+        self.vals = {"w": [np.ones(3) for _ in range(size)], "u": [np.full(3, 2.0) for _ in range(size)]}
+
+    def reduce(self, name, op):
+        parts = np.stack(self.vals[name])
+        return {"sum": parts.sum(0), "max": parts.max(0), "min": parts.min(0)}[op]
+
+
+def _draw(rng, size):
+    """One step: (kind, variable, op, rank, values)."""
+    kind = STEP_KINDS[int(rng.integers(len(STEP_KINDS)))]
+    return (kind, "wu"[int(rng.integers(2))], ("sum", "max", "min")[int(rng.integers(3))],
+            int(rng.integers(size)), rng.integers(-3, 4, size=3).astype(np.float64))
+
+
+def _key(step) -> tuple:
+    """What of a step the nodes compare (as the runtime's step identity does)."""
+    kind, var, op, rank, _ = step
+    kind = "broadcast" if kind == "broadcast_values" else kind  # the values are node 0's alone
+    return (kind, var if kind not in ("f", "g") else None, op if kind in ("all_reduce", "reduce") else None,
+            rank if kind in ("get_value", "set_value") else None)
+
+
+def _perturbed(steps, k, how, size) -> list:
+    """What node 1 makes instead of ``steps[k]``: other steps, whose first differs from it."""
+    step = steps[k]
+    kind, var, op, rank, vals = step
+    other_var = "u" if var == "w" else "w"
+    if how == "other function":
+        alt = [("g" if kind != "g" else "f", var, op, rank, vals)]
+    elif how == "other op":
+        next_op = {"sum": "max", "max": "min", "min": "sum"}[op]
+        alt = [(kind if kind in ("all_reduce", "reduce") else "reduce", var, next_op, rank, vals)]
+    elif how == "other variable":
+        alt = [(kind if kind not in ("f", "g") else "all_reduce", other_var, op, rank, vals)]
+    elif how == "other kind":
+        alt = [("gather" if kind != "gather" else "broadcast", var, op, rank, vals)]
+    elif how == "other rank":
+        alt = [(kind if kind in ("get_value", "set_value") else "get_value", var, op, (rank + 1) % size, vals)]
+    elif how == "skipped":  # node 1 goes on with the next step
+        alt = steps[k + 1:k + 2] or [("gather", other_var, op, rank, vals)]
+    else:  # extra: a step more, then this one
+        alt = [("gather" if kind != "gather" else "all_reduce", var, "max", rank, vals), step]
+    if _key(alt[0]) == _key(step):  # e.g. the next step is the same as the skipped one
+        alt = [("gather" if kind != "gather" else "get_value", other_var, op, rank, vals)]
+    return alt
+
+
+def _run_step(step, fns, shareds, mine, first, model, data, v, where):
+    """Make ``step``; check what it returned and the model's values against numpy."""
+    kind, var, op, rank, vals = step
+    f, g = fns
+    sv = shareds[var]
+    size = model.size
+    if kind == "f":
+        v.expect(np.array_equal(f(mine), data.sum(0)), f"{where}: f")
+    elif kind == "g":
+        v.expect(np.array_equal(g(mine), data.max(0)), f"{where}: g")
+    elif kind == "all_reduce":
+        synk.all_reduce(sv, op)
+        model.vals[var] = [model.reduce(var, op)] * size
+    elif kind == "reduce":
+        got = synk.reduce(sv, op, in_place=False)
+        v.expect(np.array_equal(got, model.reduce(var, op)), f"{where}: reduce {op} {got}")
+    elif kind == "broadcast":
+        synk.broadcast(sv)
+        model.vals[var] = [model.vals[var][0]] * size
+    elif kind == "broadcast_values":
+        synk.broadcast(sv, vals if first else None)
+        model.vals[var] = [vals] * size
+    elif kind == "gather":
+        got = synk.gather(sv)
+        v.expect(np.array_equal(got, np.stack(model.vals[var])), f"{where}: gather {got}")
+    elif kind == "get_value":
+        got = synk.get_value(rank, sv)
+        v.expect(np.array_equal(got, model.vals[var][rank]), f"{where}: get_value({rank}) {got}")
+    elif kind == "set_value":
+        synk.set_value(rank, sv, vals if first else None)
+        model.vals[var] = list(model.vals[var])
+        model.vals[var][rank] = vals
+
+
+def scenario_random(v, node, node_sizes, seed, count):
+    """``count`` random sequences of 4 to 12 steps drawn alike on every node, from
+    ``seed``; in all but every fifth, node 1 perturbs one step (another function, op,
+    variable, kind or rank, the step skipped, an extra step). Every unperturbed step
+    must match numpy exactly; a perturbed one must raise StepMismatchError on every
+    node within seconds, after which every node resets its values (the same step
+    everywhere) and goes on. (close() on one node: scenario_leave.)"""
+    x = pt.dmatrix("x")
+    shareds = {"w": pytensor.shared(np.ones(3), name="w"), "u": pytensor.shared(np.full(3, 2.0), name="u")}
+    fns = (synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f"),
+           synk.function([x], (x.max(axis=0), "max"), mode=MODE, name="g"))
+    synk.function([], [(shareds["w"].sum(), "sum"), (shareds["u"].sum(), "sum")], mode=MODE, name="h")
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    mine, first, size = per_node[node], node == 0, sum(node_sizes)
+    counts = {"sequences": 0, "steps": 0, "perturbed": 0, "raised": 0}
+    for i in range(count):
+        rng = np.random.default_rng(seed + i)
+        steps = [_draw(rng, size) for _ in range(int(rng.integers(4, 13)))]
+        at = int(rng.integers(len(steps)))
+        how = PERTURBATIONS[int(rng.integers(len(PERTURBATIONS)))] if i % 5 else None
+        model = _Model(size)
+        for name, sv in shareds.items():  # a known start, the same step everywhere
+            synk.broadcast(sv, model.vals[name][0] if first else None)
+        counts["sequences"] += 1
+        for k, step in enumerate(steps):
+            where = f"sequence {seed + i} step {k} {step[:4]}"
+            if k != at or how is None:
+                _run_step(step, fns, shareds, mine, first, model, data, v, where)
+                counts["steps"] += 1
+                continue
+            counts["perturbed"] += 1
+            mine_steps = _perturbed(steps, k, how, size) if node == 1 else [step]
+            t0 = time.perf_counter()
+            try:
+                for st in mine_steps:
+                    _run_step(st, fns, shareds, mine, first, model, data, v, where)
+                v.expect(False, f"{where}: perturbed ({how}: {mine_steps}) and nothing raised")
+            except synk.StepMismatchError as err:
+                counts["raised"] += 1
+                took = time.perf_counter() - t0
+                v.expect(took < 10, f"{where}: raised after {took:.1f} s")
+                v.expect("node 0:" in str(err) and "node 1:" in str(err), f"{where}: {err}")
+            except Exception as err:  # noqa: BLE001
+                v.expect(False, f"{where} ({how}): {type(err).__name__}: {err}")
+            break  # the rest of a perturbed sequence is not drawn alike any more
+    v.info["counts"] = counts
+
+
+def scenario_bad_broadcast(v, node, node_sizes):
+    """Node 0 passes broadcast() a value of the wrong ndim (the others pass None): node 0
+    raises the ValueError, every other node NodeFailedError naming it within seconds
+    (they waited for ever)."""
+    w = pytensor.shared(np.ones(3), name="w")
+    synk.function([], w.sum(), mode=MODE)
+    synk.distribute()
+    text = raises_soon(v, lambda: synk.broadcast(w, np.ones((2, 2)) if node == 0 else None),
+                       "broadcast of a bad value on node 0")
+    if node == 0:
+        v.expect(text.startswith("TypeError") or text.startswith("ValueError"), f"node 0's own error: {text}")
+    else:
+        v.expect(text.startswith("NodeFailedError") and "broadcast failed on node 0" in text, text)
+
+
 def scenario_leave(v, node, node_sizes):
     """Node 1 closes while the others call: they raise StepMismatchError naming its
     close(), and their next call NodeFailedError saying it closed; nothing hangs."""
@@ -379,6 +542,11 @@ def main() -> int:
             scenario_kill(v, node, node_sizes)
         elif scenario == "diverge":
             scenario_diverge(v, node, node_sizes)
+        elif scenario.startswith("random"):  # random:<seed>:<count>
+            _, seed, count = scenario.split(":")
+            scenario_random(v, node, node_sizes, int(seed), int(count))
+        elif scenario == "bad_broadcast":
+            scenario_bad_broadcast(v, node, node_sizes)
         elif scenario == "alone":
             scenario_alone_raises(v, node, node_sizes)
         elif scenario == "leave":
