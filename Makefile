@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PIP    := -m pip install -q -c constraints.txt
 DEPS   := pyproject.toml setup.py constraints.txt
 
-.PHONY: demo demo-mpi test bench docs compat venv clean
+.PHONY: demo demo-mpi test test-nodes bench docs compat venv clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ demo: $(VENV)/.demo
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
+
+# the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
+# process count instead of make test's 40: slower, run before a release
+test-nodes: $(VENV)/.test
+	SYNK_DIVERGE_SEQUENCES=300 $(PY) -m pytest -q tests/test_nodes.py tests/test_mpi_comm.py tests/test_multiverso_mpi.py
 
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(VENV)/bin/mpirun --oversubscribe --mca osc ^ucx
 
