@@ -237,6 +237,12 @@ class MpiWorld(World):
         """Rank 0's ``array`` into every rank's ``array`` (same shape and dtype everywhere)."""
         self._poll([self.comm.Ibcast(array, root=0)], what, self._gone)
 
+    def scatter_rows(self, full, part: np.ndarray, counts: list, mpitype, what: str) -> None:
+        """Rank ``r``'s ``counts[r]`` values of rank 0's ``full``, in rank order, into its ``part``."""
+        displs = [sum(counts[:r]) for r in range(len(counts))]
+        send = [full, (counts, displs), mpitype] if self.rank == 0 else None
+        self._poll([self.comm.Iscatterv(send, [part, mpitype], root=0)], what, self._gone)
+
     def new_store(self, index: int, num_row: int, num_col: int, dtype, init_value):
         """The storage of a new table (collective): a slice of rows on every rank."""
         store = MpiStore(self, index, num_row, num_col, dtype, init_value)
@@ -317,15 +323,17 @@ class MpiStore:
         mem = np.frombuffer(self.win.tomemory(), dtype=np.uint8)
         flag = np.array([init_value is not None], dtype=np.int8)
         world.bcast(flag, f"constructing table {index}")
-        full = None
-        if flag[0]:
+        part = None
+        if flag[0]:  # rank 0's value, each rank receiving its own rows only
             full = (np.ascontiguousarray(init_value, dtype=self.dtype).reshape(self.shape)
-                    if world.rank == 0 else np.empty(self.shape, dtype=self.dtype))
-            world.bcast(full, f"constructing table {index}")
+                    if world.rank == 0 else None)
+            part = np.empty((b - a, num_col), dtype=self.dtype)
+            world.scatter_rows(full, part, [(hi - lo) * num_col for lo, hi in self.bounds],
+                               self.mpitype, f"constructing table {index}")
         self.win.Lock(world.rank, MPI.LOCK_EXCLUSIVE)
         mem[:] = 0
-        if full is not None and b > a:
-            mem[base:].view(self.dtype).reshape(b - a, num_col)[:] = full[a:b]
+        if part is not None and b > a:
+            mem[base:].view(self.dtype).reshape(b - a, num_col)[:] = part
         self.win.Unlock(world.rank)
         world.barrier(f"constructing table {index}")
         self._counts = np.zeros(2 * n, dtype=np.int64)
@@ -375,17 +383,19 @@ class MpiStore:
                 if not direct:
                     out[a:b] = dest
             return
+        # each requested row once, in runs of consecutive rows: only those travel
+        uniq, inverse = np.unique(rows, return_inverse=True)
+        buf = np.empty((len(uniq), cols), dtype=self.dtype)
         for owner in self._owners():
             a, b = self.bounds[owner]
-            mine = np.flatnonzero((rows >= a) & (rows < b))
-            if mine.size == 0:
+            runs = _runs(uniq, a, b)
+            if not runs:
                 continue
-            lo, hi = int(rows[mine].min()), int(rows[mine].max()) + 1
-            buf = np.empty((hi - lo, cols), dtype=self.dtype)
             win.Lock(owner, MPI.LOCK_SHARED)
-            win.Get([buf, t], owner, target=(self._disp(owner, lo), (hi - lo) * cols, t))
+            for lo, hi, first in runs:
+                win.Get([buf[first:first + hi - lo], t], owner, target=(self._disp(owner, lo), (hi - lo) * cols, t))
             win.Unlock(owner)
-            out[mine] = buf[rows[mine] - lo]
+        out[...] = buf[inverse.reshape(-1)]
 
     def flush(self) -> None:
         """Adds complete at their Unlock: nothing to wait for."""

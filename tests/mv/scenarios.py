@@ -79,6 +79,13 @@ def matrix_test():
         data = tbh.get(row_ids)
         mv.barrier()
         check(np.array_equal(data, base[row_ids] * count * n * 2), f"matrix rows round {count}")
+    # random rows, repeated and out of order, against the whole table (no add meanwhile)
+    whole = tbh.get()
+    rng = np.random.default_rng(mv.worker_id())
+    for k in range(20):
+        ids = rng.integers(0, num_row, int(rng.integers(0, 30)))
+        check(np.array_equal(tbh.get(ids), whole[ids]), f"random rows {ids}")
+    mv.barrier()
 
 
 def tables():
