@@ -78,7 +78,8 @@ class Session:
                         "(busy or stuck); fork(timeout=...) bounds the wait, Ctrl-C abandons it",
                         now - self._wait_start, self.proc.control.pending())
         if self.timeout is not None and now - self._wait_start > self.timeout:
-            raise _TimedOut(self.proc.control.pending())
+            inter = getattr(self.proc.comm, "inter", None)  # across nodes: waiting for the others?
+            raise _TimedOut(self.proc.control.pending(), getattr(inter, "waiting", None))
 
     def check(self) -> None:
         """Master-side check between wait slices inside a collective."""
@@ -315,6 +316,12 @@ class Session:
         state = ("every process is back and synkhronos is usable" if back else
                  f"worker ranks {busy} are still busy with it: the next command first waits for "
                  "them (they were told to stop), synk.close() ends them")
+        if isinstance(stop, _TimedOut) and stop.exchange is not None:
+            return SynkTimeoutError(
+                f"the other nodes did not reach this node's {what} command (its exchange "
+                f"'{stop.exchange}' among the node masters) within timeout={self.timeout} s; this "
+                f"node's processes were waiting for them. The command was abandoned, the other "
+                f"nodes were told, and {state}", [], self.timeout, usable=back)
         if isinstance(stop, _TimedOut):
             return SynkTimeoutError(
                 f"worker ranks {stop.ranks} did not finish the {what} command within "
@@ -340,9 +347,10 @@ def _most_telling(errors: dict):
 class _TimedOut(BaseException):
     """Raised between wait slices once a command outlasted fork(timeout=...)."""
 
-    def __init__(self, ranks):
+    def __init__(self, ranks, exchange=None):
         super().__init__(ranks)
         self.ranks = list(ranks)
+        self.exchange = exchange  # across nodes: the exchange this node master waited in
 
 
 class _CloseRequested(BaseException):

@@ -123,6 +123,17 @@ def test_bad_broadcast_value_on_node_zero(tmp_path):
 
 
 @needs_mpi
+@pytest.mark.parametrize("sizes", ["1,2", "2,2"])
+def test_timeout_names_the_late_node(tmp_path, sizes):
+    """fork(timeout=3): a node whose master waits for a late node raises SynkTimeoutError
+    naming the other nodes, not its own healthy workers (or "ranks []"); the late node
+    then raises NodeFailedError."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "timeout", sizes)
+    assert verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 def test_node_closes_while_the_others_call(tmp_path):
     """close() on node 1 while node 0 calls: node 0 raises naming node 1's close(),
     then NodeFailedError saying it closed; nothing hangs, nothing is left."""

@@ -184,6 +184,7 @@ class MpiCommunicator(Communicator):
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
         self._words = "fork()"      # what this step is, in words
         self._crcs: dict = {}       # step key -> its checksum
+        self.waiting = None         # what this node master waits for the other nodes in, if it does
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
@@ -229,6 +230,7 @@ class MpiCommunicator(Communicator):
         try:
             if Testall(reqs):
                 return
+            self.waiting = what  # a timeout meanwhile names the other nodes (Session.poll)
             wait_until(ready, self.check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
         except BaseException as exc:
@@ -236,6 +238,8 @@ class MpiCommunicator(Communicator):
             if not isinstance(exc, NodeFailedError):
                 self.abort(f"{type(exc).__name__}: {exc}")
             raise
+        finally:
+            self.waiting = None
 
     def abort(self, reason: str) -> None:
         """Abandon the communicator and tell every other node why.

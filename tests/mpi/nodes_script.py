@@ -19,6 +19,7 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``leave``: node 1 closes while the others call.
 - ``alone``: node 1 (one process) fails an Assert on its rows inside a call.
 - ``bad_broadcast``: node 0 gives broadcast() a bad value.
+- ``timeout``: fork(timeout=3); node 1 is late for node 0's call.
 - ``random:<seed>:<count>``: random sequences of steps drawn alike on every
   node; node 1 perturbs one step of most of them (scenario_random).
 """
@@ -502,6 +503,25 @@ def scenario_bad_broadcast(v, node, node_sizes):
         v.expect(text.startswith("NodeFailedError") and "broadcast failed on node 0" in text, text)
 
 
+def scenario_timeout(v, node, node_sizes):
+    """fork(timeout=3) on every node; node 1 is busy with something else for 6 s while
+    node 0 calls: node 0's call raises SynkTimeoutError naming the other nodes (it
+    blamed a healthy local worker, or "ranks []"), and node 1's call then raises
+    NodeFailedError (node 0 told it)."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before node 1 was late")
+    if node == 1:
+        time.sleep(6)
+        text = raises_soon(v, lambda: f(per_node[node]), "node 1's call after node 0 timed out")
+        v.expect(text.startswith("NodeFailedError"), f"node 0 told node 1: {text}")
+        return
+    text = raises_soon(v, lambda: f(per_node[node]), "a call node 1 is late for")
+    v.expect(text.startswith("SynkTimeoutError") and "the other nodes did not reach" in text
+             and "worker ranks" not in text, f"names the other nodes: {text}")
+
+
 def scenario_leave(v, node, node_sizes):
     """Node 1 closes while the others call: they raise StepMismatchError naming its
     close(), and their next call NodeFailedError saying it closed; nothing hangs."""
@@ -528,7 +548,7 @@ def main() -> int:
     prefixes = []
     error = None
     try:
-        synk.fork(sizes[node % len(sizes)], device="cpu")
+        synk.fork(sizes[node % len(sizes)], device="cpu", timeout=3.0 if scenario == "timeout" else None)
         prefixes.append(synk.context.current().proc.prefix)
         v.info["affinity"] = sorted(os.sched_getaffinity(0))
         node_sizes = check_identity(v, node, sizes, synk.world())
@@ -547,6 +567,8 @@ def main() -> int:
             scenario_random(v, node, node_sizes, int(seed), int(count))
         elif scenario == "bad_broadcast":
             scenario_bad_broadcast(v, node, node_sizes)
+        elif scenario == "timeout":
+            scenario_timeout(v, node, node_sizes)
         elif scenario == "alone":
             scenario_alone_raises(v, node, node_sizes)
         elif scenario == "leave":
