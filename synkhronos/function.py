@@ -842,7 +842,9 @@ class Function:
             ValueError, IndexError: bad inputs or rows, named in the message.
             WorkerError or the worker's own exception type: a process failed.
                 Every process whose own share ran without error has applied its
-                updates; one whose share raised has applied none.
+                updates; one whose share raised has applied none (a note on the
+                exception names the ranks of each). Across nodes the same holds
+                in every process of every node.
         """
         plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
         if plannable and self._planned and self._owner is context.current():

@@ -271,7 +271,10 @@ class Session:
         unpacked = {rank: unpack_exception(blob) for rank, blob in errors.items()}
         if local_err is not None:
             unpacked[self.proc.rank] = local_err
-        raise _most_telling(unpacked)
+        err = _most_telling(unpacked)
+        if cmd is Command.CALL and not aborted:
+            _note_updates(err, self.proc.size, unpacked)
+        raise err
 
     def _collect(self, stop):
         """Wait for every worker's answer to the posted command.
@@ -335,6 +338,18 @@ class Session:
         except Exception:
             pass
         return stop
+
+def _note_updates(err: BaseException, size: int, errors: dict) -> None:
+    """Say on a failed call's exception which processes applied its updates: exactly
+    those whose own share ran without error (the rule of a failed call)."""
+    failed = sorted(r for r, e in errors.items() if not isinstance(e, (Aborted, PeerFailed)))
+    applied = [r for r in range(size) if r not in failed]
+    try:
+        err.add_note(f"synkhronos: this call's updates were applied by ranks {applied}, whose shares "
+                     f"ran without error, and not by ranks {failed}")
+    except Exception:  # noqa: BLE001 - an exception that takes no notes still says what failed
+        pass
+
 
 def _most_telling(errors: dict):
     """The root cause among the processes' errors: not a follow-on abort, lowest rank."""

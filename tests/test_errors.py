@@ -464,8 +464,11 @@ def test_a_failed_call_applies_exactly_the_updates_of_the_shares_that_ran(fork, 
         if i % 4 == 3:
             x_value = x_value.copy(order="F")  # not planned: the full path
         if bad_rank < n:
-            with pytest.raises(AssertionError, match="too big"):
+            with pytest.raises(AssertionError, match="too big") as info:
                 f(x_value)
+            applied = [r for r in range(n) if r != bad_rank]
+            assert (f"this call's updates were applied by ranks {applied}, whose shares ran without "
+                    f"error, and not by ranks [{bad_rank}]") in "\n".join(info.value.__notes__)
         else:
             f(x_value)
         held += np.arange(n) != bad_rank
