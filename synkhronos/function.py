@@ -427,10 +427,19 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
             if as_interrupt(exc) is not exc:  # an interrupt, turned into SystemError by native code
                 raise as_interrupt(exc) from None
             error = exc
+    own_only = None  # a master without rows: its own results (op None) on its empty share
+    if not share.active and error is None and proc.is_master and call.n_rows is not None and None in ops:
+        try:
+            own_only = _own_results(proc, lf, call, ops, share, own)
+        except Exception as exc:  # noqa: BLE001 - its own share failed, as any share may
+            error = exc
     if call.inline:
-        return _reply_inline(proc, outs, ops, weight, error)
+        got = _reply_inline(proc, outs, ops, weight, error)
+        return got if own_only is None else (own_only, got[1], got[2])
     try:
         results = _reduce_outputs(proc, outs, len(ops), groups, weight, error is not None)
+        if own_only is not None:
+            results = [own_only[k] if op is None else r for k, (op, r) in enumerate(zip(ops, results))]
     except PeerFailed:
         # the collective fails in every process, the failing one too: report its own error
         if error is not None:
@@ -438,6 +447,19 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
         raise
     if error is not None:
         raise own_share_failed(error)
+    return results
+
+
+def _own_results(proc, lf, call, ops, share, own) -> list:
+    """The master's own results (the outputs of op None) when it has no rows: those
+    outputs alone, on its empty share, its updates not applied (it takes no part)."""
+    chosen = range(len(lf.spec.outputs)) if call.subset is None else call.subset
+    mine = [j for j, op in enumerate(ops) if op is None]
+    fn = lf.compiled(tuple(chosen[j] for j in mine), values=True)
+    got = fn(*_local_inputs(proc, call, share.lo, share.hi, own))
+    results = [None] * len(ops)
+    for i, j in enumerate(mine):
+        results[j] = got[i]
     return results
 
 

@@ -163,3 +163,30 @@ def test_numba_still_compiles_after_a_fork_closed(fork):
     fork(2)
     g = synk.function([x], (pt.exp(x) * c).max())  # workers compile too
     assert g(np.zeros(4)) == pytest.approx(c)
+
+
+@pytest.mark.parametrize("n, master", [(3, 1), (3, 2), (2, 1)])
+def test_op_none_output_of_a_master_without_rows(fork, n, master):
+    """Fewer rows than processes, and none for the master: an op-None output (the
+    master's own result) is computed on its empty share, never None; the others'
+    rows decide the reduced outputs; the master applies no update. Calls repeat
+    (the kept plan and the inline path)."""
+    fork(n, master_rank=master)
+    c = pytensor.shared(np.float64(3.0), name="c")
+    count = pytensor.shared(np.int64(0), name="count")
+    x = pt.dvector("x")
+    f = synk.function([x], [(c * 2, None), (x.sum(), "sum"), (x.sum(), None), (x * 1, "gather")],
+                      updates=[(count, count + 1)], mode=MODE)
+    synk.distribute()
+    applied = np.zeros(n, np.int64)
+    for rows in (1, 1, 2, 0, 1):
+        got = f(np.arange(1.0, rows + 1))
+        assert got[0] is not None and float(got[0]) == 6.0, got
+        assert float(got[1]) == sum(range(1, rows + 1)), got
+        lo, hi = synk.batching.split(rows, n, master)
+        assert float(got[2]) == float(np.arange(1.0, rows + 1)[lo:hi].sum()), got
+        np.testing.assert_array_equal(got[3], np.arange(1.0, rows + 1))
+        for r in range(n):
+            lo, hi = synk.batching.split(rows, n, r)
+            applied[r] += hi > lo or (rows == 0 and r == master)
+    assert [int(synk.get_value(r, count)) for r in range(n)] == applied.tolist()
