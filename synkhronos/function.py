@@ -1172,7 +1172,8 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         inputs: list of PyTensor variables.
         outputs: a variable, a list of variables, or ``(variable, op)`` pairs;
             op is one of ``avg`` (default), ``sum``, ``prod``, ``max``,
-            ``min``, ``gather``, ``None`` (master's own result), optionally
+            ``min``, ``gather``, ``None`` (master's own result, on its own
+            rows: with fewer rows than processes, on none), optionally
             ``c_``-prefixed.
         bcast_inputs: inputs (variables or positions) every worker gets whole;
             the others are scattered along axis 0. A variable not listed in
