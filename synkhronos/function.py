@@ -224,8 +224,9 @@ def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
     else:
         lo, hi = split(call.n_rows, proc.size, proc.rank)
         weight = float(hi - lo)
-        # with no rows at all the master alone computes, as PyTensor would on an empty batch
-        active = hi > lo or (call.n_rows == 0 and proc.is_master)
+        # with no rows at all the master alone computes, as PyTensor would on an empty batch;
+        # across nodes a node without rows adds nothing (the others' rows decide)
+        active = hi > lo or (call.n_rows == 0 and proc.is_master and proc.comm.within_fork)
         if error is None and rows is not None and len(rows) != hi - lo:
             error = ValueError(f"rank {proc.rank}: batch_s selects {len(rows)} rows of the sliceable "
                                f"shared variables but this process has {hi - lo} rows of scattered inputs")
@@ -440,6 +441,10 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
         results = _reduce_outputs(proc, outs, len(ops), groups, weight, error is not None)
         if own_only is not None:
             results = [own_only[k] if op is None else r for k, (op, r) in enumerate(zip(ops, results))]
+        if proc.is_master and call.n_rows == 0 and not proc.comm.within_fork and any(
+                results[k] is None for k, op in enumerate(ops) if op is not None):
+            raise ValueError("no node passed any rows to this call: its reduced outputs have no "
+                             "values (each node adds its own rows; give at least one node some)")
     except PeerFailed:
         # the collective fails in every process, the failing one too: report its own error
         if error is not None:

@@ -114,10 +114,21 @@ def check_outputs(v, node, node_sizes):
     for name, g, w in zip(names, got, want):
         v.expect(np.shape(g) == np.shape(w) and np.allclose(g, w), f"output {name}: {g} != {w}")
     v.expect(np.asarray(got[7]).dtype == np.float64, f"int avg dtype {np.asarray(got[7]).dtype}")
-    # no rows on node 1 (its master computes the empty batch alone): the others' rows decide
-    f0 = synk.function([x], [(x.mean(axis=0), "avg"), (x.sum(axis=0), "sum"), (x * 2, "gather")], mode=MODE)
+    # no rows on node 1 (it adds nothing; its op-None output is its master's on no rows):
+    # the others' rows decide, max and min included (they failed: node 1 computed on nothing)
+    f0 = synk.function([x], [(x.mean(axis=0), "avg"), (x.sum(axis=0), "sum"), (x * 2, "gather"),
+                             (x.max(axis=0), "max"), (x.min(axis=0), "min"), (x.sum(axis=0), None)],
+                       mode=MODE)
     got = f0(mine[:0] if node == 1 else mine)
     rest = np.concatenate([p for k, p in enumerate(per_node) if k != 1])
+    v.expect(np.array_equal(got[3], rest.max(0)) and np.array_equal(got[4], rest.min(0)),
+             f"max and min without node 1's rows: {got[3]}, {got[4]}")
+    own = mine[:0] if node == 1 else mine[slice(*split(len(mine), node_sizes[node], 0))]
+    v.expect(np.array_equal(got[5], own.sum(0)), f"op None on node {node}: {got[5]}")
+    # no rows on any node: an error on every node (the outputs came back None), then it goes on
+    text = raises_soon(v, lambda: f0(mine[:0]), "a call with no rows on any node")
+    v.expect(text.startswith("ValueError") and "no node passed any rows" in text, text)
+    v.expect(np.allclose(f0(mine)[1], data.sum(0)), "the call after one without rows anywhere")
     v.expect(np.array_equal(got[2], rest * 2), "gather without node 1's rows")
     v.expect(np.allclose(got[0], rest.mean(0)) and np.allclose(got[1], rest.sum(0)),
              f"node 1 without rows: {got[0]} vs {rest.mean(0)}")
