@@ -185,7 +185,9 @@ def test_descriptors_stay_flat_under_a_low_ulimit(fork):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     for pid, before in fds.items():
-        assert _fds(pid) <= before, f"process {pid} opened descriptors per segment"
+        # per segment would be dozens more (300 synk.data, 50 calls); a descriptor or two may be
+        # open for a moment (seen once in a full run: 14 against 13, never alone)
+        assert _fds(pid) <= before + 2, f"process {pid} opened descriptors per segment: {_fds(pid)} > {before}"
     del datas
 
 
