@@ -356,9 +356,14 @@ def failed_alone(proc, what: str, err: BaseException) -> None:
     """A step failed in this node master before it reached the others (a bad value of
     node 0's): tell them, so that they raise NodeFailedError naming it instead of
     waiting for this node; the communicator among the nodes is abandoned."""
+    _abandon(proc, lambda node: f"{what} failed on node {node}: {type(err).__name__}: {err}")
+
+
+def _abandon(proc, reason) -> None:
+    """Abandon the communicator among the node masters, telling the others ``reason(node)``."""
     inter = _inter(proc)
     if inter is not None and inter.broken is None:
-        inter.abort(f"{what} failed on node {inter.rank}: {type(err).__name__}: {err}"[:500])
+        inter.abort(reason(inter.rank)[:500])
         context.nodes_broken = True
 
 
@@ -367,9 +372,6 @@ def abandon_at_exit(proc) -> None:
     other nodes (they raise ``NodeFailedError`` naming this node within one
     poll, instead of waiting for it in their next collective), and leave
     the node communicator abandoned, so close() does not wait for them."""
-    inter = _inter(proc)
     err = getattr(sys, "last_value", None)
-    if inter is None or err is None or inter.broken is not None:
-        return
-    inter.abort(f"node {inter.rank}'s script ended with an uncaught {type(err).__name__}: {err}"[:500])
-    context.nodes_broken = True
+    if err is not None:
+        _abandon(proc, lambda node: f"node {node}'s script ended with an uncaught {type(err).__name__}: {err}")

@@ -339,6 +339,7 @@ class Session:
             pass
         return stop
 
+
 def _note_updates(err: BaseException, size: int, errors: dict) -> None:
     """Say on a failed call's exception which processes applied its updates: exactly
     those whose own share ran without error (the rule of a failed call)."""
