@@ -723,6 +723,49 @@ class Function:
 
     as_theano = as_pytensor
 
+    def as_op(self, given=None, grads=None):
+        """This function as a PyTensor Op, for any PyTensor graph (PyMC, scipy.optimize, ...).
+
+        Each evaluation of the Op is one distributed call of this function.
+
+        Args:
+            given: ``{input: value}`` for the inputs that keep one value (an
+                input named by its variable, name or position). A numpy value of
+                a scattered input is copied into a :func:`synkhronos.data` once;
+                a synk.data passes as it is (it must have the input's dtype).
+            grads: ``{value output: [gradient output, ...]}``: for a scalar
+                output reduced with ``"sum"`` or ``"avg"``, the outputs that hold
+                its gradient with respect to each free input (``None`` for an
+                input it does not depend on). The Op's gradient then comes from
+                the same call as its value.
+
+        Returns:
+            A :class:`synkhronos.graph_op.SynkOp`: its inputs are the inputs not
+            in ``given``, in order; its outputs all the function's outputs.
+
+        Raises:
+            TypeError, ValueError, IndexError: a bad input, value or gradient
+                declaration, named in the message.
+        """
+        from .graph_op import build_op, position
+
+        spec = self._spec
+        if given is not None and not isinstance(given, dict):
+            raise TypeError(f"given must be a dict {{input: value}}, got {given!r}")
+        fixed = {}
+        for key, value in (given or {}).items():
+            i = position(key, spec.inputs, "input", self.name)
+            if i in fixed:
+                raise ValueError(f"input {spec.inputs[i].name or i!r} of function {self.name!r} given twice")
+            if isinstance(value, Data) and value.dtype != np.dtype(spec.inputs[i].type.dtype):
+                raise TypeError(f"given: synk.data {data_label(value)} has dtype {value.dtype}; input "
+                                f"{spec.inputs[i].name or i!r} expects {spec.inputs[i].type.dtype}")
+            value = self._check_value(i, value)
+            if not spec.bcast[i] and not isinstance(value, Data):  # rows in shared memory once
+                value = make_data(value, var=spec.inputs[i], name=spec.inputs[i].name)
+            fixed[i] = value
+        return build_op(self, spec.inputs, spec.outputs, spec.bcast, fixed, grads)
+
     # -- inputs ------------------------------------------------------------
 
     def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False, **kwargs):

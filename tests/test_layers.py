@@ -67,6 +67,7 @@ LAYERS = {
     # 10-11: features, master and worker halves together
     "synkhronos.data": 10,
     "synkhronos.distribute": 10,
+    "synkhronos.graph_op": 10,
     "synkhronos.plans": 10,
     "synkhronos.function": 11,
     "synkhronos.shareds": 11,

@@ -1,0 +1,171 @@
+"""Function.as_op: a distributed function inside PyTensor graphs, against plain PyTensor."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from numpy.testing import assert_allclose
+from scipy import optimize
+
+import synkhronos as synk
+from conftest import MODE
+
+
+def _logistic(X, y, theta):
+    eta = X @ theta
+    return (y * eta - pt.log1p(pt.exp(eta))).sum()
+
+
+def _value_and_grad_function(op="sum"):
+    """Summed log-likelihood and its gradient ("sum"), or their means over rows ("avg")."""
+    X, y, theta = pt.dmatrix("X"), pt.dvector("y"), pt.dvector("theta")
+    logp = _logistic(X, y, theta)
+    if op == "avg":
+        logp = logp / X.shape[0]
+    logp.name = "logp"
+    dlogp = pytensor.grad(logp, theta)
+    dlogp.name = "dlogp"
+    f = synk.function([X, y, theta], [(logp, op), (dlogp, op)], bcast_inputs=[theta], mode=MODE)
+    synk.distribute()
+    return f, (X, y, theta)
+
+
+def _data(rng, n, k):
+    X = rng.standard_normal((n, k))
+    y = (rng.random(n) < 0.5).astype(float)
+    return X, y
+
+
+def test_value_and_gradient_equal_plain_pytensor_over_random_cases(forked):
+    f, (X, y, theta) = _value_and_grad_function()
+    rng = np.random.default_rng(1)
+    t = pt.dvector("t")
+    c = pt.dscalar("c")
+    for case in range(12):
+        n, k = int(rng.integers(1, 60)), int(rng.integers(1, 5))
+        Xv, yv = _data(rng, n, k)
+        given = {X: synk.data(Xv) if case % 2 else Xv, "y": yv}
+        op = f.as_op(given=given, grads={0: [1]})
+        # an arbitrary graph around it: the gradient goes through the Op's declared gradient
+        cost = c * op(t)[0] + pt.sin(t).sum()
+        fn = pytensor.function([t, c], [cost, pytensor.grad(cost, t)], mode=MODE)
+        ref_cost = c * _logistic(pt.constant(Xv), pt.constant(yv), t) + pt.sin(t).sum()
+        ref = pytensor.function([t, c], [ref_cost, pytensor.grad(ref_cost, t)], mode=MODE)
+        for _ in range(3):
+            tv, cv = rng.standard_normal(k), float(rng.standard_normal())
+            got, want = fn(tv, cv), ref(tv, cv)
+            assert_allclose(got[0], want[0], rtol=1e-10, err_msg=f"case {case}: value")
+            assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12, err_msg=f"case {case}: gradient")
+
+
+def test_one_distributed_call_per_value_and_gradient(fork):
+    fork(2)
+    f, (X, y, theta) = _value_and_grad_function()
+    Xv, yv = _data(np.random.default_rng(2), 30, 3)
+    op = f.as_op(given={X: Xv, y: yv}, grads={0: [1]})
+    calls = []
+    real_call = op.fn
+
+    class Counting:
+        name, output_modes = real_call.name, real_call.output_modes
+
+        def __call__(self, *args):
+            calls.append(1)
+            return real_call(*args)
+
+    op.fn = Counting()
+    t = pt.dvector("t")
+    value = op(t)[0]
+    fn = pytensor.function([t], [value, pytensor.grad(value, t)], mode=MODE)
+    fn(np.zeros(3))
+    assert len(calls) == 1
+
+
+def test_avg_outputs_and_scipy_optimize(fork):
+    fork(2)
+    f, (X, y, theta) = _value_and_grad_function(op="avg")
+    rng = np.random.default_rng(3)
+    Xv, yv = _data(rng, 41, 3)
+    op = f.as_op(given={X: synk.data(Xv), y: synk.data(yv)}, grads={"logp": ["dlogp"]})
+    t = pt.dvector("t")
+    value = -op(t)[0] + 0.5 * (t ** 2).sum()
+    fn = pytensor.function([t], [value, pytensor.grad(value, t)], mode=MODE)
+    got = optimize.minimize(fn, np.zeros(3), jac=True, method="L-BFGS-B").x
+    ref_value = -_logistic(pt.constant(Xv), pt.constant(yv), t) / 41 + 0.5 * (t ** 2).sum()
+    ref_fn = pytensor.function([t], [ref_value, pytensor.grad(ref_value, t)], mode=MODE)
+    want = optimize.minimize(ref_fn, np.zeros(3), jac=True, method="L-BFGS-B").x
+    assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+
+
+def test_scattered_free_input_and_gather_output(fork):
+    fork(2)
+    x, w = pt.dmatrix("x"), pt.dvector("w")
+    f = synk.function([x, w], [((x @ w), "gather"), ((x @ w).sum(), "sum")], bcast_inputs=[w], mode=MODE)
+    op = f.as_op(given={"w": np.array([1.0, -2.0])})
+    xs = pt.dmatrix("xs")
+    rows, total = op(xs)
+    assert rows.type.shape == (None,)
+    fn = pytensor.function([xs], [rows, total], mode=MODE)
+    a = np.arange(14.0).reshape(7, 2)
+    got = fn(a)
+    assert_allclose(got[0], a @ [1.0, -2.0])
+    assert_allclose(got[1], (a @ [1.0, -2.0]).sum())
+
+
+def test_bad_inputs_are_named(fork):
+    fork(2)
+    f, (X, y, theta) = _value_and_grad_function()
+    Xv, yv = _data(np.random.default_rng(4), 10, 3)
+    with pytest.raises(ValueError, match="'nope'.*expected exactly one"):
+        f.as_op(given={"nope": Xv})
+    with pytest.raises(TypeError, match="given must be a dict"):
+        f.as_op(given=[Xv])
+    with pytest.raises(TypeError, match="input 'X'.*ndim=2"):
+        f.as_op(given={X: yv})
+    with pytest.raises(TypeError, match="synk.data.*float32.*expects float64"):
+        f.as_op(given={X: synk.data(Xv.astype(np.float32))})
+    with pytest.raises(ValueError, match="one gradient output .* per free input"):
+        f.as_op(given={X: Xv, y: yv}, grads={0: [1, 1]})
+    with pytest.raises(ValueError, match="ndim 1; a gradient is declared for a scalar output only"):
+        f.as_op(given={X: Xv, y: yv}, grads={1: [1]})
+    with pytest.raises(ValueError, match="the input is scattered"):
+        f.as_op(given={theta: np.zeros(3), y: yv}, grads={0: [1]})
+    with pytest.raises(IndexError, match="output position 5 is out of range"):
+        f.as_op(given={X: Xv, y: yv}, grads={5: [1]})
+    op = f.as_op(given={X: Xv, y: yv}, grads={0: [1]})
+    with pytest.raises(TypeError, match="input 'theta' of SynkOp.*expects ndim=1"):
+        op(pt.dmatrix())
+    with pytest.raises(TypeError, match="expects dtype float64, got .* of dtype complex128"):
+        op(pt.zvector())
+    with pytest.raises(ValueError, match=r"expects shape \(3,\)"):
+        f2 = synk.function([theta], theta.sum(), bcast_inputs=[theta], mode=MODE)
+        del f2
+        op_static = f.as_op(given={X: Xv, y: yv})
+        op_static.in_types[0] = pt.TensorType("float64", shape=(3,))
+        op_static(pt.specify_shape(pt.dvector(), (4,)))
+    with pytest.raises(TypeError, match="takes 1 inputs"):
+        op(pt.dvector(), pt.dvector())
+    # a float32 vector is cast up, as PyTensor would
+    assert op(pt.fvector())[0].type.dtype == "float64"
+
+
+def test_undeclared_gradient_is_an_error_naming_the_output(fork):
+    fork(2)
+    f, (X, y, theta) = _value_and_grad_function()
+    Xv, yv = _data(np.random.default_rng(5), 10, 3)
+    op = f.as_op(given={X: Xv, y: yv})
+    t = pt.dvector("t")
+    with pytest.raises(Exception, match="no gradient of its output 'logp'|no gradient"):
+        pytensor.grad(op(t)[0], t)
+
+
+def test_pickle_in_the_same_process_only(fork):
+    fork(2)
+    f, (X, y, theta) = _value_and_grad_function()
+    Xv, yv = _data(np.random.default_rng(6), 10, 3)
+    op = f.as_op(given={X: Xv, y: yv}, grads={0: [1]})
+    assert pickle.loads(pickle.dumps(op)) is op
