@@ -47,9 +47,10 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q tests
 
 # the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
-# process count instead of make test's 40: slower, run before a release
+# process count instead of make test's 40, and messages over 2 GiB (about 10 GiB of memory):
+# slower, run before a release
 test-nodes: $(VENV)/.test
-	SYNK_DIVERGE_SEQUENCES=300 $(PY) -m pytest -q tests/test_nodes.py tests/test_mpi_comm.py tests/test_multiverso_mpi.py
+	SYNK_DIVERGE_SEQUENCES=300 SYNK_LARGE_MESSAGES=1 $(PY) -m pytest -q tests/test_nodes.py tests/test_mpi_comm.py tests/test_multiverso_mpi.py
 
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(VENV)/bin/mpirun --oversubscribe --mca osc ^ucx
 

@@ -119,6 +119,34 @@ def test_every_collective_against_numpy(tmp_path, n):
 
 
 @needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_collective_in_pieces(tmp_path, n):
+    """The same job with every transfer over 4,099 bytes split into pieces, as a
+    message over 2 GiB is (MPI 3.1 counts in C ints): reductions piece by piece
+    (a piece not a whole number of elements), broadcasts piece by piece, gathers
+    node by node: the same answers as numpy."""
+    rc, output, verdicts = mpirun(tmp_path, n, "comm_ops.py", "--piece", "4099")
+    assert_all_ok(rc, output, verdicts, n)
+    assert all(v["checks"] > 500 for v in verdicts.values())
+
+
+@needs_mpi
+@pytest.mark.skipif(os.environ.get("SYNK_LARGE_MESSAGES") != "1",
+                    reason="messages over 2 GiB take about 80 s and 10 GiB here: make test-nodes runs them "
+                           "(SYNK_LARGE_MESSAGES=1)")
+def test_messages_over_two_gib(tmp_path):
+    """Broadcast, all_reduce (2**31 + 64 uint8 in one array), reduce (2 GiB + 64 B of
+    float32), all_gather and gather (2 x (1 GiB + 32 B)) across 2 nodes: each
+    the same as numpy. Before pieces, the broadcast failed with MPI_ERR_ARG."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if avail < 12 << 30:
+        pytest.skip(f"needs about 12 GiB of free memory, {avail / 2**30:.1f} GiB free")
+    rc, output, verdicts = mpirun(tmp_path, 2, "comm_large.py", limit=400)
+    assert_all_ok(rc, output, verdicts, 2)
+    assert all(v["checks"] == 5 for v in verdicts.values())
+
+
+@needs_mpi
 def test_every_collective_over_tcp(tmp_path):
     """The same job with MPI's data forced through TCP sockets (no shared memory)."""
     rc, output, verdicts = mpirun(tmp_path, 2, "comm_ops.py",

@@ -79,6 +79,15 @@ STEP_TEXT = 96
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 
+#: Largest piece of one MPI call (bytes). MPI 3.1 (what the Open MPI 5 wheel speaks)
+#: counts elements and displacements in C ints: a message over 2**31 - 1 bytes (or
+#: elements) fails with MPI_ERR_ARG. Every transfer larger than this goes in pieces
+#: of at most this size, each its own non-blocking request (broadcast and reductions
+#: piece by piece; gathers whose total passes it, node by node and piece by piece).
+PIECE_BYTES = 1 << 30
+#: The tag of a gather's point-to-point pieces (the data communicator has no other).
+_PIECE_TAG = 7
+
 #: reduce op -> MPI op name ("avg" is a weighted sum).
 MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
 
@@ -133,6 +142,17 @@ def _fit(into, layout, op):
               and a.dtype == plan[0] and a.shape == tuple(shape))
         out.append(a if ok else None)
     return out
+
+
+def _spans(count: int, itemsize: int = 1):
+    """``(lo, hi)`` element ranges of at most ``PIECE_BYTES`` each (at least one element)."""
+    step = max(1, PIECE_BYTES // itemsize)
+    return [(lo, min(lo + step, count)) for lo in range(0, count, step)] or [(0, 0)]
+
+
+def _pieces(flat: np.ndarray):
+    """Views of the 1-d contiguous ``flat`` of at most ``PIECE_BYTES`` each."""
+    return [flat[lo:hi] for lo, hi in _spans(flat.size, flat.itemsize)]
 
 
 def _as_bytes(a: np.ndarray) -> np.ndarray:
@@ -469,10 +489,14 @@ class MpiCommunicator(Communicator):
                 recv = self._scratch(work, shape)
             else:
                 recv = np.empty(shape, dtype=work) if gets else None
-            if root is None:
-                reqs.append(self._comm.Iallreduce(send, recv, mpi_op[name]))
-            else:
-                reqs.append(self._comm.Ireduce(send, recv, mpi_op[name], root))
+            flat_send = send.reshape(-1)  # views: both are contiguous
+            flat_recv = None if recv is None else recv.reshape(-1)
+            for lo, hi in _spans(count, work.itemsize):
+                out = None if flat_recv is None else flat_recv[lo:hi]
+                if root is None:
+                    reqs.append(self._comm.Iallreduce(flat_send[lo:hi], out, mpi_op[name]))
+                else:
+                    reqs.append(self._comm.Ireduce(flat_send[lo:hi], out, mpi_op[name], root))
             jobs.append(("mpi", recv))
             keep += [send, recv]
         return reqs, jobs, keep
@@ -487,12 +511,15 @@ class MpiCommunicator(Communicator):
         displs = [sum(sizes[:r]) for r in range(self.size)]
         send = _as_bytes(mine) if mine is not None and mine.nbytes else np.empty(0, dtype=np.uint8)
         recv = np.empty(sum(sizes), dtype=np.uint8) if gets else None
-        spec = [recv, (sizes, displs), MPI.BYTE] if gets else None
         keep += [send, recv]
-        if root is None:
-            reqs.append(self._comm.Iallgatherv([send, MPI.BYTE], spec))
+        if sum(sizes) > PIECE_BYTES:  # displacements or counts past a C int: node by node, in pieces
+            reqs += self._start_gather_in_pieces(send, recv, sizes, displs, root)
         else:
-            reqs.append(self._comm.Igatherv([send, MPI.BYTE], spec, root))
+            spec = [recv, (sizes, displs), MPI.BYTE] if gets else None
+            if root is None:
+                reqs.append(self._comm.Iallgatherv([send, MPI.BYTE], spec))
+            else:
+                reqs.append(self._comm.Igatherv([send, MPI.BYTE], spec, root))
 
         class Parts:
             def __getitem__(_, r):
@@ -505,6 +532,28 @@ class MpiCommunicator(Communicator):
                 return recv[displs[r]:displs[r] + sizes[r]].view(dtype).reshape(shape)
 
         return Parts()
+
+    def _start_gather_in_pieces(self, send, recv, sizes, displs, root):
+        """A gather too large for one MPI call: for an all-gather, each node broadcasts
+        its part piece by piece; for a gather, each node sends its pieces to ``root``
+        (non-overtaking: they arrive in order). Requests, in the same order on every node."""
+        MPI, reqs = self._MPI, []
+        if recv is not None and sizes[self.rank]:  # this node's own part, in place
+            recv[displs[self.rank]:displs[self.rank] + sizes[self.rank]] = send
+        for r in range(self.size):
+            if not sizes[r]:
+                continue
+            if root is None:
+                part = recv[displs[r]:displs[r] + sizes[r]]
+                reqs += [self._comm.Ibcast([p, MPI.BYTE], r) for p in _pieces(part)]
+            elif r == root:
+                continue
+            elif self.rank == root:
+                part = recv[displs[r]:displs[r] + sizes[r]]
+                reqs += [self._comm.Irecv([p, MPI.BYTE], r, _PIECE_TAG) for p in _pieces(part)]
+            elif self.rank == r:
+                reqs += [self._comm.Isend([p, MPI.BYTE], root, _PIECE_TAG) for p in _pieces(send)]
+        return reqs
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every node's arrays (None: nothing to add); the result on
@@ -593,7 +642,7 @@ class MpiCommunicator(Communicator):
                 bufs = [b if b is None or b.flags.writeable else b.copy() for b in bufs]
             else:
                 bufs = [np.empty(n, dtype=np.uint8) if n else None for n in sizes]
-            reqs = [self._comm.Ibcast([b, MPI.BYTE], root) for b in bufs if b is not None]
+            reqs = [self._comm.Ibcast([p, MPI.BYTE], root) for b in bufs if b is not None for p in _pieces(b)]
             return reqs, bufs
 
         reqs, bufs = self._started("broadcast", start)

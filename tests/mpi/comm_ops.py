@@ -1,6 +1,9 @@
 """Every collective of MpiCommunicator, against numpy, on every rank (run under mpirun).
 
-    mpirun -np 3 python tests/mpi/comm_ops.py OUT_DIR [--quick]
+    mpirun -np 3 python tests/mpi/comm_ops.py OUT_DIR [--quick] [--piece BYTES]
+
+With ``--piece``, every MPI transfer over BYTES goes in pieces of at most
+BYTES (the path of messages over 2 GiB, exercised here on small ones).
 
 Every rank builds every rank's contribution from the same seeds, so each can
 compute numpy's answer on its own and compare. Ops x dtypes x sizes (small,
@@ -42,7 +45,11 @@ def main() -> int:
     out = sys.argv[1]
     quick = "--quick" in sys.argv
     MPI = init_mpi()
+    from synkhronos.collectives import mpi as mpi_module
     from synkhronos.collectives.mpi import MpiCommunicator, NodeFailedError
+
+    if "--piece" in sys.argv:
+        mpi_module.PIECE_BYTES = int(sys.argv[sys.argv.index("--piece") + 1])
     from synkhronos.collectives import PeerFailed
 
     world = MPI.COMM_WORLD
