@@ -1,0 +1,336 @@
+"""PyMC models data-parallel: the observed log-likelihood summed across the fork (extra ``[pymc]``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.tensor.random.op import RandomVariable
+from pytensor.tensor.shape import SpecifyShape
+from pytensor.tensor.variable import TensorConstant
+
+import synkhronos as synk
+from synkhronos.graph_op import register_jax
+
+try:
+    import pymc as pm
+    from pymc.model.fgraph import clone_model
+except ImportError as err:  # pragma: no cover - the extra is missing
+    raise ImportError("synkhronos.pymc needs PyMC: pip install 'synkhronos[pymc]'") from err
+
+try:
+    from pytensor.graph.traversal import graph_inputs, io_toposort
+except ImportError:  # pragma: no cover - PyTensor 2
+    from pytensor.graph.basic import graph_inputs, io_toposort
+
+__all__ = ["data_parallel", "DataParallelModel", "JAX_SAMPLERS", "SAMPLERS"]
+
+#: ``pm.sample(nuts_sampler=...)`` values that run on a data-parallel model.
+SAMPLERS = ("pymc", "numpyro", "blackjax")
+#: Of those, the ones that go through PyTensor's JAX backend (the Op's JAX rendering).
+JAX_SAMPLERS = ("numpyro", "blackjax")
+#: Relative difference under which a split log-likelihood counts as equal to the whole.
+COUPLING_RTOL = 1e-8
+
+
+@dataclasses.dataclass
+class _Split:
+    """What a data-parallel model computes across the fork, and from what."""
+
+    term: object          # the summed observed log-likelihood, a graph of the model's RVs
+    op: object            # the SynkOp
+    rows: list            # (model data variable or constant, its synk.data, the value it was copied from)
+    n_rows: int
+    observed: list        # names of the observed variables it replaces
+
+
+class DataParallelModel:
+    """Mixed into a clone of a PyMC model by :func:`data_parallel`: its log-density
+    takes the observed variables' term from the fork; all else is PyMC's."""
+
+    synk_split: _Split
+
+    def logp(self, vars=None, jacobian=True, sum=True):  # noqa: A002 - PyMC's signature
+        if "pytensor.link.jax.dispatch" in sys.modules:  # a JAX sampler is compiling this
+            register_jax()
+        varlist = (self.free_RVs + self.observed_RVs + self.potentials if vars is None
+                   else list(vars) if isinstance(vars, (list, tuple)) else [vars])
+        observed = [v for v in varlist if any(self.values_to_rvs.get(v, v) is o for o in self.observed_RVs)]
+        if not sum or len(observed) != len(self.observed_RVs):
+            # one variable's terms, or elementwise terms: PyMC's own, on the master's copy of the data
+            return super().logp(vars=vars, jacobian=jacobian, sum=sum)
+        rest = [v for v in varlist if all(v is not o for o in observed)]
+        _follow_data(self.synk_split)
+        total = self.replace_rvs_by_values([self.synk_split.term])[0]
+        if rest:
+            total = super().logp(vars=rest, jacobian=jacobian, sum=True) + total
+        total.name = ("__logp" if jacobian else "__logp_nojac") + (f"_{self.name}" if self.name else "")
+        return total
+
+
+def data_parallel(model, rows=None, *, mode=None, check=True):
+    """A copy of a PyMC model whose observed log-likelihood is computed across the fork.
+
+    Call after :func:`synkhronos.fork`. The per-row data go into shared memory
+    once; every evaluation of the model's log-density (and its gradient, from
+    the same call) sums the observed variables' log-likelihood over every
+    process's rows. Priors, Jacobians and potentials are computed once, in
+    the master. ``pm.sample`` (``nuts_sampler`` "pymc", "numpyro" or
+    "blackjax", ``cores=1``), ``pm.find_MAP``, ``pm.fit`` and
+    ``pm.sample_posterior_predictive`` take the copy as they take the model.
+
+    Args:
+        model: a ``pm.Model`` with observed variables.
+        rows: names of the data containers (``pm.Data``) that hold one entry
+            per row along their first axis. Default: found from the observed
+            variables: their data, and every data container or constant in
+            their log-likelihood with as many rows.
+        mode: the PyTensor mode each process compiles its share with (default:
+            PyTensor's default).
+        check: check once, at a draw from the prior, that each observed term is
+            a sum over rows (splitting the rows does not change it).
+
+    Returns:
+        The data-parallel copy of ``model`` (a ``pm.Model``).
+
+    Raises:
+        TypeError: ``model`` is not a PyMC model.
+        ValueError: no observed variable; per-row data of different row
+            counts; a free variable with one entry per row (a per-row latent
+            variable); an observed term that couples rows. Each names the
+            variable.
+    """
+    if not isinstance(model, pm.Model):
+        raise TypeError(f"data_parallel takes a pm.Model, got {model!r}")
+    if not model.observed_RVs:
+        raise ValueError(f"model {model.name or '(unnamed)'} has no observed variables: there is no "
+                         "per-row data to split across processes")
+    new = clone_model(model)
+    terms, free, observed = _observed_terms(new)
+    leaves = _data_leaves(terms)
+    n_rows, other_rows = _rows(new, leaves, rows)
+    _check_no_row_latents(new, free, n_rows)
+    row_leaves = list(observed) + other_rows
+    fn_inputs = {**observed, **{leaf: _row_type(leaf) if leaf in other_rows else leaf.type() for leaf in leaves}}
+    for leaf in leaves:
+        fn_inputs[leaf].name = _leaf_name(new, leaf)
+    glob = [leaf for leaf in leaves if leaf not in other_rows and isinstance(leaf, SharedVariable)]
+    local_terms = _rebuild(terms, {**free, **{leaf: fn_inputs[leaf] for leaf in other_rows + glob}})
+    row_in = [fn_inputs[leaf] for leaf in row_leaves]
+    glob_in = [fn_inputs[leaf] for leaf in glob]
+    rv_in = list(free.values())
+    if check:
+        _check_rows_separate(new, local_terms, row_in + glob_in + rv_in, row_leaves, glob, free, n_rows)
+    split = _distribute(new, local_terms, row_leaves, glob, free, row_in, glob_in, rv_in, n_rows, mode)
+    new.__class__ = type(f"DataParallel{type(new).__name__}", (DataParallelModel, type(new)), {})
+    new.synk_split = split
+    return new
+
+
+def _observed_terms(model):
+    """Each observed variable's elementwise log-likelihood as a graph of fresh inputs: one
+    for each free variable it depends on, one for each observed variable's data (of any
+    number of rows). ``(terms, {free RV: input}, {observed data: input})``."""
+    terms, observed = [], {}
+    for rv in model.observed_RVs:
+        value = model.rvs_to_values[rv]
+        if np.ndim(_value(value)) == 0:
+            raise ValueError(f"observed data of {rv.name!r} is 0-d: it has no rows to split")
+        observed[value] = _row_type(value)
+        observed[value].name = rv.name
+        terms.append(pm.logp(_sized_by_data(rv, observed[value]), observed[value]))
+        parents = [o for o in model.observed_RVs if o is not rv and o in _ancestors([terms[-1]])]
+        if parents:
+            raise ValueError(f"observed variable {rv.name!r} depends on observed variable "
+                             f"{parents[0].name!r}: synkhronos.pymc takes observed variables that depend "
+                             "on free variables and data only")
+    ancestors = _ancestors(terms)
+    free = {rv: rv.type(name=rv.name) for rv in model.free_RVs if rv in ancestors}
+    return terms, free, observed
+
+
+def _sized_by_data(rv, value):
+    """``rv`` with a constant size of the whole data's rows made the rows of ``value``
+    (a process's rows, once the data are replaced by its share)."""
+    node = rv.owner
+    if not isinstance(node.op, RandomVariable):
+        return rv
+    size = node.inputs[1]
+    if not isinstance(size, TensorConstant) or size.data.ndim != 1 or not len(size.data) \
+            or size.data[0] != rv.type.shape[0]:
+        return rv
+    rows = pt.concatenate([value.shape[:1], pt.as_tensor(size.data[1:], dtype="int64")]).astype(size.dtype)
+    inputs = list(node.inputs)
+    inputs[1] = rows
+    return node.op.make_node(*inputs).outputs[node.outputs.index(rv)]
+
+
+def _rebuild(outputs, replace) -> list:
+    """``outputs`` with ``replace`` made, every node downstream built anew (so that no static
+    shape of the whole data survives) and PyMC's shape assertions left out."""
+    memo = dict(replace)
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        inputs = [memo.get(i, i) for i in node.inputs]
+        if isinstance(node.op, SpecifyShape):
+            memo[node.outputs[0]] = inputs[0]
+            continue
+        if all(a is b for a, b in zip(inputs, node.inputs)):
+            continue
+        new = node.op.make_node(*inputs)
+        memo.update(zip(node.outputs, new.outputs))
+    return [memo.get(o, o) for o in outputs]
+
+
+def _ancestors(graphs) -> set:
+    seen, todo = set(), list(graphs)
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.owner is not None:
+            todo.extend(v.owner.inputs)
+    return seen
+
+
+def _data_leaves(terms) -> list:
+    """The data in the observed terms: shared tensors and constants of at least one axis."""
+    out = []
+    for leaf in graph_inputs(terms):
+        if isinstance(leaf, (SharedVariable, TensorConstant)) and isinstance(leaf.type, pt.TensorType) \
+                and leaf.type.ndim >= 1 and leaf not in out:
+            out.append(leaf)
+    return out
+
+
+def _row_type(leaf):
+    """A variable for a process's rows of ``leaf``: any number of rows."""
+    return pt.TensorType(leaf.type.dtype, shape=(None,) + tuple(leaf.type.shape[1:]))()
+
+
+def _value(leaf) -> np.ndarray:
+    return leaf.get_value(borrow=True) if isinstance(leaf, SharedVariable) else leaf.data
+
+
+def _leaf_name(model, leaf) -> str:
+    if leaf.name:
+        return leaf.name
+    for rv in model.observed_RVs:
+        if model.rvs_to_values[rv] is leaf:
+            return f"{rv.name} (observed data)"
+    return f"constant of shape {_value(leaf).shape}"
+
+
+def _rows(model, leaves, rows) -> tuple:
+    """``(n_rows, per-row data other than the observed)``, checked: all have the same rows."""
+    lengths = {model.rvs_to_values[rv]: np.shape(_value(model.rvs_to_values[rv]))[0] for rv in model.observed_RVs}
+    names = {model.rvs_to_values[rv]: f"observed {rv.name!r}" for rv in model.observed_RVs}
+    if rows is not None:
+        if isinstance(rows, str) or not isinstance(rows, (list, tuple)):
+            rows = [rows]
+        for name in rows:
+            var = model.named_vars.get(name) if isinstance(name, str) else None
+            if var is None or not isinstance(var, SharedVariable):
+                raise ValueError(f"rows: {name!r} is not a data container (pm.Data) of the model; "
+                                 f"its data containers are {[d.name for d in model.data_vars]}")
+            if np.ndim(_value(var)) == 0:
+                raise ValueError(f"rows: data container {name!r} is 0-d: it has no rows")
+            lengths[var] = np.shape(_value(var))[0]
+            names[var] = f"data {name!r}"
+    counts = sorted(set(lengths.values()))
+    if len(counts) != 1:
+        listed = ", ".join(f"{names[v]}: {n}" for v, n in lengths.items())
+        raise ValueError(f"the per-row data have different row counts ({listed}); expected one count "
+                         "for all of them")
+    n_rows = counts[0]
+    if rows is not None:
+        return n_rows, [v for v in leaves if v in lengths]
+    return n_rows, [v for v in leaves if np.shape(_value(v))[0] == n_rows]
+
+
+def _check_no_row_latents(model, free, n_rows) -> None:
+    if n_rows <= 1:
+        return
+    shapes = model.eval_rv_shapes()
+    for rv in free:
+        shape = shapes.get(model.rvs_to_values[rv].name, shapes.get(rv.name, ()))
+        if len(shape) and shape[0] == n_rows:
+            raise ValueError(
+                f"free variable {rv.name!r} has one entry per row (shape {tuple(shape)}, {n_rows} rows): a "
+                "per-row latent variable would have to be split with the data, and synkhronos.pymc "
+                "splits data only; sample this model without data_parallel")
+
+
+def _check_rows_separate(model, local_terms, inputs, row_leaves, glob, free, n_rows) -> None:
+    """Each observed term, at a draw from the prior, equals its sum over a split of the rows."""
+    if n_rows < 2:
+        return
+    fn = pytensor.function(inputs, [t.sum() for t in local_terms], mode="FAST_COMPILE",
+                           on_unused_input="ignore")
+    draws = pm.draw(list(free), random_seed=0) if free else []
+    if len(free) == 1:
+        draws = [draws]
+    rest = [_value(g) for g in glob] + [np.asarray(d) for d in draws]
+    whole_rows = [_value(v) for v in row_leaves]
+    half = n_rows // 2
+    for i, rv in enumerate(model.observed_RVs):
+        for cut in sorted({1, half}):
+            try:
+                whole = fn(*whole_rows, *rest)[i]
+                parts = [fn(*[r[lo:hi] for r in whole_rows], *rest)[i] for lo, hi in ((0, cut), (cut, n_rows))]
+            except Exception as err:
+                raise ValueError(_coupling(rv, n_rows, cut, f"it fails on part of the rows ({err})")) from err
+            if not np.isclose(whole, sum(parts), rtol=COUPLING_RTOL, atol=0, equal_nan=True):
+                raise ValueError(_coupling(rv, n_rows, cut, f"its value on all rows ({whole!r}) differs from "
+                                           f"the sum over the parts ({sum(parts)!r})"))
+
+
+def _coupling(rv, n_rows, cut, why) -> str:
+    return (f"the log-likelihood of observed variable {rv.name!r} couples its rows: split into rows "
+            f"[0:{cut}] and [{cut}:{n_rows}], {why}. synkhronos.pymc sums each process's rows, so it "
+            "takes observed terms that are a sum over rows (no row-wide means, no dependence across rows, "
+            "no multivariate distribution over the row axis)")
+
+
+def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_in, n_rows, mode) -> _Split:
+    total = pt.add(*[t.sum() for t in local_terms])
+    total.name = "observed_logp"
+    continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
+    grads = pytensor.grad(total, continuous) if continuous else []
+    for g, v in zip(grads, continuous):
+        g.name = f"d_observed_logp/d_{v.name}"
+    kwargs = {"on_unused_input": "ignore"}
+    if mode is not None:
+        kwargs["mode"] = mode
+    f = synk.function(row_in + glob_in + rv_in, [(total, "sum")] + [(g, "sum") for g in grads],
+                      bcast_inputs=glob_in + rv_in, name="pymc_observed_logp", **kwargs)
+    synk.distribute()
+    copies = {var: synk.data(_value(leaf), var=var, name=var.name) for leaf, var in zip(row_leaves, row_in)}
+    grad_of = iter(range(1, 1 + len(grads)))
+    declared = [None] * len(glob_in) + [next(grad_of) if v in continuous else None for v in rv_in]
+    op = f.as_op(given=copies, grads={0: declared} if grads else None)
+    term = op(*glob, *free)[0] if (glob or free) else op()[0]
+    rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
+    return _Split(term, op, rows, n_rows, [rv.name for rv in model.observed_RVs])
+
+
+def _follow_data(split: _Split) -> None:
+    """After ``pm.set_data`` on per-row data: the shared-memory copies follow, all or none."""
+    changed = [(i, leaf) for i, (leaf, _, seen) in enumerate(split.rows)
+               if isinstance(leaf, SharedVariable) and leaf.get_value(borrow=True) is not seen]
+    if not changed:
+        return
+    counts = {leaf.name: np.shape(_value(leaf))[0] for leaf, _, _ in split.rows}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"pm.set_data left the per-row data with different row counts {counts}; set them "
+                         "all to the same rows")
+    for i, leaf in changed:
+        _, data, _ = split.rows[i]
+        value = _value(leaf)
+        data.set_value(value)
+        split.rows[i] = (leaf, data, value)
+    split.n_rows = next(iter(counts.values()))
