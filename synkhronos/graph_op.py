@@ -105,8 +105,8 @@ class SynkOp(Op):
 
     def __init__(self, fn, inputs, outputs, fixed, grads):
         self.fn = fn                # the Function (called through its public __call__)
-        self.token = next(_TOKENS)
-        _live_ops_cache[(os.getpid(), self.token)] = self
+        self.token = (os.getpid(), next(_TOKENS))
+        _live_ops_cache[self.token] = self
         self.n_inputs = len(inputs)
         self.free = [i for i in range(len(inputs)) if i not in fixed]  # positions of the Op's inputs
         self.fixed = dict(fixed)    # position -> value (numpy array or synk.data)
@@ -125,7 +125,7 @@ class SynkOp(Op):
         return f"SynkOp{{{self.fn.name}}}"
 
     def __reduce__(self):
-        return _find_op, ((os.getpid(), self.token), str(self))
+        return _find_op, (self.token, str(self))
 
     def make_node(self, *inputs):
         if len(inputs) != len(self.free):
@@ -160,6 +160,8 @@ class SynkOp(Op):
         return var
 
     def perform(self, node, inputs, output_storage):
+        if os.getpid() != self.token[0]:
+            raise RuntimeError(_elsewhere(str(self), self.token[0]))
         values = dict(self.fixed)
         values.update(zip(self.free, inputs))
         out = self.fn(*[values[i] for i in range(self.n_inputs)])
@@ -204,12 +206,16 @@ class SynkOp(Op):
 def _find_op(key, label):
     op = _live_ops_cache.get(key)
     if op is None:
-        raise RuntimeError(
-            f"{label} was sent to another process (pid {os.getpid()}, made in pid {key[0]}): it drives "
-            "the worker processes of its fork, which only the process that forked them can; run it "
-            "there (PyMC: pm.sample(cores=1): the chains then run one after the other, each on every "
-            "process of the fork)")
+        raise RuntimeError(_elsewhere(label, key[0]))
     return op
+
+
+def _elsewhere(label: str, pid: int) -> str:
+    return (f"{label} runs in the process that made it (pid {pid}), not in pid {os.getpid()} (a "
+            "process forked or spawned from it, such as a chain of pm.sample(cores=2)): it drives the "
+            "workers of that process's fork. Run it there: pm.sample(cores=1), whose chains then run "
+            "one after the other, each on every process of the fork, or nuts_sampler='numpyro' or "
+            "'nutpie' with cores=1")
 
 
 def register_jax() -> None:

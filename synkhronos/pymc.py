@@ -109,7 +109,7 @@ def data_parallel(model, rows=None, *, mode=None, check=True):
     if not model.observed_RVs:
         raise ValueError(f"model {model.name or '(unnamed)'} has no observed variables: there is no "
                          "per-row data to split across processes")
-    new = clone_model(model)
+    new = _clone(model)
     terms, free, observed = _observed_terms(new)
     leaves = _data_leaves(terms)
     n_rows, other_rows = _rows(new, leaves, rows)
@@ -128,6 +128,19 @@ def data_parallel(model, rows=None, *, mode=None, check=True):
     split = _distribute(new, local_terms, row_leaves, glob, free, row_in, glob_in, rv_in, n_rows, mode)
     new.__class__ = type(f"DataParallel{type(new).__name__}", (DataParallelModel, type(new)), {})
     new.synk_split = split
+    return new
+
+
+def _clone(model):
+    """A clone of ``model`` whose variables keep the model's order (the order of the
+    value variables is the order of every flat vector that samplers and optimisers use)."""
+    new = clone_model(model)
+    for attr in ("free_RVs", "observed_RVs", "deterministics", "potentials", "data_vars"):
+        mine, theirs = getattr(new, attr), getattr(model, attr)
+        order = {v.name: i for i, v in enumerate(theirs)}
+        if getattr(mine, "parent", None) is None and len(mine) == len(theirs) \
+                and all(v.name in order for v in mine):
+            list.__setitem__(mine, slice(None), sorted(mine, key=lambda v: order[v.name]))
     return new
 
 
@@ -272,7 +285,7 @@ def _check_rows_separate(model, local_terms, inputs, row_leaves, glob, free, n_r
     fn = pytensor.function(inputs, [t.sum() for t in local_terms], mode="FAST_COMPILE",
                            on_unused_input="ignore")
     draws = pm.draw(list(free), random_seed=0) if free else []
-    if len(free) == 1:
+    if not isinstance(draws, (list, tuple)):
         draws = [draws]
     rest = [_value(g) for g in glob] + [np.asarray(d) for d in draws]
     whole_rows = [_value(v) for v in row_leaves]

@@ -1,0 +1,199 @@
+"""synkhronos.pymc: PyMC models data-parallel, against PyMC itself, with real worker processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose
+
+pm = pytest.importorskip("pymc")
+
+import synkhronos as synk  # noqa: E402
+from conftest import MODE  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning", "ignore::RuntimeWarning")
+
+
+def _spm():
+    import synkhronos.pymc as spm  # imports PyMC's stack: after fork()
+
+    return spm
+
+
+def logistic_model(n=101, k=3, seed=0, name=""):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, k))
+    y = (rng.random(n) < 1 / (1 + np.exp(-X @ rng.standard_normal(k)))).astype("int64")
+    with pm.Model(name=name) as model:
+        Xd = pm.Data("X", X)
+        b = pm.Normal("b", 0, 1, shape=k)
+        s = pm.HalfNormal("s", 2.0)
+        pm.Bernoulli("y", logit_p=(Xd @ b) * s, observed=y)
+    return model
+
+
+def regression_model(n=57, seed=1):
+    """Two observed variables, a global data container, a potential and a transformed prior."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n)
+    with pm.Model() as model:
+        xd = pm.Data("x", x)
+        scale = pm.Data("scale", np.array([1.5, 0.5]))
+        a = pm.Normal("a", 0, 1)
+        b = pm.Normal("b", 0, 1)
+        sigma = pm.HalfNormal("sigma", 1.0)
+        nu = pm.Gamma("nu", 2.0, 0.5)
+        pm.Potential("prior_tilt", -0.5 * (a - b) ** 2)
+        pm.Normal("y", a + b * xd * scale[0], sigma, observed=1 + 2 * x + rng.standard_normal(n))
+        pm.StudentT("z", nu=nu, mu=b * xd * scale[1], sigma=1.0, observed=rng.standard_normal(n))
+    return model
+
+
+def _points(model, n, seed):
+    """Random points in the (transformed) value space, keyed by value variable name."""
+    ip = model.initial_point()
+    rng = np.random.default_rng(seed)
+    return [{k: rng.normal(0, 0.7, size=np.shape(v)) for k, v in ip.items()} for _ in range(n)]
+
+
+def _assert_same_density(model, dp, n_points=6, seed=0):
+    ref_logp, ref_dlogp = model.compile_logp(), model.compile_dlogp()
+    got_logp, got_dlogp = dp.compile_logp(), dp.compile_dlogp()
+    for pt_ in _points(model, n_points, seed):
+        assert_allclose(got_logp(pt_), ref_logp(pt_), rtol=1e-10)
+        # dlogp ravels the value variables in each model's order: compare by name
+        ref = dict(zip([v.name for v in model.continuous_value_vars], _split(model, ref_dlogp(pt_))))
+        got = dict(zip([v.name for v in dp.continuous_value_vars], _split(dp, got_dlogp(pt_))))
+        assert ref.keys() == got.keys()
+        for key in ref:
+            assert_allclose(got[key], ref[key], rtol=1e-10, atol=1e-12, err_msg=key)
+
+
+def _split(model, flat):
+    ip = model.initial_point()
+    out, i = [], 0
+    for v in model.continuous_value_vars:
+        size = int(np.prod(np.shape(ip[v.name])))
+        out.append(flat[i:i + size])
+        i += size
+    return out
+
+
+def test_logp_and_gradient_equal_pymc(forked):
+    spm = _spm()
+    for model in (logistic_model(), regression_model()):
+        dp = spm.data_parallel(model, mode=MODE)
+        assert isinstance(dp, pm.Model) and isinstance(dp, spm.DataParallelModel)
+        _assert_same_density(model, dp)
+
+
+def test_rows_named_and_uneven_split(fork):
+    fork(3)
+    spm = _spm()
+    model = logistic_model(n=10)
+    dp = spm.data_parallel(model, rows=["X"], mode=MODE)
+    _assert_same_density(model, dp, n_points=3)
+
+
+def test_find_map_and_advi_equal_pymc(fork):
+    fork(2)
+    spm = _spm()
+    model = logistic_model(n=200)
+    dp = spm.data_parallel(model, mode=MODE)
+    with model:
+        ref = pm.find_MAP(progressbar=False, compile_kwargs={"mode": MODE})
+    with dp:
+        got = pm.find_MAP(progressbar=False, compile_kwargs={"mode": MODE})
+    for key in ref:
+        assert_allclose(got[key], ref[key], rtol=1e-6, atol=1e-8, err_msg=key)
+    model = regression_model()
+    dp = spm.data_parallel(model, mode=MODE)
+    # the same random draws in the same order: the same trajectory
+    with model:
+        ref_fit = pm.fit(300, method="advi", random_seed=3, progressbar=False)
+    with dp:
+        got_fit = pm.fit(300, method="advi", random_seed=3, progressbar=False)
+    assert_allclose(got_fit.hist, ref_fit.hist, rtol=1e-6)
+    assert_allclose(got_fit.mean.eval(), ref_fit.mean.eval(), rtol=1e-6)
+
+
+def test_sample_and_posterior_predictive(fork):
+    fork(2)
+    spm = _spm()
+    model = logistic_model(n=300, k=2)
+    dp = spm.data_parallel(model, mode=MODE)
+    with dp:
+        idata = pm.sample(150, tune=150, chains=1, cores=1, nuts_sampler="pymc", random_seed=1,
+                          progressbar=False, compute_convergence_checks=False,
+                          compile_kwargs={"mode": MODE})
+        pp = pm.sample_posterior_predictive(idata, progressbar=False, random_seed=2,
+                                            compile_kwargs={"mode": MODE})
+    post = idata.posterior["b"].values.reshape(-1, 2)
+    with model:
+        mode_ = pm.find_MAP(progressbar=False, compile_kwargs={"mode": MODE})
+    # within Monte Carlo error of the posterior (its mode is close to its mean here)
+    sd = post.std(axis=0)
+    assert np.all(np.abs(post.mean(axis=0) - mode_["b"]) < 4 * sd)
+    assert pp.posterior_predictive["y"].shape == (1, 150, 300)
+
+
+def test_set_data_after_the_split_is_followed(fork):
+    fork(2)
+    spm = _spm()
+    model = logistic_model(n=40, k=2)
+    dp = spm.data_parallel(model, rows=["X"], mode=MODE)
+    rng = np.random.default_rng(9)
+    new_X = rng.standard_normal((40, 2))
+    with model:
+        pm.set_data({"X": new_X})
+    with dp:
+        pm.set_data({"X": new_X})
+    _assert_same_density(model, dp, n_points=2)
+    with dp:
+        pm.set_data({"X": rng.standard_normal((30, 2))})
+        with pytest.raises(ValueError, match="different row counts"):
+            dp.compile_logp()(dp.initial_point())
+
+
+def test_bad_models_are_named(fork):
+    fork(2)
+    spm = _spm()
+    with pytest.raises(TypeError, match="takes a pm.Model"):
+        spm.data_parallel("model")
+    with pm.Model() as no_data:
+        pm.Normal("a", 0, 1)
+    with pytest.raises(ValueError, match="has no observed variables"):
+        spm.data_parallel(no_data)
+    with pytest.raises(ValueError, match=r"different row counts \(observed 'y': 20, data 'other': 7\)"):
+        with logistic_model(n=20) as m:
+            pm.Data("other", np.zeros(7))
+        spm.data_parallel(m, rows=["other"])
+    with pytest.raises(ValueError, match="'nope' is not a data container"):
+        spm.data_parallel(logistic_model(n=20), rows=["nope"])
+    rng = np.random.default_rng(0)
+    with pm.Model() as latent:
+        z = pm.Normal("z", 0, 1, shape=30)
+        pm.Normal("y", z, 1, observed=rng.standard_normal(30))
+    with pytest.raises(ValueError, match="free variable 'z' has one entry per row"):
+        spm.data_parallel(latent)
+    with pm.Model() as coupled:
+        x = pm.Data("x", rng.standard_normal(30))
+        b = pm.Normal("b", 0, 1)
+        pm.Normal("y", b * (x - x.mean()), 1, observed=rng.standard_normal(30))
+    with pytest.raises(ValueError, match="observed variable 'y' couples its rows"):
+        spm.data_parallel(coupled)
+    with pm.Model() as walk:
+        pm.GaussianRandomWalk("w", sigma=1.0, observed=rng.standard_normal(30).cumsum(),
+                              init_dist=pm.Normal.dist(0, 1))
+    with pytest.raises(ValueError, match="observed variable 'w' couples its rows"):
+        spm.data_parallel(walk)
+
+
+def test_parallel_chains_refused_clearly(fork):
+    fork(2)
+    spm = _spm()
+    dp = spm.data_parallel(logistic_model(n=30, k=2), mode=MODE)
+    with dp, pytest.raises(Exception, match=r"pm.sample\(cores=1\)"):
+        pm.sample(10, tune=10, chains=2, cores=2, nuts_sampler="pymc", progressbar=False,
+                  compile_kwargs={"mode": MODE})
