@@ -82,6 +82,8 @@ LAYERS = {
     "synkhronos.extensions.updates": 16,
     "synkhronos.extensions.train": 17,
     "synkhronos.extensions": 18,
+    # 16: PyMC models data-parallel (the public API and graph_op's Op)
+    "synkhronos.pymc": 16,
     # 16-24: the parameter-server tables (multiverso), on group, shmem, errors and context only
     "synkhronos.multiverso.spmd": 16,
     "synkhronos.multiverso.shm_tables": 17,
