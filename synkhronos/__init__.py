@@ -6,7 +6,7 @@ from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkEr
                      WorkerDiedError, WorkerError)
 from .function import Function, function
 from .gpu import get_n_gpu
-from .nodes import World, shard, world
+from .nodes import World, join, shard, world
 from .runtime import close, fork
 from .shareds import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                       get_value, reduce, scatter, set_value)
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-    "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu", "world", "World", "shard",
+    "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu", "world", "World", "shard", "join",
     "SynkError", "WorkerError", "WorkerDiedError", "RemoteTraceback", "SynkTimeoutError",
     "NodeFailedError", "StepMismatchError",
 ]

@@ -109,7 +109,7 @@ def _finalize(MPI) -> None:
     MPI.Finalize()
 
 
-def join(proc, check) -> None:
+def connect(proc, check) -> None:
     """In the node master, right after its workers were forked: start MPI, join
     the other nodes' masters and make ``proc.comm`` the communicator over every
     process of every node (the workers wait for it in :func:`join_worker`)."""
@@ -131,9 +131,9 @@ def join(proc, check) -> None:
         raise
 
 
-def join_worker(proc) -> None:
+def connect_worker(proc) -> None:
     """In a worker of a node, after opening its node's communicator: the
-    communicator over every node (made with the master's :func:`join`)."""
+    communicator over every node (made with the master's :func:`connect`)."""
     proc.comm = NodeCommunicator(proc.comm, None)
 
 
@@ -244,6 +244,46 @@ def shard(n_rows: int) -> slice:
     return slice(start, stop)
 
 
+@context.serialized
+def join() -> int:
+    """This node has no more data: wait, taking part in the other nodes' steps, until
+    every node has called ``join()``.
+
+    For uneven inputs across nodes (a training loop over shards of different
+    lengths), as PyTorch's ``Join`` and Horovod's ``hvd.join()``: a node that
+    runs out of batches calls ``synk.join()``; the others' calls and collectives
+    go on without it, its processes adding nothing (a sum over the rows that
+    were passed, an ``avg`` over their weights, gathers without its rows), until
+    they call ``join()`` too. Then ``join()`` returns on every node and the
+    nodes step together again. While a node is joined its shared variables
+    take no part: a collective that reads values from it (a ``broadcast`` or
+    ``scatter`` from node 0 when node 0 joined) raises ``ValueError`` on every
+    node, and variables the others updated differ on it afterwards
+    (``synk.broadcast`` them from the node ``join()`` returns, if they must
+    agree). Without ``join()``, a node that makes a step the others do not
+    gets :class:`~synkhronos.StepMismatchError` naming theirs.
+
+    On one node (no launcher) it returns 0 at once.
+
+    Returns:
+        The index of the node that joined last (the smallest, if several
+        joined in the same step): the same on every node.
+
+    Raises:
+        RuntimeError: before :func:`synkhronos.fork`.
+        NodeFailedError: another node failed or left while this one waited.
+        SynkError: the other nodes closed without joining (this node's
+            ``synk.close()`` then closes its own fork only).
+    """
+    s = context.session()
+    s.usable()
+    inter = _inter(s.proc)
+    if inter is None:
+        return 0
+    with _between_commands(inter):
+        return inter.join()
+
+
 def _inter(proc):
     comm = proc.comm
     return comm.inter if isinstance(comm, NodeCommunicator) else None
@@ -272,14 +312,15 @@ def check_same_functions(proc, entries) -> None:
         got = inter.all_gather([blob])[0]
     if error is not None:
         raise error
-    lists = [pickle.loads(np.asarray(b).tobytes()) for b in got]
-    for node, entry in enumerate(lists):
+    # a node that has joined (synk.join()) distributes nothing: it is left out
+    lists = {node: pickle.loads(np.asarray(b).tobytes()) for node, b in enumerate(got) if b is not None}
+    for node, entry in lists.items():
         if isinstance(entry, str):
             raise SynkError(f"distribute(): node {node} could not describe its functions: {entry}")
-    first = lists[0]
-    for node, mine in enumerate(lists[1:], start=1):
+    (node0, first), *rest = lists.items()
+    for node, mine in rest:
         if len(mine) != len(first):
-            raise ValueError(f"distribute(): node 0 built {len(first)} new function(s) "
+            raise ValueError(f"distribute(): node {node0} built {len(first)} new function(s) "
                              f"{[e[0] for e in first]} but node {node} built {len(mine)} "
                              f"{[e[0] for e in mine]}; every node's script must build the same "
                              "functions in the same order")
@@ -287,9 +328,9 @@ def check_same_functions(proc, entries) -> None:
             for part, a, b in zip(("a different graph", "different output ops", "different inputs "
                                    "broadcast (bcast_inputs)"), d0, d):
                 if a != b:
-                    raise ValueError(f"distribute(): function #{k} differs between nodes: node 0 built "
-                                     f"{name0!r}, node {node} built {name!r} with {part}; every node's "
-                                     "script must build the same functions in the same order")
+                    raise ValueError(f"distribute(): function #{k} differs between nodes: node {node0} "
+                                     f"built {name0!r}, node {node} built {name!r} with {part}; every "
+                                     "node's script must build the same functions in the same order")
 
 
 def begin_step(proc, cmd, wire) -> None:

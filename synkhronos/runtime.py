@@ -140,7 +140,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     log.debug("forked %d workers: %s", len(pids), pids)
     try:
         if proc.launched:  # MPI starts now, after the fork; the workers wait for the node table
-            nodes.join(proc, s.check)
+            nodes.connect(proc, s.check)
             s.on_step = functools.partial(nodes.begin_step, proc)
         atexit.register(_close_at_exit)  # after join: it runs before MPI is finalised at exit
         device.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
@@ -280,7 +280,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         proc.control = ControlBlock(proc.prefix, proc.size, proc.master_rank, create=False)
         proc.comm = proc.device.open_host_comm(proc, create=False)
         if master_proc.launched:  # the communicator over every node, once the master joined them
-            nodes.join_worker(proc)
+            nodes.connect_worker(proc)
         context.interruptible.control = proc.control
         limit_threads(threads, worker=True)
         if master_proc.profile_dir is None:

@@ -134,6 +134,28 @@ def test_timeout_names_the_late_node(tmp_path, sizes):
 
 
 @needs_mpi
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), (3, "2,1")], ids=["np2", "np3"])
+def test_uneven_inputs_with_join(tmp_path, n, sizes):
+    """Nodes with 2, 4 (and 1) batches, each calling synk.join() when its batches run out:
+    every step's avg (flat over the rows passed), sum, max, min, gather, integer avg and
+    reduce is numpy's over the nodes still passing rows; join() returns the last node to
+    join on every node; then the nodes step together again. A broadcast of node 0's values
+    while node 0 has joined raises ValueError naming it on every other node."""
+    rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", "uneven", sizes)
+    assert_all_ok(rc, output, verdicts, n)
+    _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+def test_join_while_the_others_close(tmp_path):
+    """Node 1 joins; node 0 calls twice alone, then closes without joining: node 1's
+    join() raises SynkError saying so; both close cleanly (mpirun exits 0)."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "join_close", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 def test_node_closes_while_the_others_call(tmp_path):
     """close() on node 1 while node 0 calls: node 0 raises naming node 1's close(),
     then NodeFailedError saying it closed; nothing hangs, nothing is left."""

@@ -317,6 +317,9 @@ class HierarchicalCommunicator(Communicator):
     def _unpack(self, packed, join):
         per_node = []
         for node in range(self.nodes):
+            if packed[2 * node] is None:  # a node that has joined (synk.join()): nothing of its own
+                per_node.append(([], np.empty(0, dtype=np.uint8)))
+                continue
             lays = pickle.loads(np.asarray(packed[2 * node]).tobytes())
             per_node.append((lays, np.asarray(packed[2 * node + 1])))
         counts = {len(lays) for lays, _ in per_node if lays}

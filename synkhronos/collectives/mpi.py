@@ -76,6 +76,9 @@ INLINE_BYTES = 256
 _HEAD = struct.Struct("<qqq")
 #: Bytes of a step's words (see MpiCommunicator.begin) that travel when steps differ.
 STEP_TEXT = 96
+#: The step checksum in the header of a node that has joined (see MpiCommunicator.join):
+#: crc32 checksums are never negative.
+JOINED = -1
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 
@@ -205,6 +208,8 @@ class MpiCommunicator(Communicator):
         self._words = "fork()"      # what this step is, in words
         self._crcs: dict = {}       # step key -> its checksum
         self.waiting = None         # what this node master waits for the other nodes in, if it does
+        self.joined: list = []      # the nodes that had joined (join()) at the last exchange
+        self.ended: str | None = None  # why the others are gone (they closed while this node joined)
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
@@ -228,6 +233,8 @@ class MpiCommunicator(Communicator):
             raise SynkError(f"{what} on a closed MPI communicator")
         if self._notices.received() is not None:
             self._peer_failed(what)
+        if self.ended is not None:
+            raise SynkError(f"{what}: {self.ended}; call synk.close() here too")
         if self.broken is not None:
             raise SynkError(f"the MPI communicator was abandoned after an earlier failure "
                             f"({self.broken}); call synk.close() and synk.fork() again")
@@ -314,12 +321,14 @@ class MpiCommunicator(Communicator):
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
         return StepMismatchError(what, texts)
 
-    def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False):
+    def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False, plan=None):
         """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
 
         With ``inline``, arrays of at most ``INLINE_BYTES`` in all travel in the
         header too, and ``(metas, payloads)`` is returned: each node's arrays'
-        bytes, or None where they did not travel.
+        bytes, or None where they did not travel. ``plan`` (``(what, op, root)``)
+        tells a node that has joined (see :meth:`join`) which exchange follows.
+        A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
         self._enter(what)
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
@@ -329,18 +338,27 @@ class MpiCommunicator(Communicator):
         if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
                 and not any(a.dtype.hasobject for a in arrays):
             payload = [_as_bytes(a).tobytes() for a in arrays]
-        blob = pickle.dumps((layout, float(weight), flag, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        heads, metas = self._headers(what, (layout, float(weight), flag, payload, plan or (what, None, None)))
+        self._same_step(what, heads)
+        self._no_failure(what, metas)
+        pairs = [(m[0], m[1]) for m in metas]
+        return (pairs, [m[3] for m in metas]) if inline else pairs
+
+    def _headers(self, what: str, meta, joined: bool = False):
+        """One exchange of every node's header: ``(heads, metas)``, each node's
+        ``(blob length, step number, step checksum or JOINED)`` and its ``meta``
+        (pickled into its slot, or in a second, sized round when too long)."""
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
         room = HEADER_SLOT - _HEAD.size
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        _HEAD.pack_into(slot, 0, len(blob), *self.step)  # the blob's length, then the step
+        # the blob's length, then the step
+        _HEAD.pack_into(slot, 0, len(blob), self.step[0], JOINED if joined else self.step[1])
         if len(blob) <= room:
             slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((size, HEADER_SLOT), dtype=np.uint8)
         self._wait([self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])], what, (slot, slots))
         heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
-        if any(h[1:] != heads[0][1:] for h in heads):  # nodes in different steps
-            raise self._mismatch(what)
         lens = [h[0] for h in heads]
         if max(lens) <= room:
             blobs = [slots[r, _HEAD.size:_HEAD.size + n].tobytes() for r, n in enumerate(lens)]
@@ -351,19 +369,73 @@ class MpiCommunicator(Communicator):
             self._wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
                        what, (send, recv))
             blobs = [recv[d:d + n].tobytes() for d, n in zip(displs, lens)]
-        metas = [pickle.loads(b) for b in blobs]
+        self.joined = [r for r, h in enumerate(heads) if h[2] == JOINED]
+        return heads, [pickle.loads(b) for b in blobs]
+
+    def _same_step(self, what: str, heads) -> None:
+        """StepMismatchError (on every node, after one more exchange) when the nodes that
+        have not joined are in different steps."""
+        active = [h[1:] for h in heads if h[2] != JOINED]
+        if any(h != active[0] for h in active):
+            raise self._mismatch(what)
+
+    def _no_failure(self, what: str, metas) -> None:
+        """PeerFailed (every node) when a node flagged a failure; TypeError for object arrays."""
         failed_nodes = [r for r, m in enumerate(metas) if m[2]]
         if failed_nodes:
             reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes if isinstance(metas[r][2], str))
             raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
                              f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
-        for r, (lay, _, _, _) in enumerate(metas):
-            for dtype, _ in lay or ():
+        for r, m in enumerate(metas):
+            for dtype, _ in m[0] or ():
                 if dtype.hasobject:
                     raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
                                     "arrays of numbers and booleans only")
-        pairs = [(m[0], m[1]) for m in metas]
-        return (pairs, [m[3] for m in metas]) if inline else pairs
+
+    def join(self) -> int:
+        """This node has no more steps of its own (its data ran out): until every node
+        has joined, take part in the other nodes' exchanges with nothing to add, so
+        that their reductions go on over their own parts (``avg`` over their weights),
+        their gathers without this node's, and a broadcast from this node raises
+        there. Returns the index of the node that joined last (the smallest, if
+        several joined at the same exchange), the same on every node.
+
+        Raises:
+            NodeFailedError: another node failed or left meanwhile.
+            SynkError: the other nodes closed (``synk.close()``) without joining;
+                this communicator then only closes.
+        """
+        self._enter("join")
+        self._words = "join()"
+        served = 0
+        while True:
+            heads, metas = self._headers("join", (None, 0.0, False, None, ("joined", served, None)),
+                                         joined=True)
+            active = [r for r, h in enumerate(heads) if h[2] != JOINED]
+            if not active:  # every node has joined: the same step number everywhere from here on
+                self.step = (max(h[1] for h in heads), 0)
+                return min(r for r, m in enumerate(metas) if m[4][1] == 0)
+            served += 1
+            try:
+                self._same_step("join", heads)
+                self._no_failure("join", metas)
+            except (StepMismatchError, PeerFailed, TypeError):
+                continue  # the others raise; nothing moves
+            what, op, root = metas[active[0]][4]
+            pairs = [(m[0], m[1]) for m in metas]
+            try:
+                if what in ("all_reduce", "reduce"):
+                    self._reduce_rest(what, None, pairs, [m[3] for m in metas], op, root)
+                elif what in ("all_gather", "gather"):
+                    self._gather_rest(what, None, pairs, root, None)
+                elif what == "broadcast":
+                    self._broadcast_rest(None, pairs, root)
+                elif what == "close":
+                    self.ended = f"nodes {active} closed (synk.close()) while node {self.rank} waited in join()"
+                    raise SynkError(f"join(): {self.ended}, without joining; every node calls "
+                                    "synk.join() before it closes")
+            except ValueError:  # the others raise it too (a broadcast from a node that joined)
+                continue
 
     # -- collectives -------------------------------------------------------
 
@@ -378,7 +450,11 @@ class MpiCommunicator(Communicator):
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"reduce: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas, payloads = self._agree(what, arrays, weight, failed, inline=True)
+        metas, payloads = self._agree(what, arrays, weight, failed, inline=True, plan=(what, op, root))
+        return self._reduce_rest(what, arrays, metas, payloads, op, root, in_place, into)
+
+    def _reduce_rest(self, what, arrays, metas, payloads, op, root, in_place=False, into=None):
+        """A reduction once every node's header is known (see :meth:`_agree`)."""
         present, layout = agreed_layout(metas, op, who="node")
         if not present:
             return None
@@ -583,7 +659,11 @@ class MpiCommunicator(Communicator):
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"gather: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas = self._agree(what, arrays, 1.0, failed)
+        metas = self._agree(what, arrays, 1.0, failed, plan=(what, None, root))
+        return self._gather_rest(what, arrays, metas, root, join)
+
+    def _gather_rest(self, what, arrays, metas, root, join):
+        """A gather once every node's header is known."""
         counts = {len(lay) for lay, _ in metas if lay is not None}
         if len(counts) > 1:
             raise ValueError(f"cannot gather: the nodes hold different numbers of arrays "
@@ -628,9 +708,17 @@ class MpiCommunicator(Communicator):
             raise ValueError(f"broadcast: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         is_root = self.rank == root
         arrays_ = [np.asarray(a) for a in arrays] if is_root and arrays is not None else None
-        metas = self._agree("broadcast", arrays_, 1.0, failed)
+        metas = self._agree("broadcast", arrays_, 1.0, failed, plan=("broadcast", None, root))
+        return self._broadcast_rest(arrays_, metas, root, receive)
+
+    def _broadcast_rest(self, arrays_, metas, root, receive=None):
+        """A broadcast once every node's header is known."""
+        is_root = self.rank == root
         layout = metas[root][0]
         if layout is None:
+            if root in self.joined:
+                raise ValueError(f"broadcast: root node {root} has joined (synk.join()): it has no "
+                                 "values to send")
             raise ValueError(f"broadcast: root node {root} gave no arrays")
         MPI = self._MPI
         sizes = [math.prod(s) * np.dtype(d).itemsize for d, s in layout]
@@ -668,7 +756,7 @@ class MpiCommunicator(Communicator):
         if self._comm is None:
             return
         error = None
-        if self.broken is None:
+        if self.broken is None and self.ended is None:
             self.begin(("close",), "close()")
             try:
                 self._agree("close", None)

@@ -20,6 +20,10 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``alone``: node 1 (one process) fails an Assert on its rows inside a call.
 - ``bad_broadcast``: node 0 gives broadcast() a bad value.
 - ``timeout``: fork(timeout=3); node 1 is late for node 0's call.
+- ``uneven``: nodes with different numbers of batches; each calls
+  ``synk.join()`` when its run out; the others' calls and reductions go on
+  over their own rows; then every node steps together again.
+- ``join_close``: node 1 joins, node 0 calls twice, then closes without joining.
 - ``random:<seed>:<count>``: random sequences of steps drawn alike on every
   node; node 1 perturbs one step of most of them (scenario_random).
 """
@@ -232,15 +236,15 @@ def check_mismatch(v, node, scenario):
         v.expect(want in text and "node 1" in text, f"mismatch message: {text}")
 
 
-def raises_soon(v, call, what: str) -> str:
-    """Expect ``call()`` to raise within 10 s; the error as "Type: message" ("" if none)."""
+def raises_soon(v, call, what: str, limit: float = 10) -> str:
+    """Expect ``call()`` to raise within ``limit`` s; the error as "Type: message" ("" if none)."""
     t0 = time.perf_counter()
     try:
         call()
     except Exception as err:  # noqa: BLE001
         took = time.perf_counter() - t0
         text = v.info["error"] = f"{type(err).__name__}: {err}"
-        v.expect(took < 10, f"raised after {took:.1f} s")
+        v.expect(took < limit, f"raised after {took:.1f} s")
         return text
     v.expect(False, f"{what} raised nothing")
     return ""
@@ -549,6 +553,74 @@ def scenario_leave(v, node, node_sizes):
     v.expect(text.startswith("NodeFailedError") and "node 1 closed" in text, f"node 1 left: {text}")
 
 
+#: Batches per node (by node index) in the ``uneven`` scenario: node 1 runs out last.
+BATCHES = (2, 4, 1)
+
+
+def batch(t: int, k: int) -> np.ndarray:
+    """Node ``k``'s batch ``t``: 2 to 5 rows."""
+    rng = np.random.default_rng([t, k])
+    return rng.normal(size=(2 + (t + k) % 4, 3))
+
+
+def scenario_uneven(v, node, node_sizes):
+    """Every node loops over its own number of batches, then joins: each step's results
+    are those of the nodes still passing rows, never another step's values."""
+    n = len(node_sizes)
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.full(3, node + 1.0), name="w")  # each node's own value
+    f = synk.function([x], [(x.mean(axis=0), "avg"), (x.sum(axis=0), "sum"), (x.max(axis=0), "max"),
+                            (x.min(axis=0), "min"), (x * 2, "gather"), ((x > 0).sum(), "avg")],
+                      mode=MODE, name="f")
+    synk.function([], (w.sum(), "sum"), mode=MODE)  # the workers hold w
+    synk.distribute()
+    mine = BATCHES[node % 3]
+    for t in range(mine):
+        got = f(batch(t, node))
+        active = [k for k in range(n) if BATCHES[k % 3] > t]
+        rows = np.concatenate([batch(t, k) for k in active])
+        procs = [b[slice(*split(len(b), node_sizes[k], r))] for k in active for b in [batch(t, k)]
+                 for r in range(node_sizes[k])]
+        procs = [p for p in procs if len(p)]
+        int_avg = np.dot([(p > 0).sum() for p in procs], [len(p) for p in procs]) / len(rows)
+        want = [rows.mean(0), rows.sum(0), rows.max(0), rows.min(0), rows * 2, int_avg]
+        for name, g, e in zip(["avg", "sum", "max", "min", "gather", "int avg"], got, want):
+            v.expect(np.shape(g) == np.shape(e) and np.allclose(g, e),
+                     f"step {t} (nodes {active}) output {name}: {g} != {e}")
+        red = synk.reduce(w, "sum", in_place=False)
+        e = sum(node_sizes[k] * (k + 1.0) for k in active)
+        v.expect(np.allclose(red, e), f"step {t}: reduce over nodes {active}: {red} != {e}")
+    last = synk.join()
+    longest = max(range(n), key=lambda k: (BATCHES[k % 3], -k))
+    v.expect(last == longest, f"join() returned {last}, the last to join was node {longest}")
+    # together again: every node's rows
+    full = np.concatenate([batch(9, k) for k in range(n)])
+    got = f(batch(9, node))
+    v.expect(np.allclose(got[1], full.sum(0)), f"after join: {got[1]} != {full.sum(0)}")
+    # node 0 joins first; the others' broadcast of node 0's values raises, naming it
+    if node != 0:
+        text = raises_soon(v, lambda: synk.broadcast(w, None), "a broadcast from node 0 that joined")
+        v.expect(text.startswith("ValueError") and "node 0 has joined" in text, text)
+    v.expect(synk.join() == min(k for k in range(n) if k != 0), "the second join's last node")
+    got = f(batch(9, node))
+    v.expect(np.allclose(got[1], full.sum(0)), f"after the second join: {got[1]}")
+    v.info["cases"] = mine
+
+
+def scenario_join_close(v, node, node_sizes):
+    """Node 1 joins at once; node 0 calls twice (alone), then closes without joining."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    synk.distribute()
+    if node == 1:
+        text = raises_soon(v, synk.join, "join() while node 0 closes", limit=60)
+        v.expect(text.startswith("SynkError") and "closed" in text and "without joining" in text, text)
+        return
+    for t in range(2):
+        b = batch(t, 0)
+        v.expect(np.allclose(f(b), b.sum(0)), f"node 0 alone, step {t}")
+
+
 def main() -> int:
     out, scenario, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     node = node_index()
@@ -582,6 +654,10 @@ def main() -> int:
             scenario_timeout(v, node, node_sizes)
         elif scenario == "alone":
             scenario_alone_raises(v, node, node_sizes)
+        elif scenario == "uneven":
+            scenario_uneven(v, node, node_sizes)
+        elif scenario == "join_close":
+            scenario_join_close(v, node, node_sizes)
         elif scenario == "leave":
             scenario_leave(v, node, node_sizes)
         elif scenario in ("raise", "sigkill"):
