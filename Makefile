@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PIP    := -m pip install -q -c constraints.txt
 DEPS   := pyproject.toml setup.py constraints.txt
 
-.PHONY: demo demo-mpi test test-nodes bench docs compat venv clean
+.PHONY: demo demo-mpi test test-pymc test-nodes bench bench-pymc docs compat venv clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,22 @@ venv: $(VENV)/.test
 demo: $(VENV)/.demo
 	$(PY) demos/train_digits.py
 
-test: $(VENV)/.test
+test: $(VENV)/.test test-pymc
 	$(PY) -m pytest -q tests
+
+# synkhronos.pymc in an environment of its own: PyMC pins the PyTensor it takes (PyMC 6 takes
+# PyTensor 3 and Python 3.12; on Python 3.11 PyMC 5.28 takes PyTensor 2.38), which the main
+# environment keeps free. The newest Python found (as for make compat), else $(PYTHON).
+PYMC_VENV   := .venv-pymc
+PYMC_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) $(PYTHON))
+
+$(PYMC_VENV)/.installed: $(DEPS)
+	$(PYMC_PYTHON) -m venv $(PYMC_VENV)
+	$(PYMC_VENV)/bin/python -m pip install -q -e '.[pymc-samplers]' pytest pytest-timeout scipy
+	touch $@
+
+test-pymc: $(PYMC_VENV)/.installed
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc.py tests/test_as_op.py
 
 # the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
 # process count instead of make test's 40, and messages over 2 GiB (about 10 GiB of memory):
@@ -96,4 +110,4 @@ compat: $(COMPAT_VENVS:%=%/.installed)
 	done
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENVS) docs/_build bench/results *.egg-info
+	rm -rf $(VENV) $(PYMC_VENV) $(COMPAT_VENVS) docs/_build bench/results *.egg-info
