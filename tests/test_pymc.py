@@ -206,3 +206,22 @@ def test_parallel_chains_refused_clearly(fork):
     dp = spm.data_parallel(logistic_model(n=30, k=2), mode=MODE)
     with dp, pytest.raises(Exception, match=r"pm.sample\(cores=1\)"):
         pm.sample(10, tune=10, chains=2, cores=2, nuts_sampler="pymc", progressbar=False)
+
+
+@pytest.mark.parametrize("sampler", ["numpyro", "nutpie"])
+def test_other_nuts_samplers(fork, sampler):
+    """numpyro through the Op's JAX rendering (one distributed call per value and gradient),
+    nutpie through PyTensor's Numba backend (the Op in object mode)."""
+    pytest.importorskip(sampler)
+    fork(2)
+    spm = _spm()
+    model = logistic_model(n=300, k=2)
+    dp = spm.data_parallel(model, mode=MODE)
+    with dp:
+        idata = pm.sample(100, tune=100, chains=1, nuts_sampler=sampler, random_seed=1,
+                          progressbar=False, compute_convergence_checks=False)
+    post = idata.posterior["b"].values.reshape(-1, 2)
+    with model:
+        mode_ = pm.find_MAP(progressbar=False)
+    assert post.shape == (100, 2)
+    assert np.all(np.abs(post.mean(axis=0) - mode_["b"]) < 4 * post.std(axis=0))
