@@ -393,6 +393,15 @@ def from_first_node(proc, make, what: str, sids, rank=None):
         return inter.broadcast(arrays, 0)
 
 
+def broke(proc, err: BaseException) -> None:
+    """This node's fork broke (a worker died) at the end of a step: its last header
+    tells the other nodes, whose next (or current) exchange raises NodeFailedError
+    naming it (:meth:`.collectives.mpi.MpiCommunicator.leave`)."""
+    inter = _inter(proc)
+    if inter is not None:
+        inter.leave(f"{type(err).__name__}: {err}")
+
+
 def failed_alone(proc, what: str, err: BaseException) -> None:
     """A step failed in this node master before it reached the others (a bad value of
     node 0's): tell them, so that they raise NodeFailedError naming it instead of

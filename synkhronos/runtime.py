@@ -142,6 +142,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         if proc.launched:  # MPI starts now, after the fork; the workers wait for the node table
             nodes.connect(proc, s.check)
             s.on_step = functools.partial(nodes.begin_step, proc)
+            s.on_break = functools.partial(nodes.broke, proc)
         atexit.register(_close_at_exit)  # after join: it runs before MPI is finalised at exit
         device.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
     except BaseException:

@@ -59,6 +59,7 @@ class Session:
         self._next_signal = 0.0
         self._next_alive = 0.0       # check_alive(): when the workers' liveness is checked next
         self.on_step = None          # across nodes: on_step(cmd, payload) starts each command's step
+        self.on_break = None         # across nodes: on_break(err) tells the others this fork broke
 
     @property
     def n_parallel(self) -> int:
@@ -172,7 +173,25 @@ class Session:
         if now < self._next_alive:
             return
         self._next_alive = now + CHECK_EVERY
-        self._watch_children()
+        try:
+            self._watch_children()
+        except WorkerDiedError:
+            if self.in_flight is None:  # between steps: the other nodes hear of it now
+                self._tell_break()
+            raise
+
+    def _tell_break(self) -> None:
+        """The fork broke: across nodes, tell the others once, at a step's end (never
+        between the exchanges of a step), so that a node waiting for this one raises
+        at once instead of when this node acts again."""
+        hook = self.on_break
+        if hook is not None and self.broken is not None:
+            self.on_break = None
+            try:
+                hook(self.broken)
+            except Exception:  # noqa: BLE001 - the others then learn it at this node's close()
+                log.debug("synkhronos: telling the other nodes of this node's failure failed",
+                          exc_info=True)
 
     def _watch_children(self) -> None:
         """WorkerDiedError, the fork marked broken and the workers told, if a worker has died."""
@@ -208,6 +227,8 @@ class Session:
             return self._run(cmd, payload, local, body)
         finally:
             self.in_flight = None
+            if self.broken is not None:
+                self._tell_break()
             if self.close_requested and context.current() is self:
                 self._close()  # asked for by a signal handler (or Op) during this command
 

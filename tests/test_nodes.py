@@ -134,6 +134,17 @@ def test_timeout_names_the_late_node(tmp_path, sizes):
 
 
 @needs_mpi
+def test_broken_node_tells_the_others_at_once(tmp_path):
+    """A worker of node 1 is killed; node 1's call raises, then its script is busy for
+    8 s: node 0's next call raises NodeFailedError naming node 1 and its failure within
+    4 s (it waited until node 1 acted again); every node closes and forks again,
+    and MPI finalises cleanly (mpirun exits 0)."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "busy", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 @pytest.mark.parametrize("n, sizes", [(2, "1,2"), (3, "2,1")], ids=["np2", "np3"])
 def test_uneven_inputs_with_join(tmp_path, n, sizes):
     """Nodes with 2, 4 (and 1) batches, each calling synk.join() when its batches run out:

@@ -79,6 +79,12 @@ STEP_TEXT = 96
 #: The step checksum in the header of a node that has joined (see MpiCommunicator.join):
 #: crc32 checksums are never negative.
 JOINED = -1
+#: The step checksum in the last header of a node that left after a failure (see
+#: MpiCommunicator.leave).
+LEFT = -2
+#: Headers of nodes that left, still waiting for the others' next exchange when their
+#: communicator was freed: MPI completes them later (MPI_Finalize waits for them).
+_LEAVING: list = []
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 
@@ -209,7 +215,8 @@ class MpiCommunicator(Communicator):
         self._crcs: dict = {}       # step key -> its checksum
         self.waiting = None         # what this node master waits for the other nodes in, if it does
         self.joined: list = []      # the nodes that had joined (join()) at the last exchange
-        self.ended: str | None = None  # why the others are gone (they closed while this node joined)
+        self.ended: str | None = None  # why no step can be made any more (a node left, the others closed)
+        self._leaving = None        # this node's last header (leave()): (request, buffers)
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
         # duplicates, without blocking: data on one, failure notices on the other
@@ -223,23 +230,39 @@ class MpiCommunicator(Communicator):
 
     # -- waiting and failures ----------------------------------------------
 
-    def _peer_failed(self, what: str):
-        node, reason = self._notices.received(unreadable=("?", "(unreadable failure notice)"))
+    def _peer_failed(self, what: str, in_header: bool = False):
+        node, reason, *kind = self._notices.received(unreadable=("?", "(unreadable failure notice)"))
+        if kind == ["left"]:  # it left at a step's end (see leave()): nothing was abandoned
+            if self.ended is None:
+                self.ended = f"node {node} left after a failure ({reason})"
+                if not in_header:  # its last header waits for one of ours: the exchange it would meet
+                    self._answer_leave()
+            raise NodeFailedError(node, f"it left after a failure: {reason}", what)
         self.broken = self.broken or f"node {node} failed: {reason}"
         raise NodeFailedError(node, reason, what)
+
+    def _answer_leave(self) -> None:
+        """Post the header exchange that a node's last header (leave()) meets, without
+        waiting: MPI completes it when that node next progresses (at its close(), at
+        the latest in MPI_Finalize), so nothing is left outstanding."""
+        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        _HEAD.pack_into(slot, 0, 0, self.step[0], LEFT)
+        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
+        req = self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE])
+        _LEAVING.append((req, (slot, slots)))
 
     def _enter(self, what: str) -> None:
         if self._comm is None:
             raise SynkError(f"{what} on a closed MPI communicator")
+        if self.ended is not None:
+            raise SynkError(f"{what}: {self.ended}; call synk.close() (and synk.fork() to go on) here too")
         if self._notices.received() is not None:
             self._peer_failed(what)
-        if self.ended is not None:
-            raise SynkError(f"{what}: {self.ended}; call synk.close() here too")
         if self.broken is not None:
             raise SynkError(f"the MPI communicator was abandoned after an earlier failure "
                             f"({self.broken}); call synk.close() and synk.fork() again")
 
-    def _wait(self, reqs, what: str, keep=None, notices: bool = True) -> None:
+    def _wait(self, reqs, what: str, keep=None, notices: bool = True, header: bool = False) -> None:
         """Until every request in ``reqs`` completes; ``check()`` between slices,
         and a peer's failure notice ends the wait at once. Never a blocking wait.
 
@@ -251,7 +274,7 @@ class MpiCommunicator(Communicator):
 
         def ready() -> bool:
             if notices and self._notices.received() is not None:
-                self._peer_failed(what)
+                self._peer_failed(what, in_header=header)
             return Testall(reqs)
 
         try:
@@ -261,7 +284,8 @@ class MpiCommunicator(Communicator):
             wait_until(ready, self.check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
         except BaseException as exc:
-            self._abandoned.append((reqs, keep))
+            # a leave's exchange completes later (see _answer_leave): its buffers outlive this object
+            (_LEAVING if self.ended is not None and header else self._abandoned).append((reqs, keep))
             if not isinstance(exc, NodeFailedError):
                 self.abort(f"{type(exc).__name__}: {exc}")
             raise
@@ -357,9 +381,19 @@ class MpiCommunicator(Communicator):
         if len(blob) <= room:
             slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((size, HEADER_SLOT), dtype=np.uint8)
-        self._wait([self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])], what, (slot, slots))
+        self._wait([self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])], what, (slot, slots),
+                   header=True)
         heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
         lens = [h[0] for h in heads]
+        left = [r for r, h in enumerate(heads) if h[2] == LEFT]
+        if left:  # its last header: it takes no step any more (no second round either)
+            node = left[0]
+            try:
+                reason = pickle.loads(slots[node, _HEAD.size:_HEAD.size + lens[node]].tobytes())[2]
+            except Exception:  # noqa: BLE001
+                reason = "(unreadable)"
+            self.ended = f"node {node} left after a failure ({reason})"
+            raise NodeFailedError(node, f"it left after a failure: {reason}", what)
         if max(lens) <= room:
             blobs = [slots[r, _HEAD.size:_HEAD.size + n].tobytes() for r, n in enumerate(lens)]
         else:  # somebody's header did not fit: everybody sends it again, sized
@@ -391,6 +425,31 @@ class MpiCommunicator(Communicator):
                 if dtype.hasobject:
                     raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
                                     "arrays of numbers and booleans only")
+
+    def leave(self, reason: str) -> None:
+        """This node can make no more steps (its fork broke between two of its
+        exchanges, e.g. a worker died in the last local step of a collective):
+        post its last header, which says so, without waiting. The others' next
+        exchange (the one they wait in, if they do) ends with it:
+        :class:`NodeFailedError` naming this node and ``reason`` on each, at once
+        rather than when this node acts again; nothing is left outstanding there,
+        so every node can close and fork again, and MPI finalises cleanly.
+        Only at a step's end: never between the exchanges of one step."""
+        if self._comm is None or self.broken is not None or self.ended is not None:
+            return
+        MPI = self._MPI
+        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], None, ("left", None, None)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        _HEAD.pack_into(slot, 0, len(blob), self.step[0], LEFT)
+        slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
+        req = self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])
+        self._leaving = (req, (slot, slots))
+        # MPI moves the header only when this node next calls it (maybe not for a long
+        # while: its script is busy): a notice, sent at once, tells the others now
+        self._notices.send((self.rank, str(reason)[:NOTICE_BYTES // 2], "left"), lambda v: v)
+        self.ended = f"this node left the other nodes after its failure ({reason})"
 
     def join(self) -> int:
         """This node has no more steps of its own (its data ran out): until every node
@@ -761,9 +820,13 @@ class MpiCommunicator(Communicator):
             try:
                 self._agree("close", None)
             except BaseException as exc:  # noqa: BLE001 - released below, then raised
-                error = exc
-                # the others may be in another step: they must learn that this node left
-                self.abort(f"node {self.rank} closed (synk.close()): {type(exc).__name__}: {exc}"[:500])
+                # (a node that left is gone: nothing outstanding, nobody to tell)
+                if not (isinstance(exc, NodeFailedError) and self.ended is not None):
+                    error = exc
+                    # the others may be in another step: they must learn that this node left
+                    self.abort(f"node {self.rank} closed (synk.close()): {type(exc).__name__}: {exc}"[:500])
+        if self._leaving is not None and not self._leaving[0].Test():
+            _LEAVING.append(self._leaving)  # the others complete it at their next exchange
         self._notices.close()  # its receive cancelled, its sends given a moment, freed
         try:
             self._comm.Free()

@@ -20,6 +20,8 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``alone``: node 1 (one process) fails an Assert on its rows inside a call.
 - ``bad_broadcast``: node 0 gives broadcast() a bad value.
 - ``timeout``: fork(timeout=3); node 1 is late for node 0's call.
+- ``busy``: a worker of node 1 dies; node 1 raises, then is busy for 8 s;
+  node 0's next call raises at once.
 - ``uneven``: nodes with different numbers of batches; each calls
   ``synk.join()`` when its run out; the others' calls and reductions go on
   over their own rows; then every node steps together again.
@@ -265,6 +267,33 @@ def scenario_kill(v, node, node_sizes):
     prefix = synk.context.current().proc.prefix
     synk.close()
     v.expect(my_shm([prefix]) == [], f"left after close: {my_shm([prefix])}")
+    synk.fork(node_sizes[node], device="cpu")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "after close() and fork() again")
+
+
+def scenario_busy_after_kill(v, node, node_sizes):
+    """A worker of node 1 dies; node 1's call raises, then its script is busy for 8 s
+    (it does not close): node 0's next call raises NodeFailedError naming node 1 at
+    once, not when node 1 acts again; every node closes and forks again cleanly."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before the kill")
+    if node == 1:
+        os.kill(children()[0], signal.SIGKILL)
+        time.sleep(0.5)
+    text = raises_soon(v, lambda: f(per_node[node]), "the call after the kill")
+    v.expect("rank 1" in text, f"names the rank: {text}")
+    if node == 1:
+        time.sleep(8)  # busy with something else
+    else:
+        text = raises_soon(v, lambda: f(per_node[node]), "the next call while node 1 is busy", limit=4)
+        v.expect(text.startswith("NodeFailedError") and "node 1" in text and "left after a failure" in text
+                 and "WorkerDiedError" in text, f"names node 1 and its failure: {text}")
+        text = raises_soon(v, lambda: f(per_node[node]), "the call after that")
+        v.expect("left after a failure" in text and "synk.close()" in text, f"then: {text}")
+    synk.close()
     synk.fork(node_sizes[node], device="cpu")
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
     v.expect(np.allclose(f(per_node[node]), data.sum(0)), "after close() and fork() again")
@@ -654,6 +683,8 @@ def main() -> int:
             scenario_timeout(v, node, node_sizes)
         elif scenario == "alone":
             scenario_alone_raises(v, node, node_sizes)
+        elif scenario == "busy":
+            scenario_busy_after_kill(v, node, node_sizes)
         elif scenario == "uneven":
             scenario_uneven(v, node, node_sizes)
         elif scenario == "join_close":
