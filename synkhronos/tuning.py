@@ -85,6 +85,8 @@ def limit_threads(n: int, worker: bool = False):
     limits = threadpool_limits(limits=n)
     numba = sys.modules.get("numba")
     saved_numba = None
+    if worker and "jax" not in sys.modules:  # JAX reads it when its CPU backend starts
+        os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), n)
     if worker and not _numba_threads_running():
         os.environ["NUMBA_NUM_THREADS"] = str(n)
         if numba is not None:
@@ -108,6 +110,17 @@ def limit_threads(n: int, worker: bool = False):
                     pass
 
     return _Handle()
+
+
+def xla_flags(flags: str, n: int) -> str:
+    """``flags`` (XLA_FLAGS) with XLA's CPU thread pools capped at ``n`` threads, unless
+    they say otherwise already: one thread runs without Eigen's pool at all."""
+    extra = []
+    if n == 1 and "xla_cpu_multi_thread_eigen" not in flags:
+        extra.append("--xla_cpu_multi_thread_eigen=false")
+    if "intra_op_parallelism_threads" not in flags:
+        extra.append(f"intra_op_parallelism_threads={n}")
+    return " ".join([flags] + extra).strip()
 
 
 def restore_env(saved) -> None:

@@ -216,7 +216,8 @@ def test_other_nuts_samplers(fork, sampler):
     fork(2)
     spm = _spm()
     model = logistic_model(n=300, k=2)
-    dp = spm.data_parallel(model, mode=MODE)
+    # numpyro: the default backend in each process too (JAX where it is installed)
+    dp = spm.data_parallel(model, **({} if sampler == "numpyro" else {"mode": MODE}))
     with dp:
         idata = pm.sample(100, tune=100, chains=1, nuts_sampler=sampler, random_seed=1,
                           progressbar=False, compute_convergence_checks=False)

@@ -1,0 +1,281 @@
+"""PyMC data-parallel (synkhronos.pymc) against what a PyMC user picks today.
+
+Bayesian logistic regression, 10 features, made here (no download). For each row count the
+cases run one after another, each in a fresh subprocess, interleaved (row count by row
+count), so that the peers share the machine's state of the moment:
+
+  pymc        PyMC alone, its default backend, one chain (nuts_sampler="pymc")
+  pymc-2      PyMC cores=2, 2 chains, one BLAS thread per process
+  nutpie      nutpie, one chain (and 2 chains: its own threads)
+  numpyro     numpyro (JAX, one XLA thread); eval = jax.value_and_grad of PyMC's logp
+  synk        synkhronos.pymc on --n processes, its default backend: eval, find_MAP, ADVI,
+              NUTS with PyMC's sampler, numpyro and nutpie
+  synk-MODE   the same, each process compiling with MODE (NUMBA, JAX, C): eval only
+
+Parts (--what): eval (one log-density and gradient, ms), map (find_MAP, s), advi (--advi-steps
+steps, s), nuts (1 chain of --tune + --draws: s and ESS/s, the smallest bulk ESS of the
+parameters per second of sampling), nuts2 (2 chains).
+
+    python bench/pymc_bench.py                       # 20k, 200k, 1M rows, every part
+    python bench/pymc_bench.py --rows 20000 --what eval,map --quick
+
+Writes bench/results/pymc.json and prints a table. Run on an idle machine: the times are wall
+times of one run, not medians of many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+K = 10
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+CASES = ("pymc", "pymc-2", "nutpie", "numpyro", "synk", "synk-NUMBA", "synk-JAX", "synk-C")
+#: What each case measures: parts it has no meaning for are left out.
+PARTS = {
+    "pymc": ("eval", "map", "advi", "nuts"),
+    "pymc-2": ("nuts2",),
+    "nutpie": ("nuts", "nuts2"),
+    "numpyro": ("eval", "nuts", "nuts2"),
+    "synk": ("eval", "map", "advi", "nuts", "nuts-numpyro", "nuts-nutpie", "nuts2"),
+}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="20000,200000,1000000")
+    p.add_argument("--what", default="eval,map,advi,nuts,nuts2")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--n", type=int, default=2, help="synkhronos processes")
+    p.add_argument("--draws", type=int, default=500)
+    p.add_argument("--tune", type=int, default=500)
+    p.add_argument("--advi-steps", type=int, default=5000)
+    p.add_argument("--quick", action="store_true", help="few draws and steps: a smoke run")
+    p.add_argument("--out", default=str(HERE / "results" / "pymc.json"))
+    p.add_argument("--case", help=argparse.SUPPRESS)  # the subprocess's one case
+    args = p.parse_args(argv)
+    if args.quick:
+        args.draws, args.tune, args.advi_steps = 50, 50, 200
+    return args
+
+
+# ---------------------------------------------------------------------------
+# one case, in its own process
+
+
+def make_model(n_rows: int):
+    import numpy as np
+    import pymc as pm
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((n_rows, K))
+    beta = rng.standard_normal(K) * 0.5
+    y = (rng.random(n_rows) < 1 / (1 + np.exp(-X @ beta))).astype("int64")
+    with pm.Model() as model:
+        Xd = pm.Data("X", X)
+        b = pm.Normal("b", 0, 1, shape=K)
+        a = pm.Normal("a", 0, 2)
+        pm.Bernoulli("y", logit_p=a + Xd @ b, observed=y)
+    return model
+
+
+def time_eval(fn, x, min_time=1.0) -> float:
+    """Milliseconds per call of ``fn(x)``: the best of 3 rounds after a warm-up."""
+    fn(x)
+    best = float("inf")
+    for _ in range(3):
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < min_time / 3 or reps < 3:
+            fn(x)
+            reps += 1
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e3
+
+
+def pymc_eval(model) -> float:
+    import numpy as np
+
+    f = model.logp_dlogp_function(ravel_inputs=True)
+    f.set_extra_values({})
+    size = sum(np.size(v) for v in model.initial_point().values())
+    x = np.full(size, 0.05)
+    return time_eval(f, x)
+
+
+def jax_eval(model) -> float:
+    import jax
+    import numpy as np
+    from pymc.sampling.jax import get_jaxified_logp
+
+    logp = get_jaxified_logp(model, negative_logp=False)
+    vg = jax.jit(jax.value_and_grad(lambda *x: logp(x)))
+    x = [np.full(np.shape(model.initial_point()[v.name]), 0.05) for v in model.value_vars]
+    return time_eval(lambda xs: jax.block_until_ready(vg(*xs)), x)
+
+
+def ess_per_s(idata, seconds: float) -> float:
+    import arviz as az
+
+    ess = az.ess(idata)
+    values = [float(ess[v].values.min()) for v in ess.data_vars] if hasattr(ess, "data_vars") else \
+        [float(min(v.values.min() for v in ess.values()))]
+    return min(values) / seconds
+
+
+def sample(model, args, chains=1, cores=1, sampler="pymc") -> dict:
+    import pymc as pm
+
+    kwargs = {"chain_method": "parallel"} if sampler == "numpyro" and chains > 1 else {}
+    with model:
+        t0 = time.perf_counter()
+        idata = pm.sample(args.draws, tune=args.tune, chains=chains, cores=cores, nuts_sampler=sampler,
+                          random_seed=1, progressbar=False, compute_convergence_checks=False,
+                          nuts_sampler_kwargs=kwargs)
+        seconds = time.perf_counter() - t0
+    return {"s": seconds, "ess_per_s": ess_per_s(idata, seconds)}
+
+
+def run_parts(model, args, parts, sampler_parts) -> dict:
+    import pymc as pm
+
+    out = {}
+    for part in parts:
+        if part == "eval":
+            out["eval_ms"] = pymc_eval(model)
+        elif part == "map":
+            with model:
+                t0 = time.perf_counter()
+                pm.find_MAP(progressbar=False)
+                out["map_s"] = time.perf_counter() - t0
+        elif part == "advi":
+            with model:
+                t0 = time.perf_counter()
+                pm.fit(args.advi_steps, method="advi", random_seed=1, progressbar=False)
+                out["advi_s"] = time.perf_counter() - t0
+        elif part in sampler_parts:
+            out[part] = sampler_parts[part]()
+    return out
+
+
+def one_case(args) -> dict:
+    case, n_rows = args.case, int(args.rows)
+    what = set(args.what.split(","))
+    if case.startswith("synk"):
+        return synk_case(args, case.partition("-")[2] or None, n_rows, what)
+    model = make_model(n_rows)
+    parts = [p for p in PARTS[case] if p in what or (p == "nuts2" and "nuts2" in what)]
+    samplers = {
+        "pymc": {"nuts": lambda: sample(model, args)},
+        "pymc-2": {"nuts2": lambda: sample(model, args, chains=2, cores=2)},
+        "nutpie": {"nuts": lambda: sample(model, args, sampler="nutpie"),
+                   "nuts2": lambda: sample(model, args, chains=2, sampler="nutpie")},
+        "numpyro": {"nuts": lambda: sample(model, args, sampler="numpyro"),
+                    "nuts2": lambda: sample(model, args, chains=2, sampler="numpyro")},
+    }[case]
+    out = run_parts(model, args, [p for p in parts if p != "eval"], samplers)
+    if "eval" in parts:
+        out["eval_ms"] = jax_eval(model) if case == "numpyro" else pymc_eval(model)
+    return out
+
+
+def synk_case(args, mode, n_rows: int, what: set) -> dict:
+    import synkhronos as synk
+
+    synk.fork(args.n, device="cpu")
+    import synkhronos.pymc as spm
+
+    model = make_model(n_rows)
+    t0 = time.perf_counter()
+    dp = spm.data_parallel(model, **({} if mode is None else {"mode": {"C": "FAST_RUN"}.get(mode, mode)}))
+    out = {"build_s": time.perf_counter() - t0}
+    parts = [p for p in PARTS["synk"] if p in what or (p.startswith("nuts-") and "nuts" in what)]
+    if mode is not None:  # a backend named: eval only (its speed per process)
+        parts = [p for p in parts if p == "eval"]
+    samplers = {"nuts": lambda: sample(dp, args),
+                "nuts-numpyro": lambda: sample(dp, args, sampler="numpyro"),
+                "nuts-nutpie": lambda: sample(dp, args, sampler="nutpie"),
+                "nuts2": lambda: sample(dp, args, chains=2)}
+    out.update(run_parts(dp, args, parts, samplers))
+    synk.close()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the driver
+
+
+def run_case(case: str, n_rows: int, args) -> dict:
+    env = dict(os.environ)
+    if case in ("pymc-2", "numpyro") or case.startswith("synk"):
+        env.update(ONE_THREAD)
+    if case == "numpyro":  # 2 parallel chains need 2 XLA host devices
+        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+    cmd = [sys.executable, __file__, "--case", case, "--rows", str(n_rows), "--what", args.what,
+           "--n", str(args.n), "--draws", str(args.draws), "--tune", str(args.tune),
+           "--advi-steps", str(args.advi_steps)]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": " | ".join(tail), "wall_s": time.perf_counter() - t0}
+    return json.loads(lines[-1])
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip() + f", {os.cpu_count()} CPUs"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def table(results: dict) -> str:
+    cols = ["eval_ms", "map_s", "advi_s", "nuts", "nuts-numpyro", "nuts-nutpie", "nuts2"]
+    lines = ["| rows | case | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 2)]
+    for n_rows, cases in results.items():
+        for case, r in cases.items():
+            cells = []
+            for c in cols:
+                v = r.get(c)
+                cells.append("" if v is None else f"{v['s']:.1f} s, {v['ess_per_s']:.1f} ESS/s"
+                             if isinstance(v, dict) else f"{v:.3g}")
+            if "error" in r:
+                cells[-1] = f"error: {r['error'][:80]}"
+            lines.append(f"| {n_rows} | {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.case:
+        print(json.dumps(one_case(args)), flush=True)
+        return 0
+    results = {"cpu": cpu_name(), "n": args.n, "draws": args.draws, "tune": args.tune,
+               "advi_steps": args.advi_steps, "rows": {}}
+    for n_rows in [int(r) for r in args.rows.split(",")]:
+        results["rows"][n_rows] = {}
+        for case in args.cases.split(","):
+            results["rows"][n_rows][case] = run_case(case, n_rows, args)
+            print(n_rows, case, results["rows"][n_rows][case], flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\n{results['cpu']}; synkhronos on {args.n} processes; NUTS {args.tune} tune + {args.draws} "
+          f"draws; ADVI {args.advi_steps} steps\n")
+    print(table(results["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
