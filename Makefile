@@ -78,6 +78,12 @@ bench: $(VENV)/.bench
 	$(MPIRUN) -np 2 $(PY) bench/mv_bench.py
 	$(PY) bench/nodes_bench.py
 
+# synkhronos.pymc against PyMC, PyMC cores=2, nutpie and numpyro (in .venv-pymc): 20k and 200k
+# rows by default (1M: ROWS=20000,200000,1000000, an hour or more on 2 cores)
+ROWS ?= 20000,200000
+bench-pymc: $(PYMC_VENV)/.installed
+	$(PYMC_VENV)/bin/python bench/pymc_bench.py --rows $(ROWS)
+
 docs: $(VENV)/.docs
 	$(PY) -m sphinx -W -b html docs docs/_build/html
 
