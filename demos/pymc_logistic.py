@@ -5,7 +5,7 @@ data-parallel copy with ``synkhronos.pymc.data_parallel``, checks that the log-d
 gradient equal PyMC's, then runs ``find_MAP``, ADVI and NUTS on the copy exactly as on any PyMC
 model, and draws from the posterior predictive. The exit status is 1 if a check fails.
 
-Usage: ``python demos/pymc_logistic.py [--rows N] [--processes N] [--draws N]``
+Usage: ``python demos/pymc_logistic.py [--rows N] [--processes N] [--draws N] [--advi-steps N]``
 (needs ``pip install 'synkhronos[pymc]'``).
 """
 
@@ -25,6 +25,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rows", type=int, default=50_000)
 parser.add_argument("--processes", type=int, default=None, help="default: one per core")
 parser.add_argument("--draws", type=int, default=300)
+parser.add_argument("--advi-steps", type=int, default=2000)
 args = parser.parse_args()
 
 n = synk.fork(args.processes)  # first: the workers start here; PyMC (and JAX) come after
@@ -62,8 +63,8 @@ with dp:
     map_ = pm.find_MAP(progressbar=False)
     print(f"find_MAP: {time.perf_counter() - t0:.2f} s; b = {np.round(map_['b'], 2)}")
     t0 = time.perf_counter()
-    approx = pm.fit(2000, method="advi", random_seed=1, progressbar=False)
-    print(f"ADVI 2000 steps: {time.perf_counter() - t0:.2f} s")
+    approx = pm.fit(args.advi_steps, method="advi", random_seed=1, progressbar=False)
+    print(f"ADVI {args.advi_steps} steps: {time.perf_counter() - t0:.2f} s")
     t0 = time.perf_counter()
     idata = pm.sample(args.draws, tune=args.draws, chains=1, random_seed=1, progressbar=False,
                       compute_convergence_checks=False)

@@ -226,3 +226,15 @@ def test_other_nuts_samplers(fork, sampler):
         mode_ = pm.find_MAP(progressbar=False)
     assert post.shape == (100, 2)
     assert np.all(np.abs(post.mean(axis=0) - mode_["b"]) < 4 * post.std(axis=0))
+
+
+def test_demo_runs_and_passes_its_checks():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parent.parent / "demos" / "pymc_logistic.py"
+    done = subprocess.run([sys.executable, str(demo), "--rows", "3000", "--draws", "60", "--processes", "2",
+                           "--advi-steps", "200"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "All PyMC checks passed." in done.stdout
