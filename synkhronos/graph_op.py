@@ -236,8 +236,12 @@ def register_jax() -> None:
 def _jax_funcify_synk(op, node=None, **kwargs):
     import jax
 
-    shapes = [jax.ShapeDtypeStruct(tuple(1 if s is None else s for s in o.type.shape), o.type.dtype)
-              for o in node.outputs]
+    grad_of = {g: k for row in op.grads.values() for k, g in enumerate(row) if g is not None}
+    for j, o in enumerate(node.outputs):
+        if None in o.type.shape and j not in grad_of:
+            raise NotImplementedError(
+                f"{op}: output {op.out_names[j]!r} has no static shape ({o.type.shape}); JAX needs the "
+                "shape of every output of a callback: give it one (pt.specify_shape) in the function")
 
     def call(*args):
         out = [[None] for _ in node.outputs]
@@ -245,11 +249,9 @@ def _jax_funcify_synk(op, node=None, **kwargs):
         return tuple(o[0] for o in out)
 
     def result_shapes(args):
-        # shapes known only at run time (gathered rows) are asked of the call itself
-        if all(s is not None for o in node.outputs for s in o.type.shape):
-            return tuple(shapes)
-        values = call(*args)
-        return tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values)
+        # a gradient has its input's shape, which JAX knows while it traces
+        return tuple(jax.ShapeDtypeStruct(args[grad_of[j]].shape if j in grad_of else o.type.shape,
+                                          o.type.dtype) for j, o in enumerate(node.outputs))
 
     def forward(*args):
         return jax.pure_callback(call, result_shapes(args), *args, vmap_method="sequential")
@@ -266,6 +268,9 @@ def _jax_funcify_synk(op, node=None, **kwargs):
         outs, args = res
         grads = []
         for k, a in enumerate(args):
+            if not jax.numpy.issubdtype(a.dtype, jax.numpy.inexact):  # data: no gradient
+                grads.append(np.zeros(a.shape, dtype=jax.dtypes.float0))
+                continue
             total = jax.numpy.zeros_like(a)
             for j, grad_outs in op.grads.items():
                 if grad_outs[k] is not None:

@@ -169,3 +169,40 @@ def test_pickle_in_the_same_process_only(fork):
     Xv, yv = _data(np.random.default_rng(6), 10, 3)
     op = f.as_op(given={X: Xv, y: yv}, grads={0: [1]})
     assert pickle.loads(pickle.dumps(op)) is op
+
+
+def test_jax_rendering_one_call_per_value_and_gradient(fork):
+    """jax.value_and_grad of a graph holding the Op: PyTensor's JAX backend renders it as a
+    callback with a custom VJP, whose forward pass brings the gradient from the same call."""
+    jax = pytest.importorskip("jax")
+    fork(2)
+    from pytensor.graph.fg import FunctionGraph
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    from synkhronos.graph_op import register_jax
+
+    register_jax()
+    f, (X, y, theta) = _value_and_grad_function()
+    rng = np.random.default_rng(7)
+    Xv, yv = _data(rng, 33, 3)
+    op = f.as_op(given={X: synk.data(Xv), y: yv}, grads={0: [1]})
+    calls = []
+    real_call = op.fn
+
+    class Counting:
+        name, output_modes = real_call.name, real_call.output_modes
+
+        def __call__(self, *args):
+            calls.append(1)
+            return real_call(*args)
+
+    op.fn = Counting()
+    t = pt.dvector("t")  # no static shape: the gradient's shape comes from the input
+    cost = 3.0 * op(t)[0] + (t ** 2).sum()
+    jfn = jax_funcify(FunctionGraph([t], [cost], clone=True))
+    value, grad = jax.value_and_grad(lambda x: jfn(x)[0])(np.array([0.1, -0.2, 0.3]))
+    assert len(calls) == 1
+    ref_cost = 3.0 * _logistic(pt.constant(Xv), pt.constant(yv), t) + (t ** 2).sum()
+    ref = pytensor.function([t], [ref_cost, pytensor.grad(ref_cost, t)], mode=MODE)(np.array([0.1, -0.2, 0.3]))
+    assert_allclose(value, ref[0], rtol=1e-10)
+    assert_allclose(grad, ref[1], rtol=1e-10)
