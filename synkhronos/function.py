@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 import warnings
 from typing import Any
 
@@ -1250,6 +1251,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     s.usable()
     inputs = _check_inputs(inputs, pytensor_kwargs)
     outs, ops, given_ops, returns_list = _parse_outputs(outputs, reduce_ops)
+    _warn_averaged_log_probability(outs, ops)
     upd_pairs, upd_ops = _parse_updates(updates)
     inputs, bcast = _parse_bcast(inputs, bcast_inputs, broadcast_inputs)
     sliceable = _parse_sliceable(sliceable_shareds)
@@ -1323,6 +1325,22 @@ def _parse_outputs(outputs, reduce_ops) -> tuple:
     given_ops = list(ops)
     ops = [None if op is None else check_op(op, OUTPUT_OPS, "output op") for op in ops]
     return outs, ops, given_ops, returns_list
+
+
+#: Output names that say "a log-probability summed over rows": averaging one is a likely slip.
+_LOG_PROBABILITY = re.compile(r"(?i)(^|[^a-z])(logp|log_?prob|log_?lik|loglike|log_?likelihood|"
+                              r"log_?density|elbo)([^a-z]|$)")
+
+
+def _warn_averaged_log_probability(outs, ops) -> None:
+    """A warning (Python shows it once per place) for an output named like a
+    log-probability and reduced with "avg": a likelihood over rows is a sum."""
+    for var, op in zip(outs, ops):
+        if op == "avg" and var.name and _LOG_PROBABILITY.search(var.name):
+            warnings.warn(f"output {var.name!r} looks like a log-probability and is reduced with 'avg' "
+                          "(the default): across processes that is a mean of the processes' values "
+                          "weighted by their rows, not the log-probability of all rows; give "
+                          f"({var.name}, 'sum') for a sum over rows", stacklevel=user_stacklevel())
 
 
 def _parse_updates(updates) -> tuple:

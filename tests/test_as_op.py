@@ -26,9 +26,9 @@ def _value_and_grad_function(op="sum"):
     logp = _logistic(X, y, theta)
     if op == "avg":
         logp = logp / X.shape[0]
-    logp.name = "logp"
+    logp.name = "logp" if op == "sum" else "mean_ll"  # (a mean named logp would warn)
     dlogp = pytensor.grad(logp, theta)
-    dlogp.name = "dlogp"
+    dlogp.name = "d" + logp.name
     f = synk.function([X, y, theta], [(logp, op), (dlogp, op)], bcast_inputs=[theta], mode=MODE)
     synk.distribute()
     return f, (X, y, theta)
@@ -90,7 +90,7 @@ def test_avg_outputs_and_scipy_optimize(fork):
     f, (X, y, theta) = _value_and_grad_function(op="avg")
     rng = np.random.default_rng(3)
     Xv, yv = _data(rng, 41, 3)
-    op = f.as_op(given={X: synk.data(Xv), y: synk.data(yv)}, grads={"logp": ["dlogp"]})
+    op = f.as_op(given={X: synk.data(Xv), y: synk.data(yv)}, grads={"mean_ll": ["dmean_ll"]})
     t = pt.dvector("t")
     value = -op(t)[0] + 0.5 * (t ** 2).sum()
     fn = pytensor.function([t], [value, pytensor.grad(value, t)], mode=MODE)
@@ -206,3 +206,22 @@ def test_jax_rendering_one_call_per_value_and_gradient(fork):
     ref = pytensor.function([t], [ref_cost, pytensor.grad(ref_cost, t)], mode=MODE)(np.array([0.1, -0.2, 0.3]))
     assert_allclose(value, ref[0], rtol=1e-10)
     assert_allclose(grad, ref[1], rtol=1e-10)
+
+
+def test_an_averaged_log_probability_warns(fork):
+    fork(2)
+    x = pt.dvector("x")
+    logp = (-0.5 * x ** 2).sum()
+    logp.name = "logp"
+    with pytest.warns(UserWarning, match="'logp' looks like a log-probability and is reduced with 'avg'"):
+        synk.function([x], logp, mode=MODE)
+    total = (-0.5 * x ** 2).sum()
+    total.name = "logp"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        synk.function([x], (total, "sum"), mode=MODE)
+        mean = x.mean()
+        mean.name = "x_mean"
+        synk.function([x], mean, mode=MODE)
