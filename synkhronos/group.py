@@ -22,6 +22,7 @@ import pickle
 import signal
 import struct
 import sys
+import threading
 import time
 import warnings
 
@@ -370,7 +371,8 @@ def launched() -> bool:
 
 
 @functools.cache
-def _bootstrap():
+def _import_mpi4py():
+    """mpi4py's ``MPI`` module, imported without initialising MPI (the one import of it)."""
     try:
         import mpi4py
     except ImportError as err:
@@ -385,24 +387,102 @@ def _bootstrap():
     mpi4py.rc.finalize = False    # finalised by its user, after what it allocated is freed
     from mpi4py import MPI  # only here: importing the package never imports mpi4py
 
-    ours = not MPI.Is_initialized()
-    if ours:
-        MPI.Init_thread(MPI.THREAD_SERIALIZED)
-    return MPI, ours
+    return MPI
 
 
-def mpi():
+class _Start:
+    """MPI_Init, run in a thread of its own: it returns only once every copy of the
+    job has called it, so a copy still loading its data (or one that never calls
+    it) would hold this one inside C for as long as it lives, deaf to signals and
+    to any timeout. The caller's thread waits instead, in Python.
+
+    mpi4py's ``Init_thread`` keeps the GIL while MPI_Init waits (the waiting
+    thread could not run), so the thread calls MPI's C function through ctypes,
+    which lets the GIL go, then makes MPI's errors exceptions as mpi4py's own
+    start does. Where MPI's library cannot be found, mpi4py's call is made in
+    the caller's thread (without a bound)."""
+
+    def __init__(self):
+        self.thread = None
+        self.ours = None     # whether MPI was initialised here (not by the script before)
+        self.error = None    # what MPI_Init raised
+
+    @staticmethod
+    def library():
+        """MPI's shared library loaded with mpi4py (None if not found)."""
+        try:
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if "/libmpi" in line and ".so" in line}
+        except OSError:
+            return None
+        for path in sorted(paths):
+            if os.path.basename(path).startswith(("libmpi.so", "libmpich.so", "libmpi_mt.so")):
+                try:
+                    lib = ctypes.CDLL(path)
+                    lib.MPI_Init_thread  # noqa: B018 - present?
+                    return lib
+                except (OSError, AttributeError):
+                    continue
+        return None
+
+    def run(self, lib, required: int) -> None:
+        try:
+            provided = ctypes.c_int(0)
+            code = lib.MPI_Init_thread(None, None, ctypes.c_int(required), ctypes.byref(provided))
+            if code != 0:
+                self.error = RuntimeError(f"MPI_Init_thread failed with MPI error code {code}")
+        except BaseException as err:  # noqa: BLE001 - raised in the waiting thread
+            self.error = err
+
+
+_start = _Start()
+
+
+def mpi(timeout: float | None = None, check=None):
     """mpi4py's ``MPI`` module, MPI initialised (``THREAD_SERIALIZED``) at the first call.
 
     Many MPI transports break in a process that forks after ``MPI_Init``: call
     it only once every fork is done. Finalising is the caller's.
+
+    MPI_Init runs in a thread of its own; the calling thread waits for it,
+    calling ``check()`` between slices (signals are handled meanwhile), for at
+    most ``timeout`` seconds (None: as long as it takes).
+
+    Raises:
+        ImportError: mpi4py is not installed (the message says what to install).
+        TimeoutError: MPI did not start within ``timeout`` (the other copies of
+            the job had not all called it); a later call waits again.
     """
-    return _bootstrap()[0]
+    MPI = _import_mpi4py()
+    st = _start
+    if st.ours is None and st.thread is None:
+        if MPI.Is_initialized():
+            st.ours = False
+        else:
+            lib = st.library()
+            if lib is None:
+                MPI.Init_thread(MPI.THREAD_SERIALIZED)
+                st.ours = True
+                return MPI
+            st.thread = threading.Thread(target=st.run, args=(lib, MPI.THREAD_SERIALIZED),
+                                         name="synkhronos-mpi-init", daemon=True)
+            st.thread.start()
+    if st.thread is not None:
+        done = wait_until(lambda: not st.thread.is_alive(), check, timeout=timeout, max_sleep=0.01)
+        if not done:
+            raise TimeoutError(f"MPI_Init did not complete within {timeout} s")
+        if st.error is not None:
+            raise st.error
+        for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):  # as mpi4py's own start: errors raise
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        st.thread, st.ours = None, True
+    return MPI
 
 
 def mpi_started_here() -> bool:
     """Whether :func:`mpi` initialised MPI (rather than the script, before it)."""
-    return _bootstrap()[1]
+    mpi()
+    return bool(_start.ours)
 
 
 class Notices:

@@ -34,7 +34,7 @@ import numpy as np
 from . import context, group
 from .group import LAUNCHER_VARS, launched
 from .batching import split
-from .errors import SynkError
+from .errors import SynkError, SynkTimeoutError
 from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
@@ -86,11 +86,16 @@ def warn_if_mpi_started() -> None:
                       "False before importing it", stacklevel=3)
 
 
-@functools.cache
-def _mpi():
-    """mpi4py's MPI, initialised now (after the fork), finalised at exit."""
-    MPI = group.mpi()
-    if group.mpi_started_here():
+_finalize_registered = False
+
+
+def _mpi(timeout=None, check=None):
+    """mpi4py's MPI, initialised now (after the fork; see :func:`.group.mpi` for
+    ``timeout`` and ``check``), finalised at exit."""
+    global _finalize_registered
+    MPI = group.mpi(timeout, check)
+    if not _finalize_registered and group.mpi_started_here():
+        _finalize_registered = True
         atexit.register(_finalize, MPI)  # finalised after close() at exit
     return MPI
 
@@ -120,7 +125,16 @@ def connect(proc, check) -> None:
         warnings.warn("synkhronos: across nodes, GPU outputs and collectives go through the CPU "
                       "path (NCCL across nodes is not supported yet)", stacklevel=2)
         plan.nccl = False
-    MPI = _mpi()
+    s = context.current()
+    timeout = None if s is None else s.timeout
+    try:
+        MPI = _mpi(timeout, None if s is None else s.watch.poll)
+    except TimeoutError:
+        raise SynkTimeoutError(
+            f"fork(): MPI did not start within timeout={timeout} s: MPI_Init returns once every copy "
+            "of the script under the launcher has called it, and some have not (still loading their "
+            "data before synk.fork(), failed before it, or never call it). This node's fork was "
+            "closed; synk.fork() again waits for them again", [], timeout) from None
     inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
     try:
         with _between_commands(inter, proc.comm):  # the node table goes to the workers too

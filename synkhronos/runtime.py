@@ -72,6 +72,11 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             runs out the command is abandoned in every process and
             :class:`~synkhronos.SynkTimeoutError` names the ranks that had
             not answered and says whether the runtime is still usable.
+            Under a launcher it also bounds the wait for MPI to start, which
+            ends once every node has called ``fork()``: a node still loading
+            its data, or one that failed before its ``fork()``, makes this
+            ``fork()`` raise :class:`~synkhronos.SynkTimeoutError` (its fork
+            closed; calling ``fork()`` again waits again).
         idle_spin: seconds an idle worker keeps polling for the next command
             before it sleeps (default ``0.02``). While it polls, a call costs
             no kernel wake-up (a loop of calls with pauses shorter than this

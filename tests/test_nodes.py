@@ -134,6 +134,32 @@ def test_timeout_names_the_late_node(tmp_path, sizes):
 
 
 @needs_mpi
+def test_fork_timeout_bounds_the_mpi_start(tmp_path):
+    """Node 1 is 8 s late to fork(): node 0's fork(timeout=3) raises SynkTimeoutError
+    within seconds saying MPI did not start (it waited inside MPI_Init, deaf to the
+    timeout and to signals), its fork closed with nothing left in /dev/shm; its next
+    fork() waits for node 1, and then both call together."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "late_start", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_node_failing_before_fork_leaves_nothing(tmp_path):
+    """Node 1 fails before its fork(): mpirun stops node 0, which waits for MPI to start
+    (it used to wait inside MPI_Init, where its SIGTERM handler could not run, and left
+    7 to 11 names in /dev/shm): nothing of node 0's is left."""
+    import time
+
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "fail_before_fork", "2,1")
+    assert rc != 0, output[-3000:]
+    pid = (tmp_path / "pid.0.txt").read_text()
+    time.sleep(1.0)  # node 0's workers unlink as they leave
+    left = [n for n in os.listdir("/dev/shm") if n.startswith((f"synk.{pid}.", f"sem.synk.{pid}."))]
+    assert left == [], f"node 0 (pid {pid}) left {left}:\n{output[-3000:]}"
+
+
+@needs_mpi
 def test_broken_node_tells_the_others_at_once(tmp_path):
     """A worker of node 1 is killed; node 1's call raises, then its script is busy for
     8 s: node 0's next call raises NodeFailedError naming node 1 and its failure within

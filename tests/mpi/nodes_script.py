@@ -20,6 +20,10 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``alone``: node 1 (one process) fails an Assert on its rows inside a call.
 - ``bad_broadcast``: node 0 gives broadcast() a bad value.
 - ``timeout``: fork(timeout=3); node 1 is late for node 0's call.
+- ``fail_before_fork``: node 1 fails before fork(); mpirun stops node 0 while
+  it waits for MPI to start.
+- ``late_start``: node 1 sleeps 8 s before fork(); node 0's fork(timeout=3)
+  raises, its next fork() waits.
 - ``busy``: a worker of node 1 dies; node 1 raises, then is busy for 8 s;
   node 0's next call raises at once.
 - ``uneven``: nodes with different numbers of batches; each calls
@@ -297,6 +301,35 @@ def scenario_busy_after_kill(v, node, node_sizes):
     synk.fork(node_sizes[node], device="cpu")
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
     v.expect(np.allclose(f(per_node[node]), data.sum(0)), "after close() and fork() again")
+
+
+def scenario_late_start(v, node, sizes):
+    """Node 1 loads its data for 8 s before fork(); node 0's fork(timeout=3) raises
+    SynkTimeoutError within seconds, leaving nothing behind; node 0's next fork()
+    waits for node 1, and then both call together."""
+    if node == 1:
+        time.sleep(8)
+    else:
+        before = set(os.listdir("/dev/shm"))
+        t0 = time.perf_counter()
+        try:
+            synk.fork(sizes[0], device="cpu", timeout=3)
+            v.expect(False, "fork(timeout=3) with node 1 late raised nothing")
+        except synk.SynkTimeoutError as err:
+            took = time.perf_counter() - t0
+            v.expect(took < 8, f"raised after {took:.1f} s")
+            v.expect("MPI did not start" in str(err) and "timeout=3" in str(err), str(err))
+        v.expect(synk.context.current() is None, "the fork is closed")
+        mine = (f"synk.{os.getpid()}.", f"sem.synk.{os.getpid()}.")  # (other jobs may run meanwhile)
+        left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith(mine))
+        v.expect(left == [], f"left by the fork that timed out: {left}")
+    synk.fork(sizes[node % len(sizes)], device="cpu")
+    node_sizes = tuple(sizes[k % len(sizes)] for k in range(int(os.environ["OMPI_COMM_WORLD_SIZE"])))
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    data, per_node = all_rows(node_sizes)
+    v.expect(np.allclose(f(per_node[node]), data.sum(0)), "a call once both forked")
+    return synk.context.current().proc.prefix
 
 
 def scenario_master_fails(v, node, node_sizes, how, out):
@@ -660,6 +693,19 @@ def main() -> int:
     prefixes = []
     error = None
     try:
+        if scenario == "fail_before_fork":  # node 1 fails while loading its data
+            (v.path.parent / f"pid.{node}.txt").write_text(str(os.getpid()))
+            if node == 1:
+                time.sleep(2)
+                raise SystemExit("node 1 failed before fork()")
+            synk.fork(sizes[0], device="cpu")  # waits for MPI to start: mpirun stops it
+            v.write()
+            return 0
+        if scenario == "late_start":
+            prefixes.append(scenario_late_start(v, node, sizes))
+            synk.close()
+            (v.path.parent / f"shm.{node}.txt").write_text("\n".join(my_shm(prefixes)))
+            return 0 if v.write() else 1
         synk.fork(sizes[node % len(sizes)], device="cpu", timeout=3.0 if scenario == "timeout" else None)
         prefixes.append(synk.context.current().proc.prefix)
         v.info["affinity"] = sorted(os.sched_getaffinity(0))
