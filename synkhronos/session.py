@@ -294,7 +294,9 @@ class Session:
             unpacked[self.proc.rank] = local_err
         err = _most_telling(unpacked)
         if cmd is Command.CALL and not aborted:
-            _note_updates(err, self.proc.size, unpacked)
+            comm = self.proc.comm  # across nodes, global ranks (node-major) of this node's processes
+            first = comm.offsets[comm.node] if hasattr(comm, "offsets") else None
+            _note_updates(err, self.proc.size, unpacked, first)
         raise err
 
     def _collect(self, stop):
@@ -361,14 +363,21 @@ class Session:
         return stop
 
 
-def _note_updates(err: BaseException, size: int, errors: dict) -> None:
+def _note_updates(err: BaseException, size: int, errors: dict, first=None) -> None:
     """Say on a failed call's exception which processes applied its updates: exactly
-    those whose own share ran without error (the rule of a failed call)."""
+    those whose own share ran without error (the rule of a failed call). Across
+    nodes (``first``: the global rank of this node's first process) it names this
+    node's processes by global rank; every other node's follow the same rule."""
     failed = sorted(r for r, e in errors.items() if not isinstance(e, (Aborted, PeerFailed)))
     applied = [r for r in range(size) if r not in failed]
+    where = ""
+    if first is not None:
+        applied, failed = [first + r for r in applied], [first + r for r in failed]
+        where = (" of this node (global ranks; on every other node, the processes whose shares "
+                 "ran without error applied them too)")
     try:
         err.add_note(f"synkhronos: this call's updates were applied by ranks {applied}, whose shares "
-                     f"ran without error, and not by ranks {failed}")
+                     f"ran without error, and not by ranks {failed}{where}")
     except Exception:  # noqa: BLE001 - an exception that takes no notes still says what failed
         pass
 

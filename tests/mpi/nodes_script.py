@@ -249,7 +249,8 @@ def raises_soon(v, call, what: str, limit: float = 10) -> str:
         call()
     except Exception as err:  # noqa: BLE001
         took = time.perf_counter() - t0
-        text = v.info["error"] = f"{type(err).__name__}: {err}"
+        text = v.info["error"] = f"{type(err).__name__}: {err}" + "".join(
+            f" | {n}" for n in getattr(err, "__notes__", ()))
         v.expect(took < limit, f"raised after {took:.1f} s")
         return text
     v.expect(False, f"{what} raised nothing")
@@ -412,10 +413,16 @@ def scenario_alone_raises(v, node, node_sizes):
         if node == 1:
             mine[0, 0] = 1000.0
         text = raises_soon(v, lambda: f(mine), f"{op} with node 1's rows failing")
+        first = sum(node_sizes[:node])
         if node == 1:
             v.expect("row too large" in text, f"{op}: node 1's own error: {text}")
+            v.expect(f"applied by ranks [], whose shares ran without error, and not by ranks [{first}] of "
+                     "this node" in text, f"{op}: node 1 names its global rank as not applying: {text}")
         else:
             v.expect("node(s) [1]" in text, f"{op}: names node 1: {text}")
+            ranks = list(range(first, first + node_sizes[node]))
+            v.expect(f"applied by ranks {ranks}, whose shares ran without error, and not by ranks [] of "
+                     "this node" in text, f"{op}: node {node} names its global ranks as applying: {text}")
         got = f(per_node[node])
         v.expect(np.allclose(got, want), f"{op}: the next call {got}")
 
