@@ -434,7 +434,7 @@ STEP_KINDS = ("f", "g", "all_reduce", "broadcast", "broadcast_values", "gather",
               "set_value", "reduce")
 #: How node 1 perturbs one step of a sequence.
 PERTURBATIONS = ("other function", "other op", "other variable", "other kind", "other rank",
-                 "skipped", "extra")
+                 "skipped", "extra", "other shape")
 
 
 class _Model:
@@ -480,6 +480,10 @@ def _perturbed(steps, k, how, size) -> list:
         alt = [("gather" if kind != "gather" else "broadcast", var, op, rank, vals)]
     elif how == "other rank":
         alt = [(kind if kind in ("get_value", "set_value") else "get_value", var, op, (rank + 1) % size, vals)]
+    elif how == "other shape":  # the same call on rows of another width (a collective: another variable)
+        if kind in ("f", "g"):
+            return [(kind + "+col", var, op, rank, vals)]
+        alt = [(kind, other_var, op, rank, vals)]
     elif how == "skipped":  # node 1 goes on with the next step
         alt = steps[k + 1:k + 2] or [("gather", other_var, op, rank, vals)]
     else:  # extra: a step more, then this one
@@ -495,7 +499,9 @@ def _run_step(step, fns, shareds, mine, first, model, data, v, where):
     f, g = fns
     sv = shareds[var]
     size = model.size
-    if kind == "f":
+    if kind.endswith("+col"):  # rows of 4 columns where the others pass 3 (a perturbation)
+        (f if kind == "f+col" else g)(np.hstack([mine, mine[:, :1]]))
+    elif kind == "f":
         v.expect(np.array_equal(f(mine), data.sum(0)), f"{where}: f")
     elif kind == "g":
         v.expect(np.array_equal(g(mine), data.max(0)), f"{where}: g")
@@ -566,6 +572,10 @@ def scenario_random(v, node, node_sizes, seed, count):
                 took = time.perf_counter() - t0
                 v.expect(took < 10, f"{where}: raised after {took:.1f} s")
                 v.expect("node 0:" in str(err) and "node 1:" in str(err), f"{where}: {err}")
+            except ValueError as err:  # the same step on arrays of other shapes: their layouts differ
+                counts["raised"] += 1
+                v.expect(how == "other shape" and "(3,)" in str(err) and "(4,)" in str(err),
+                         f"{where} ({how}): {err}")
             except Exception as err:  # noqa: BLE001
                 v.expect(False, f"{where} ({how}): {type(err).__name__}: {err}")
             break  # the rest of a perturbed sequence is not drawn alike any more
