@@ -65,7 +65,6 @@ class DataParallelModel:
             # one variable's terms, or elementwise terms: PyMC's own, on the master's copy of the data
             return super().logp(vars=vars, jacobian=jacobian, sum=sum)
         rest = [v for v in varlist if all(v is not o for o in observed)]
-        _follow_data(self.synk_split)
         total = self.replace_rvs_by_values([self.synk_split.term])[0]
         if rest:
             total = super().logp(vars=rest, jacobian=jacobian, sum=True) + total
@@ -339,9 +338,24 @@ def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_
     grad_of = iter(range(1, 1 + len(grads)))
     declared = [None] * len(glob_in) + [next(grad_of) if v in continuous else None for v in rv_in]
     op = f.as_op(given=copies, grads={0: declared} if grads else None)
-    term = op(*glob, *free)[0] if (glob or free) else op()[0]
     rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
-    return _Split(term, op, rows, n_rows, [rv.name for rv in model.observed_RVs])
+    split = _Split(None, op, rows, n_rows, [rv.name for rv in model.observed_RVs])
+    op.fn = _Following(op.fn, split)
+    split.term = op(*glob, *free)[0] if (glob or free) else op()[0]
+    return split
+
+
+class _Following:
+    """The distributed function, called after the shared-memory copies of the per-row
+    data have followed any ``pm.set_data`` (checked at every call: cheap)."""
+
+    def __init__(self, fn, split: _Split):
+        self.fn, self.split = fn, split
+        self.name, self.output_modes = fn.name, fn.output_modes
+
+    def __call__(self, *args):
+        _follow_data(self.split)
+        return self.fn(*args)
 
 
 def _follow_data(split: _Split) -> None:

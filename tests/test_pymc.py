@@ -153,17 +153,20 @@ def test_set_data_after_the_split_is_followed(fork):
     spm = _spm()
     model = logistic_model(n=40, k=2)
     dp = spm.data_parallel(model, rows=["X"], mode=MODE)
+    compiled = dp.compile_logp()  # compiled before the change: its calls follow it too
+    point = dp.initial_point()
     rng = np.random.default_rng(9)
     new_X = rng.standard_normal((40, 2))
     with model:
         pm.set_data({"X": new_X})
     with dp:
         pm.set_data({"X": new_X})
+    assert_allclose(compiled(point), model.compile_logp()(point), rtol=1e-10)
     _assert_same_density(model, dp, n_points=2)
     with dp:
         pm.set_data({"X": rng.standard_normal((30, 2))})
-        with pytest.raises(ValueError, match="different row counts"):
-            dp.compile_logp()(dp.initial_point())
+    with pytest.raises(ValueError, match="different row counts"):
+        compiled(point)
 
 
 def test_bad_models_are_named(fork):
