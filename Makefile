@@ -77,6 +77,7 @@ bench: $(VENV)/.bench
 	$(PY) bench/mv_bench.py
 	$(MPIRUN) -np 2 $(PY) bench/mv_bench.py
 	$(PY) bench/nodes_bench.py
+	$(PY) bench/nodes_steps.py
 
 # synkhronos.pymc against PyMC, PyMC cores=2, nutpie and numpyro (in .venv-pymc): 20k and 200k
 # rows by default (1M: ROWS=20000,200000,1000000, an hour or more on 2 cores)
