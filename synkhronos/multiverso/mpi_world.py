@@ -291,6 +291,10 @@ class MpiWorld(World):
             os._exit(1)
 
 
+#: The most values one MPI call moves (a C int count, MPI 3.1).
+_MAX_COUNT = 2 ** 31 - 1
+
+
 class MpiStore:
     """One table split over the ranks, in one MPI window (see the module docstring).
 
@@ -314,6 +318,12 @@ class MpiStore:
                 raise ValueError(
                     f"every worker must construct the same tables in the same order: table {index} "
                     f"is {describe_table(meta)} on worker {world.rank} but {describe_table(m)} on worker {r}")
+        if num_row * num_col > _MAX_COUNT:  # the same on every rank: every rank raises
+            raise ValueError(
+                f"table {index} ({describe_table(meta)}) holds {num_row * num_col:,} values; under MPI "
+                f"its init_value, gets and adds move up to a whole table or a rank's share in one MPI "
+                f"call, whose counts are C ints (MPI 3.1, as the Open MPI 5 wheel speaks): at most "
+                f"{_MAX_COUNT:,} values a table. Split it into several tables")
         self.bounds = [(num_row * r // n, num_row * (r + 1) // n) for r in range(n)]
         self.head = 16 * n  # rank 0 only: the sync server's counters (int64 arrived, copied)
         self.row_bytes = num_col * self.dtype.itemsize
