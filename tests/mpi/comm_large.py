@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from common import Verdict, init_mpi
+from common import Verdict, conclude, init_mpi
 
 BIG = 2 ** 31 + 64
 CHUNK = 1 << 26
@@ -80,13 +80,8 @@ def main() -> int:
         del got
         comm.close()
     except BaseException as exc:  # noqa: BLE001 - written down, then a non-zero exit
-        comm.abort(f"{type(exc).__name__}: {exc}")  # the other raises instead of waiting
-        ok = v.write(exc)
-        MPI.Finalize()
-        return 0 if ok else 1
-    ok = v.write()
-    MPI.Finalize()
-    return 0 if ok else 1
+        return conclude(v, MPI, comm, exc)
+    return conclude(v, MPI)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from common import Verdict, close_enough, expected_reduce, init_mpi, result_dtype
+from common import Verdict, close_enough, conclude, expected_reduce, init_mpi, result_dtype
 
 OPS = ("sum", "avg", "prod", "max", "min")
 DTYPES = (np.bool_, np.int32, np.int64, np.float32, np.float64)
@@ -226,13 +226,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             v.expect("closed" in str(exc), f"call after close: {exc}")
     except BaseException as exc:  # noqa: BLE001 - written down, then a non-zero exit
-        comm.abort(f"{type(exc).__name__}: {exc}")  # the others raise instead of waiting
-        ok = v.write(exc)
-        MPI.Finalize()
-        return 0 if ok else 1
-    ok = v.write()
-    MPI.Finalize()
-    return 0 if ok else 1
+        return conclude(v, MPI, comm, exc)
+    return conclude(v, MPI)
 
 
 if __name__ == "__main__":

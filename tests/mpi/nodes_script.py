@@ -700,6 +700,12 @@ def scenario_join_close(v, node, node_sizes):
         v.expect(np.allclose(f(b), b.sum(0)), f"node 0 alone, step {t}")
 
 
+#: The scenarios that take (verdict, node, node sizes), by name.
+SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
+             "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
+             "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave}
+
+
 def main() -> int:
     out, scenario, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     node = node_index()
@@ -733,27 +739,11 @@ def main() -> int:
                 check_collectives(v, node, node_sizes)
                 check_worker_raises(v, node, node_sizes)
             check_mismatch(v, node, "count" if len(node_sizes) > 2 or scenario == "count" else "graph")
-        elif scenario == "kill":
-            scenario_kill(v, node, node_sizes)
-        elif scenario == "diverge":
-            scenario_diverge(v, node, node_sizes)
         elif scenario.startswith("random"):  # random:<seed>:<count>
             _, seed, count = scenario.split(":")
             scenario_random(v, node, node_sizes, int(seed), int(count))
-        elif scenario == "bad_broadcast":
-            scenario_bad_broadcast(v, node, node_sizes)
-        elif scenario == "timeout":
-            scenario_timeout(v, node, node_sizes)
-        elif scenario == "alone":
-            scenario_alone_raises(v, node, node_sizes)
-        elif scenario == "busy":
-            scenario_busy_after_kill(v, node, node_sizes)
-        elif scenario == "uneven":
-            scenario_uneven(v, node, node_sizes)
-        elif scenario == "join_close":
-            scenario_join_close(v, node, node_sizes)
-        elif scenario == "leave":
-            scenario_leave(v, node, node_sizes)
+        elif scenario in SCENARIOS:
+            SCENARIOS[scenario](v, node, node_sizes)
         elif scenario in ("raise", "sigkill"):
             scenario_master_fails(v, node, node_sizes, scenario, out)
     except BaseException as err:  # noqa: BLE001
