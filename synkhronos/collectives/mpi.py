@@ -72,8 +72,13 @@ HEADER_SLOT = 512
 #: Reductions of at most this many bytes per node travel inside the agreement
 #: (one MPI exchange instead of two) and are combined on every node.
 INLINE_BYTES = 256
-#: The head of each node's header slot: its header's length, its step's number and key checksum.
-_HEAD = struct.Struct("<qqq")
+#: The head of each node's header slot: its header's length, its step's number and key checksum,
+#: and what exchange follows (see _WHATS).
+_HEAD = struct.Struct("<qqqbbi")
+#: What a node's header says follows it (a node that has joined mirrors it): the
+#: exchange, by its index here, then the op's index in _OPS and the root (-1: none).
+_WHATS = ("", "all_reduce", "reduce", "all_gather", "gather", "broadcast", "barrier", "close")
+_OPS = (None, "sum", "avg", "prod", "max", "min")
 #: Bytes of a step's words (see MpiCommunicator.begin) that travel when steps differ.
 STEP_TEXT = 96
 #: The step checksum in the header of a node that has joined (see MpiCommunicator.join):
@@ -246,7 +251,7 @@ class MpiCommunicator(Communicator):
         waiting: MPI completes it when that node next progresses (at its close(), at
         the latest in MPI_Finalize), so nothing is left outstanding."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        _HEAD.pack_into(slot, 0, 0, self.step[0], LEFT)
+        _HEAD.pack_into(slot, 0, 0, self.step[0], LEFT, 0, 0, -1)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         req = self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE])
         _LEAVING.append((req, (slot, slots)))
@@ -345,13 +350,13 @@ class MpiCommunicator(Communicator):
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
         return StepMismatchError(what, texts)
 
-    def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False, plan=None):
+    def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False, op=None, root=None):
         """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
 
         With ``inline``, arrays of at most ``INLINE_BYTES`` in all travel in the
         header too, and ``(metas, payloads)`` is returned: each node's arrays'
-        bytes, or None where they did not travel. ``plan`` (``(what, op, root)``)
-        tells a node that has joined (see :meth:`join`) which exchange follows.
+        bytes, or None where they did not travel. ``what``, ``op`` and ``root``
+        tell a node that has joined (see :meth:`join`) which exchange follows.
         A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
         self._enter(what)
@@ -362,22 +367,23 @@ class MpiCommunicator(Communicator):
         if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
                 and not any(a.dtype.hasobject for a in arrays):
             payload = [_as_bytes(a).tobytes() for a in arrays]
-        heads, metas = self._headers(what, (layout, float(weight), flag, payload, plan or (what, None, None)))
+        plan = (_WHATS.index(what) if what in _WHATS else 0, _OPS.index(op), -1 if root is None else root)
+        heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
         self._same_step(what, heads)
         self._no_failure(what, metas)
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
 
-    def _headers(self, what: str, meta, joined: bool = False):
+    def _headers(self, what: str, meta, mark: int, plan):
         """One exchange of every node's header: ``(heads, metas)``, each node's
-        ``(blob length, step number, step checksum or JOINED)`` and its ``meta``
-        (pickled into its slot, or in a second, sized round when too long)."""
+        ``(blob length, step number, step checksum or JOINED, *plan)`` and its
+        ``meta`` (pickled into its slot, or in a second, sized round when too long)."""
         blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
         room = HEADER_SLOT - _HEAD.size
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
         # the blob's length, then the step
-        _HEAD.pack_into(slot, 0, len(blob), self.step[0], JOINED if joined else self.step[1])
+        _HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)
         if len(blob) <= room:
             slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((size, HEADER_SLOT), dtype=np.uint8)
@@ -385,9 +391,9 @@ class MpiCommunicator(Communicator):
                    header=True)
         heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
         lens = [h[0] for h in heads]
-        left = [r for r, h in enumerate(heads) if h[2] == LEFT]
-        if left:  # its last header: it takes no step any more (no second round either)
-            node = left[0]
+        marks = {h[2] for h in heads}
+        if LEFT in marks:  # its last header: it takes no step any more (no second round either)
+            node = next(r for r, h in enumerate(heads) if h[2] == LEFT)
             try:
                 reason = pickle.loads(slots[node, _HEAD.size:_HEAD.size + lens[node]].tobytes())[2]
             except Exception:  # noqa: BLE001
@@ -403,14 +409,13 @@ class MpiCommunicator(Communicator):
             self._wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
                        what, (send, recv))
             blobs = [recv[d:d + n].tobytes() for d, n in zip(displs, lens)]
-        self.joined = [r for r, h in enumerate(heads) if h[2] == JOINED]
+        self.joined = [r for r, h in enumerate(heads) if h[2] == JOINED] if JOINED in marks else []
         return heads, [pickle.loads(b) for b in blobs]
 
     def _same_step(self, what: str, heads) -> None:
         """StepMismatchError (on every node, after one more exchange) when the nodes that
         have not joined are in different steps."""
-        active = [h[1:] for h in heads if h[2] != JOINED]
-        if any(h != active[0] for h in active):
+        if len({h[1:3] for h in heads if h[2] != JOINED}) > 1:
             raise self._mismatch(what)
 
     def _no_failure(self, what: str, metas) -> None:
@@ -438,10 +443,9 @@ class MpiCommunicator(Communicator):
         if self._comm is None or self.broken is not None or self.ended is not None:
             return
         MPI = self._MPI
-        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], None, ("left", None, None)),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], None), protocol=pickle.HIGHEST_PROTOCOL)
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        _HEAD.pack_into(slot, 0, len(blob), self.step[0], LEFT)
+        _HEAD.pack_into(slot, 0, len(blob), self.step[0], LEFT, 0, 0, -1)
         slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         req = self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])
@@ -468,19 +472,19 @@ class MpiCommunicator(Communicator):
         self._words = "join()"
         served = 0
         while True:
-            heads, metas = self._headers("join", (None, 0.0, False, None, ("joined", served, None)),
-                                         joined=True)
+            heads, metas = self._headers("join", (None, 0.0, False, None), JOINED, (0, 0, served))
             active = [r for r, h in enumerate(heads) if h[2] != JOINED]
             if not active:  # every node has joined: the same step number everywhere from here on
                 self.step = (max(h[1] for h in heads), 0)
-                return min(r for r, m in enumerate(metas) if m[4][1] == 0)
+                return min(r for r, h in enumerate(heads) if h[5] == 0)  # served nothing: joined last
             served += 1
             try:
                 self._same_step("join", heads)
                 self._no_failure("join", metas)
             except (StepMismatchError, PeerFailed, TypeError):
                 continue  # the others raise; nothing moves
-            what, op, root = metas[active[0]][4]
+            code, op, root = heads[active[0]][3:]
+            what, op, root = _WHATS[code], _OPS[op], None if root < 0 else root
             pairs = [(m[0], m[1]) for m in metas]
             try:
                 if what in ("all_reduce", "reduce"):
@@ -509,7 +513,7 @@ class MpiCommunicator(Communicator):
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"reduce: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas, payloads = self._agree(what, arrays, weight, failed, inline=True, plan=(what, op, root))
+        metas, payloads = self._agree(what, arrays, weight, failed, inline=True, op=op, root=root)
         return self._reduce_rest(what, arrays, metas, payloads, op, root, in_place, into)
 
     def _reduce_rest(self, what, arrays, metas, payloads, op, root, in_place=False, into=None):
@@ -718,7 +722,7 @@ class MpiCommunicator(Communicator):
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"gather: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas = self._agree(what, arrays, 1.0, failed, plan=(what, None, root))
+        metas = self._agree(what, arrays, 1.0, failed, root=root)
         return self._gather_rest(what, arrays, metas, root, join)
 
     def _gather_rest(self, what, arrays, metas, root, join):
@@ -767,7 +771,7 @@ class MpiCommunicator(Communicator):
             raise ValueError(f"broadcast: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         is_root = self.rank == root
         arrays_ = [np.asarray(a) for a in arrays] if is_root and arrays is not None else None
-        metas = self._agree("broadcast", arrays_, 1.0, failed, plan=("broadcast", None, root))
+        metas = self._agree("broadcast", arrays_, 1.0, failed, root=root)
         return self._broadcast_rest(arrays_, metas, root, receive)
 
     def _broadcast_rest(self, arrays_, metas, root, receive=None):
