@@ -79,6 +79,8 @@ _HEAD = struct.Struct("<qqqbbi")
 #: exchange, by its index here, then the op's index in _OPS and the root (-1: none).
 _WHATS = ("", "all_reduce", "reduce", "all_gather", "gather", "broadcast", "barrier", "close")
 _OPS = (None, "sum", "avg", "prod", "max", "min")
+_WHAT_CODES = {w: i for i, w in enumerate(_WHATS)}
+_OP_CODES = {op: i for i, op in enumerate(_OPS)}
 #: Bytes of a step's words (see MpiCommunicator.begin) that travel when steps differ.
 STEP_TEXT = 96
 #: The step checksum in the header of a node that has joined (see MpiCommunicator.join):
@@ -367,7 +369,7 @@ class MpiCommunicator(Communicator):
         if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
                 and not any(a.dtype.hasobject for a in arrays):
             payload = [_as_bytes(a).tobytes() for a in arrays]
-        plan = (_WHATS.index(what) if what in _WHATS else 0, _OPS.index(op), -1 if root is None else root)
+        plan = (_WHAT_CODES.get(what, 0), _OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
         self._same_step(what, heads)
         self._no_failure(what, metas)
