@@ -243,3 +243,20 @@ def test_demo_runs_and_passes_its_checks():
                            "--advi-steps", "200"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "All PyMC checks passed." in done.stdout
+
+
+def test_bench_quick_synk_case(tmp_path):
+    """bench/pymc_bench.py runs its synkhronos case end to end (small) and writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "pymc_bench.py"
+    out = tmp_path / "pymc.json"
+    done = subprocess.run([sys.executable, str(bench), "--quick", "--rows", "2000", "--what", "eval,map",
+                           "--cases", "synk", "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())["rows"]["2000"]["synk"]
+    assert "error" not in result, result
+    assert result["eval_ms"] > 0 and result["map_s"] > 0
