@@ -260,3 +260,28 @@ def test_bench_quick_synk_case(tmp_path):
     result = json.loads(out.read_text())["rows"]["2000"]["synk"]
     assert "error" not in result, result
     assert result["eval_ms"] > 0 and result["map_s"] > 0
+
+
+def test_set_data_to_another_row_count_is_followed(fork):
+    """Observed data in a container: pm.set_data of every per-row container to new rows."""
+    fork(3)
+    spm = _spm()
+    rng = np.random.default_rng(11)
+
+    def build():
+        with pm.Model() as model:
+            x = pm.Data("x", rng.standard_normal(25))
+            y = pm.Data("y", rng.standard_normal(25))
+            b = pm.Normal("b", 0, 1)
+            sigma = pm.HalfNormal("sigma", 1)
+            pm.Normal("obs", b * x, sigma, observed=y, shape=x.shape)
+        return model
+
+    model = build()
+    dp = spm.data_parallel(model, mode=MODE)
+    _assert_same_density(model, dp, n_points=2)
+    new = {"x": rng.standard_normal(44), "y": rng.standard_normal(44)}
+    for m in (model, dp):
+        with m:
+            pm.set_data(new)
+    _assert_same_density(model, dp, n_points=3, seed=1)
