@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import sys
 
 import numpy as np
@@ -16,6 +17,7 @@ from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
 from synkhronos.graph_op import register_jax
+from synkhronos.tuning import available_cores, xla_flags
 
 try:
     import pymc as pm
@@ -329,6 +331,8 @@ def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_
     kwargs = {"on_unused_input": "ignore"}
     if mode == "auto":
         mode = default_mode()
+    if mode == "JAX" and "jax" not in sys.modules:  # the master's share: its own cores only
+        os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
     if mode is not None:
         kwargs["mode"] = mode
     f = synk.function(row_in + glob_in + rv_in, [(total, "sum")] + [(g, "sum") for g in grads],
