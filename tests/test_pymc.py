@@ -221,11 +221,13 @@ def test_other_nuts_samplers(fork, sampler):
     model = logistic_model(n=300, k=2)
     # numpyro: the default backend in each process too (JAX where it is installed)
     dp = spm.data_parallel(model, **({} if sampler == "numpyro" else {"mode": MODE}))
-    # nutpie's chains are threads of the master: they take turns on the fork
-    chains = 2 if sampler == "nutpie" else 1
+    # two chains: nutpie's are threads of the master, which take turns on the fork; numpyro's
+    # are vectorised (the callback under vmap runs once per chain)
+    chains = 2
+    kwargs = {"nuts_sampler_kwargs": {"chain_method": "vectorized"}} if sampler == "numpyro" else {}
     with dp:
         idata = pm.sample(100, tune=100, chains=chains, nuts_sampler=sampler, random_seed=1,
-                          progressbar=False, compute_convergence_checks=False)
+                          progressbar=False, compute_convergence_checks=False, **kwargs)
     post = idata.posterior["b"].values.reshape(-1, 2)
     with model:
         mode_ = pm.find_MAP(progressbar=False)
