@@ -241,5 +241,17 @@ warned: set[str] = set()
 #: not finalised (nodes.py).
 nodes_broken = False
 
+#: MPI's finalisation is registered to run at exit (nodes.py, once MPI started here).
+mpi_finalize_registered = False
+
+#: The start of MPI (group.mpi): MPI_Init's thread while it runs, whether MPI was
+#: initialised here, and what MPI_Init raised.
+mpi_start = {"thread": None, "ours": None, "error": None}
+
+#: Headers of nodes that left, waiting for the others' next exchange when their
+#: communicator was freed: MPI completes them later (MPI_Finalize waits for them),
+#: so their buffers must live as long as the process (collectives/mpi.py).
+mpi_leaving: list = []
+
 #: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.
 bound_gpu: str | None = None

@@ -29,6 +29,7 @@ import warnings
 import numpy as np
 import posix_ipc
 
+from . import context
 from .errors import WorkerDiedError
 from .shmem import SHM_DIR, LOCK_NAME, known_prefixes, new_prefix, unlink_prefix
 
@@ -394,18 +395,14 @@ class _Start:
     """MPI_Init, run in a thread of its own: it returns only once every copy of the
     job has called it, so a copy still loading its data (or one that never calls
     it) would hold this one inside C for as long as it lives, deaf to signals and
-    to any timeout. The caller's thread waits instead, in Python.
+    to any timeout. The caller's thread waits instead, in Python. Its state is
+    ``context.mpi_start``.
 
     mpi4py's ``Init_thread`` keeps the GIL while MPI_Init waits (the waiting
     thread could not run), so the thread calls MPI's C function through ctypes,
     which lets the GIL go, then makes MPI's errors exceptions as mpi4py's own
     start does. Where MPI's library cannot be found, mpi4py's call is made in
     the caller's thread (without a bound)."""
-
-    def __init__(self):
-        self.thread = None
-        self.ours = None     # whether MPI was initialised here (not by the script before)
-        self.error = None    # what MPI_Init raised
 
     @staticmethod
     def library():
@@ -425,17 +422,15 @@ class _Start:
                     continue
         return None
 
-    def run(self, lib, required: int) -> None:
+    @staticmethod
+    def run(lib, required: int, state: dict) -> None:
         try:
             provided = ctypes.c_int(0)
             code = lib.MPI_Init_thread(None, None, ctypes.c_int(required), ctypes.byref(provided))
             if code != 0:
-                self.error = RuntimeError(f"MPI_Init_thread failed with MPI error code {code}")
+                state["error"] = RuntimeError(f"MPI_Init_thread failed with MPI error code {code}")
         except BaseException as err:  # noqa: BLE001 - raised in the waiting thread
-            self.error = err
-
-
-_start = _Start()
+            state["error"] = err
 
 
 def mpi(timeout: float | None = None, check=None):
@@ -454,35 +449,35 @@ def mpi(timeout: float | None = None, check=None):
             the job had not all called it); a later call waits again.
     """
     MPI = _import_mpi4py()
-    st = _start
-    if st.ours is None and st.thread is None:
+    st = context.mpi_start
+    if st["ours"] is None and st["thread"] is None:
         if MPI.Is_initialized():
-            st.ours = False
+            st["ours"] = False
         else:
-            lib = st.library()
+            lib = _Start.library()
             if lib is None:
                 MPI.Init_thread(MPI.THREAD_SERIALIZED)
-                st.ours = True
+                st["ours"] = True
                 return MPI
-            st.thread = threading.Thread(target=st.run, args=(lib, MPI.THREAD_SERIALIZED),
-                                         name="synkhronos-mpi-init", daemon=True)
-            st.thread.start()
-    if st.thread is not None:
-        done = wait_until(lambda: not st.thread.is_alive(), check, timeout=timeout, max_sleep=0.01)
-        if not done:
+            st["thread"] = threading.Thread(target=_Start.run, args=(lib, MPI.THREAD_SERIALIZED, st),
+                                            name="synkhronos-mpi-init", daemon=True)
+            st["thread"].start()
+    thread = st["thread"]
+    if thread is not None:
+        if not wait_until(lambda: not thread.is_alive(), check, timeout=timeout, max_sleep=0.01):
             raise TimeoutError(f"MPI_Init did not complete within {timeout} s")
-        if st.error is not None:
-            raise st.error
+        if st["error"] is not None:
+            raise st["error"]
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):  # as mpi4py's own start: errors raise
             comm.Set_errhandler(MPI.ERRORS_RETURN)
-        st.thread, st.ours = None, True
+        st["thread"], st["ours"] = None, True
     return MPI
 
 
 def mpi_started_here() -> bool:
     """Whether :func:`mpi` initialised MPI (rather than the script, before it)."""
     mpi()
-    return bool(_start.ours)
+    return bool(context.mpi_start["ours"])
 
 
 class Notices:

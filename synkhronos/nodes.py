@@ -86,16 +86,12 @@ def warn_if_mpi_started() -> None:
                       "False before importing it", stacklevel=3)
 
 
-_finalize_registered = False
-
-
 def _mpi(timeout=None, check=None):
     """mpi4py's MPI, initialised now (after the fork; see :func:`.group.mpi` for
     ``timeout`` and ``check``), finalised at exit."""
-    global _finalize_registered
     MPI = group.mpi(timeout, check)
-    if not _finalize_registered and group.mpi_started_here():
-        _finalize_registered = True
+    if not context.mpi_finalize_registered and group.mpi_started_here():
+        context.mpi_finalize_registered = True
         atexit.register(_finalize, MPI)  # finalised after close() at exit
     return MPI
 

@@ -51,6 +51,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import context
 from ..control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
 from ..group import Notices, mpi as _mpi, wait_until
@@ -89,9 +90,6 @@ JOINED = -1
 #: The step checksum in the last header of a node that left after a failure (see
 #: MpiCommunicator.leave).
 LEFT = -2
-#: Headers of nodes that left, still waiting for the others' next exchange when their
-#: communicator was freed: MPI completes them later (MPI_Finalize waits for them).
-_LEAVING: list = []
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 
@@ -256,7 +254,7 @@ class MpiCommunicator(Communicator):
         _HEAD.pack_into(slot, 0, 0, self.step[0], LEFT, 0, 0, -1)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         req = self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE])
-        _LEAVING.append((req, (slot, slots)))
+        context.mpi_leaving.append((req, (slot, slots)))
 
     def _enter(self, what: str) -> None:
         if self._comm is None:
@@ -292,7 +290,7 @@ class MpiCommunicator(Communicator):
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
         except BaseException as exc:
             # a leave's exchange completes later (see _answer_leave): its buffers outlive this object
-            (_LEAVING if self.ended is not None and header else self._abandoned).append((reqs, keep))
+            (context.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))
             if not isinstance(exc, NodeFailedError):
                 self.abort(f"{type(exc).__name__}: {exc}")
             raise
@@ -832,7 +830,7 @@ class MpiCommunicator(Communicator):
                     # the others may be in another step: they must learn that this node left
                     self.abort(f"node {self.rank} closed (synk.close()): {type(exc).__name__}: {exc}"[:500])
         if self._leaving is not None and not self._leaving[0].Test():
-            _LEAVING.append(self._leaving)  # the others complete it at their next exchange
+            context.mpi_leaving.append(self._leaving)  # the others complete it at their next exchange
         self._notices.close()  # its receive cancelled, its sends given a moment, freed
         try:
             self._comm.Free()
