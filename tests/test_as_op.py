@@ -62,11 +62,8 @@ def test_value_and_gradient_equal_plain_pytensor_over_random_cases(forked):
             assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12, err_msg=f"case {case}: gradient")
 
 
-def test_one_distributed_call_per_value_and_gradient(fork):
-    fork(2)
-    f, (X, y, theta) = _value_and_grad_function()
-    Xv, yv = _data(np.random.default_rng(2), 30, 3)
-    op = f.as_op(given={X: Xv, y: yv}, grads={0: [1]})
+def _count_calls(op) -> list:
+    """A list that grows by one at each distributed call the Op makes."""
     calls = []
     real_call = op.fn
 
@@ -78,6 +75,15 @@ def test_one_distributed_call_per_value_and_gradient(fork):
             return real_call(*args)
 
     op.fn = Counting()
+    return calls
+
+
+def test_one_distributed_call_per_value_and_gradient(fork):
+    fork(2)
+    f, (X, y, theta) = _value_and_grad_function()
+    Xv, yv = _data(np.random.default_rng(2), 30, 3)
+    op = f.as_op(given={X: Xv, y: yv}, grads={0: [1]})
+    calls = _count_calls(op)
     t = pt.dvector("t")
     value = op(t)[0]
     fn = pytensor.function([t], [value, pytensor.grad(value, t)], mode=MODE)
@@ -186,17 +192,7 @@ def test_jax_rendering_one_call_per_value_and_gradient(fork):
     rng = np.random.default_rng(7)
     Xv, yv = _data(rng, 33, 3)
     op = f.as_op(given={X: synk.data(Xv), y: yv}, grads={0: [1]})
-    calls = []
-    real_call = op.fn
-
-    class Counting:
-        name, output_modes = real_call.name, real_call.output_modes
-
-        def __call__(self, *args):
-            calls.append(1)
-            return real_call(*args)
-
-    op.fn = Counting()
+    calls = _count_calls(op)
     t = pt.dvector("t")  # no static shape: the gradient's shape comes from the input
     cost = 3.0 * op(t)[0] + (t ** 2).sum()
     jfn = jax_funcify(FunctionGraph([t], [cost], clone=True))
