@@ -369,8 +369,18 @@ class MpiCommunicator(Communicator):
             payload = [_as_bytes(a).tobytes() for a in arrays]
         plan = (_WHAT_CODES.get(what, 0), _OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
-        self._same_step(what, heads)
-        self._no_failure(what, metas)
+        step = heads[0][1:3]
+        for h in heads:  # (the common case in a plain loop: it runs at every step)
+            if h[1:3] != step:
+                self._same_step(what, heads)  # a node that has joined, or a mismatch
+                break
+        for m in metas:
+            bad = m[2]
+            for dtype, _ in () if bad or m[0] is None else m[0]:
+                if dtype.hasobject:
+                    bad = True
+            if bad:
+                self._no_failure(what, metas)  # raises
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
 
