@@ -7,14 +7,14 @@ from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkEr
 from .function import Function, function
 from .gpu import get_n_gpu
 from .nodes import World, join, shard, world
-from .runtime import close, fork
+from .runtime import close, fork, master_free
 from .shareds import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                       get_value, reduce, scatter, set_value)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "fork", "close", "function", "distribute", "data", "Data", "Function",
+    "fork", "close", "master_free", "function", "distribute", "data", "Data", "Function",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
     "set_value", "get_value", "get_lengths", "get_shapes", "get_n_gpu", "world", "World", "shard", "join",
     "SynkError", "WorkerError", "WorkerDiedError", "RemoteTraceback", "SynkTimeoutError",

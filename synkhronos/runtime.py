@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import math
@@ -23,7 +24,7 @@ from .shmem import disown, unlink_prefix
 from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
 from .worker.loop import serve, serve_profiled
 
-__all__ = ["fork", "close"]
+__all__ = ["fork", "close", "master_free"]
 
 log = logging.getLogger("synkhronos")
 
@@ -135,6 +136,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     pids = _spawn_workers(proc, groups, threads)
     thread_limit = limit_threads(threads)
     s = Session(proc, pids, thread_limit, close)
+    s.threads = threads
     context.set_current(s)
     s.timeout = timeout
     context.inherited_from = None
@@ -320,6 +322,45 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def master_free():
+    """A block of the master's own work between calls, on the cores and threads it
+    had before :func:`fork`.
+
+    ``fork()`` binds the master to its share of the cores and caps its native
+    thread pools (BLAS, OpenMP, Numba's running pool) at that share, so that its
+    part of each call does not crowd the workers. Between calls the workers are
+    idle (they sleep after ``idle_spin``), and the master's own work, such as a
+    sampler's summaries, a plot or preprocessing, can use every core::
+
+        f(x)                           # the master computes its share on its core
+        with synk.master_free():
+            summary = heavy_numpy(...)  # every core, BLAS at its usual threads
+        f(x)                           # capped and bound again
+
+    Calls made inside the block work and give the same results, but the master's
+    share then runs with every thread, beside the workers (slower, not wrong).
+
+    Raises:
+        RuntimeError: before :func:`fork`, inside a running command, or nested.
+    """
+    s = session()
+    context.refuse_nested("master_free")
+    if getattr(s, "freed", False):
+        raise RuntimeError("synk.master_free() is already in effect (blocks do not nest)")
+    s.thread_limit.restore()
+    bound = pin(s.saved_affinity) if s.saved_affinity is not None else None
+    s.freed = True
+    try:
+        yield
+    finally:
+        s.freed = False
+        if context.current() is s:  # (closed inside the block: close() restored everything)
+            if bound is not None:
+                pin(bound)
+            s.thread_limit = limit_threads(s.threads)
 
 
 def close() -> None:

@@ -39,6 +39,8 @@ class Session:
         self._close = close          # runtime.close: a close() asked for during a command runs as it ends
         self.watch = Children(pids)         # the workers: reap, signal, end
         self.thread_limit = thread_limit
+        self.threads = 1             # the master's thread cap while forked (fork() sets it)
+        self.freed = False           # inside synk.master_free(): the cap and binding lifted
         self.broken: BaseException | None = None
         self.distributed = set()     # ids of functions the workers hold
         self.shared_ids = {}         # id(shared variable) -> sid

@@ -111,6 +111,41 @@ def test_pinning_gives_each_process_its_cores_and_close_restores(fork):
     assert os.sched_getaffinity(0) == before
 
 
+def _blas_threads() -> int:
+    from threadpoolctl import threadpool_info
+
+    return max(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
+
+
+def test_master_free_lifts_the_binding_and_thread_cap_for_a_block(fork):
+    """Inside synk.master_free() the master has the cores and BLAS threads it had before
+    fork(); calls there give the same results; afterwards it is bound and capped again;
+    close() inside the block restores everything once; misuse is a clear error."""
+    before, threads_before = os.sched_getaffinity(0), _blas_threads()
+    with pytest.raises(RuntimeError, match="not running"):
+        with synk.master_free():
+            pass
+    n = min(2, len(before))
+    fork(n, pin_cores=True)
+    bound, capped = os.sched_getaffinity(0), _blas_threads()
+    assert capped == max(1, len(before) // n)
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    rows = np.arange(12.0).reshape(6, 2)
+    for _ in range(2):
+        with synk.master_free():
+            assert os.sched_getaffinity(0) == before and _blas_threads() == threads_before
+            np.testing.assert_allclose(f(rows), rows.sum(0))  # a call in the block still works
+            with pytest.raises(RuntimeError, match="do not nest"):
+                with synk.master_free():
+                    pass
+        assert os.sched_getaffinity(0) == bound and _blas_threads() == capped
+        np.testing.assert_allclose(f(rows), rows.sum(0))
+    with synk.master_free():
+        synk.close()
+    assert os.sched_getaffinity(0) == before and _blas_threads() == threads_before
+
+
 def test_no_pinning_when_asked_or_oversubscribed(fork):
     before = os.sched_getaffinity(0)
     fork(2, pin_cores=False)
