@@ -429,6 +429,7 @@ class _Start:
             code = lib.MPI_Init_thread(None, None, ctypes.c_int(required), ctypes.byref(provided))
             if code != 0:
                 state["error"] = RuntimeError(f"MPI_Init_thread failed with MPI error code {code}")
+            state["provided"] = provided.value
         except BaseException as err:  # noqa: BLE001 - raised in the waiting thread
             state["error"] = err
 
@@ -468,6 +469,11 @@ def mpi(timeout: float | None = None, check=None):
             raise TimeoutError(f"MPI_Init did not complete within {timeout} s")
         if st["error"] is not None:
             raise st["error"]
+        if st.get("provided", MPI.THREAD_SERIALIZED) < MPI.THREAD_SERIALIZED:
+            # (MPI's own level: FUNNELED would allow calls from MPI_Init's thread only)
+            warnings.warn(f"synkhronos: this MPI gives thread level {st['provided']}, below "
+                          "MPI_THREAD_SERIALIZED, which synkhronos asks for (MPI_Init ran in a thread "
+                          "of its own; MPI is then called from the main thread)", stacklevel=2)
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):  # as mpi4py's own start: errors raise
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         st["thread"], st["ours"] = None, True
