@@ -135,7 +135,7 @@ def test_timeout_names_the_late_node(tmp_path, sizes):
 
 @needs_mpi
 def test_fork_timeout_bounds_the_mpi_start(tmp_path):
-    """Node 1 is 8 s late to fork(): node 0's fork(timeout=3) raises SynkTimeoutError
+    """Node 1 is 5 s late to fork(): node 0's fork(timeout=2) raises SynkTimeoutError
     within seconds saying MPI did not start (it waited inside MPI_Init, deaf to the
     timeout and to signals), its fork closed with nothing left in /dev/shm; its next
     fork() waits for node 1, and then both call together."""
@@ -162,8 +162,8 @@ def test_node_failing_before_fork_leaves_nothing(tmp_path):
 @needs_mpi
 def test_broken_node_tells_the_others_at_once(tmp_path):
     """A worker of node 1 is killed; node 1's call raises, then its script is busy for
-    8 s: node 0's next call raises NodeFailedError naming node 1 and its failure within
-    4 s (it waited until node 1 acted again); every node closes and forks again,
+    5 s: node 0's next call raises NodeFailedError naming node 1 and its failure within
+    2.5 s (it waited until node 1 acted again); every node closes and forks again,
     and MPI finalises cleanly (mpirun exits 0)."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "busy", "1,2")
     assert_all_ok(rc, output, verdicts, 2)

@@ -22,9 +22,9 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``timeout``: fork(timeout=3); node 1 is late for node 0's call.
 - ``fail_before_fork``: node 1 fails before fork(); mpirun stops node 0 while
   it waits for MPI to start.
-- ``late_start``: node 1 sleeps 8 s before fork(); node 0's fork(timeout=3)
+- ``late_start``: node 1 sleeps 5 s before fork(); node 0's fork(timeout=2)
   raises, its next fork() waits.
-- ``busy``: a worker of node 1 dies; node 1 raises, then is busy for 8 s;
+- ``busy``: a worker of node 1 dies; node 1 raises, then is busy for 5 s;
   node 0's next call raises at once.
 - ``uneven``: nodes with different numbers of batches; each calls
   ``synk.join()`` when its run out; the others' calls and reductions go on
@@ -278,7 +278,7 @@ def scenario_kill(v, node, node_sizes):
 
 
 def scenario_busy_after_kill(v, node, node_sizes):
-    """A worker of node 1 dies; node 1's call raises, then its script is busy for 8 s
+    """A worker of node 1 dies; node 1's call raises, then its script is busy for 5 s
     (it does not close): node 0's next call raises NodeFailedError naming node 1 at
     once, not when node 1 acts again; every node closes and forks again cleanly."""
     x = pt.dmatrix("x")
@@ -291,9 +291,9 @@ def scenario_busy_after_kill(v, node, node_sizes):
     text = raises_soon(v, lambda: f(per_node[node]), "the call after the kill")
     v.expect("rank 1" in text, f"names the rank: {text}")
     if node == 1:
-        time.sleep(8)  # busy with something else
+        time.sleep(5)  # busy with something else
     else:
-        text = raises_soon(v, lambda: f(per_node[node]), "the next call while node 1 is busy", limit=4)
+        text = raises_soon(v, lambda: f(per_node[node]), "the next call while node 1 is busy", limit=2.5)
         v.expect(text.startswith("NodeFailedError") and "node 1" in text and "left after a failure" in text
                  and "WorkerDiedError" in text, f"names node 1 and its failure: {text}")
         text = raises_soon(v, lambda: f(per_node[node]), "the call after that")
@@ -305,21 +305,21 @@ def scenario_busy_after_kill(v, node, node_sizes):
 
 
 def scenario_late_start(v, node, sizes):
-    """Node 1 loads its data for 8 s before fork(); node 0's fork(timeout=3) raises
+    """Node 1 loads its data for 5 s before fork(); node 0's fork(timeout=2) raises
     SynkTimeoutError within seconds, leaving nothing behind; node 0's next fork()
     waits for node 1, and then both call together."""
     if node == 1:
-        time.sleep(8)
+        time.sleep(5)
     else:
         before = set(os.listdir("/dev/shm"))
         t0 = time.perf_counter()
         try:
-            synk.fork(sizes[0], device="cpu", timeout=3)
-            v.expect(False, "fork(timeout=3) with node 1 late raised nothing")
+            synk.fork(sizes[0], device="cpu", timeout=2)
+            v.expect(False, "fork(timeout=2) with node 1 late raised nothing")
         except synk.SynkTimeoutError as err:
             took = time.perf_counter() - t0
-            v.expect(took < 8, f"raised after {took:.1f} s")
-            v.expect("MPI did not start" in str(err) and "timeout=3" in str(err), str(err))
+            v.expect(took < 4.5, f"raised after {took:.1f} s")
+            v.expect("MPI did not start" in str(err) and "timeout=2.0" in str(err), str(err))
         v.expect(synk.context.current() is None, "the fork is closed")
         mine = (f"synk.{os.getpid()}.", f"sem.synk.{os.getpid()}.")  # (other jobs may run meanwhile)
         left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith(mine))
