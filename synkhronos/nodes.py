@@ -38,7 +38,7 @@ from .errors import SynkError, SynkTimeoutError
 from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
-__all__ = ["World", "world", "shard", "launched", "join", "join_worker", "check_same_functions",
+__all__ = ["World", "world", "shard", "launched", "join", "connect", "connect_worker", "check_same_functions",
            "from_first_node", "share_host_cores", "warn_if_mpi_started", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
 
 #: Seconds a node whose node communicator was abandoned waits at exit before
@@ -113,7 +113,7 @@ def _finalize(MPI) -> None:
 def connect(proc, check) -> None:
     """In the node master, right after its workers were forked: start MPI, join
     the other nodes' masters and make ``proc.comm`` the communicator over every
-    process of every node (the workers wait for it in :func:`join_worker`)."""
+    process of every node (the workers wait for it in :func:`connect_worker`)."""
     plan = getattr(proc.device, "plan", None)
     if getattr(plan, "nccl", False):
         # NCCL over every GPU of every node is designed (docs: Several machines),

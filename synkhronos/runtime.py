@@ -135,8 +135,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     context.spin.oversubscribed = n_parallel > cores
     pids = _spawn_workers(proc, groups, threads)
     thread_limit = limit_threads(threads)
-    s = Session(proc, pids, thread_limit, close)
-    s.threads = threads
+    s = Session(proc, pids, thread_limit, close, threads)
     context.set_current(s)
     s.timeout = timeout
     context.inherited_from = None
@@ -348,7 +347,7 @@ def master_free():
     """
     s = session()
     context.refuse_nested("master_free")
-    if getattr(s, "freed", False):
+    if s.freed:
         raise RuntimeError("synk.master_free() is already in effect (blocks do not nest)")
     s.thread_limit.restore()
     bound = pin(s.saved_affinity) if s.saved_affinity is not None else None

@@ -33,13 +33,13 @@ _RESIGNAL_EVERY = 0.2
 class Session:
     """The master's handle on a running fork."""
 
-    def __init__(self, proc, pids: dict[int, int], thread_limit, close: Callable[[], None]):
+    def __init__(self, proc, pids: dict[int, int], thread_limit, close: Callable[[], None], threads: int = 1):
         self.proc = proc
         self.kept = proc.kept        # the master's kept records (kept.py; the same object as proc.kept)
         self._close = close          # runtime.close: a close() asked for during a command runs as it ends
         self.watch = Children(pids)         # the workers: reap, signal, end
         self.thread_limit = thread_limit
-        self.threads = 1             # the master's thread cap while forked (fork() sets it)
+        self.threads = threads       # the master's thread cap while forked (limit_threads)
         self.freed = False           # inside synk.master_free(): the cap and binding lifted
         self.broken: BaseException | None = None
         self.distributed = set()     # ids of functions the workers hold

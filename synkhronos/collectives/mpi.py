@@ -250,11 +250,18 @@ class MpiCommunicator(Communicator):
         """Post the header exchange that a node's last header (leave()) meets, without
         waiting: MPI completes it when that node next progresses (at its close(), at
         the latest in MPI_Finalize), so nothing is left outstanding."""
+        context.mpi_leaving.append(self._post_header(b"", LEFT))
+
+    def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1)):
+        """Start the exchange of every node's header slot: this node's head (the blob's
+        length, its step's number, ``mark`` and ``plan``), then ``blob`` when it fits.
+        ``(request, (slot, slots))``: the request and the buffers it uses."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        _HEAD.pack_into(slot, 0, 0, self.step[0], LEFT, 0, 0, -1)
+        _HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)
+        if len(blob) <= HEADER_SLOT - _HEAD.size:
+            slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
-        req = self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE])
-        context.mpi_leaving.append((req, (slot, slots)))
+        return self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE]), (slot, slots)
 
     def _enter(self, what: str) -> None:
         if self._comm is None:
@@ -369,18 +376,8 @@ class MpiCommunicator(Communicator):
             payload = [_as_bytes(a).tobytes() for a in arrays]
         plan = (_WHAT_CODES.get(what, 0), _OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
-        step = heads[0][1:3]
-        for h in heads:  # (the common case in a plain loop: it runs at every step)
-            if h[1:3] != step:
-                self._same_step(what, heads)  # a node that has joined, or a mismatch
-                break
-        for m in metas:
-            bad = m[2]
-            for dtype, _ in () if bad or m[0] is None else m[0]:
-                if dtype.hasobject:
-                    bad = True
-            if bad:
-                self._no_failure(what, metas)  # raises
+        self._same_step(what, heads)
+        self._no_failure(what, metas)
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
 
@@ -391,14 +388,8 @@ class MpiCommunicator(Communicator):
         blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
         room = HEADER_SLOT - _HEAD.size
-        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        # the blob's length, then the step
-        _HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)
-        if len(blob) <= room:
-            slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        slots = np.empty((size, HEADER_SLOT), dtype=np.uint8)
-        self._wait([self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])], what, (slot, slots),
-                   header=True)
+        req, (slot, slots) = self._post_header(blob, mark, plan)
+        self._wait([req], what, (slot, slots), header=True)
         heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
         lens = [h[0] for h in heads]
         marks = {h[2] for h in heads}
@@ -424,17 +415,26 @@ class MpiCommunicator(Communicator):
 
     def _same_step(self, what: str, heads) -> None:
         """StepMismatchError (on every node, after one more exchange) when the nodes that
-        have not joined are in different steps."""
-        if len({h[1:3] for h in heads if h[2] != JOINED}) > 1:
+        have not joined are in different steps. (Plain loops first: this runs at every
+        exchange, and almost always finds every node in the same step.)"""
+        step = heads[0][1:3]
+        for h in heads:
+            if h[1:3] != step:
+                break
+        else:
+            return
+        if len({h[1:3] for h in heads if h[2] != JOINED}) > 1:  # (a joined node's head differs)
             raise self._mismatch(what)
 
     def _no_failure(self, what: str, metas) -> None:
         """PeerFailed (every node) when a node flagged a failure; TypeError for object arrays."""
-        failed_nodes = [r for r, m in enumerate(metas) if m[2]]
-        if failed_nodes:
-            reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes if isinstance(metas[r][2], str))
-            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
-                             f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
+        for m in metas:
+            if m[2]:
+                failed_nodes = [r for r, m in enumerate(metas) if m[2]]
+                reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes
+                                    if isinstance(metas[r][2], str))
+                raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
+                                 f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
         for r, m in enumerate(metas):
             for dtype, _ in m[0] or ():
                 if dtype.hasobject:
@@ -452,14 +452,8 @@ class MpiCommunicator(Communicator):
         Only at a step's end: never between the exchanges of one step."""
         if self._comm is None or self.broken is not None or self.ended is not None:
             return
-        MPI = self._MPI
         blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], None), protocol=pickle.HIGHEST_PROTOCOL)
-        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        _HEAD.pack_into(slot, 0, len(blob), self.step[0], LEFT, 0, 0, -1)
-        slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
-        req = self._comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])
-        self._leaving = (req, (slot, slots))
+        self._leaving = self._post_header(blob, LEFT)
         # MPI moves the header only when this node next calls it (maybe not for a long
         # while: its script is busy): a notice, sent at once, tells the others now
         self._notices.send((self.rank, str(reason)[:NOTICE_BYTES // 2], "left"), lambda v: v)
