@@ -301,12 +301,20 @@ def _check_rows_separate(model, local_terms, inputs, row_leaves, glob, free, n_r
         draws = [draws]
     rest = [_value(g) for g in glob] + [np.asarray(d) for d in draws]
     whole_rows = [_value(v) for v in row_leaves]
+    # one call gives every observed term: each split is evaluated once, however many terms
+    evaluated = {}
+
+    def terms(lo, hi):
+        if (lo, hi) not in evaluated:
+            evaluated[lo, hi] = fn(*[r[lo:hi] for r in whole_rows], *rest)
+        return evaluated[lo, hi]
+
     half = n_rows // 2
     for i, rv in enumerate(model.observed_RVs):
         for cut in sorted({1, half}):
             try:
-                whole = fn(*whole_rows, *rest)[i]
-                parts = [fn(*[r[lo:hi] for r in whole_rows], *rest)[i] for lo, hi in ((0, cut), (cut, n_rows))]
+                whole = terms(0, n_rows)[i]
+                parts = [terms(lo, hi)[i] for lo, hi in ((0, cut), (cut, n_rows))]
             except Exception as err:
                 raise ValueError(_coupling(rv, n_rows, cut, f"it fails on part of the rows ({err})")) from err
             if not np.isclose(whole, sum(parts), rtol=COUPLING_RTOL, atol=0, equal_nan=True):
