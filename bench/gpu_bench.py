@@ -34,7 +34,9 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--mib", type=int, default=64, help="all-reduce size in MiB")
+p.add_argument("--mib", type=int, default=64, help="all-reduce size in MiB of the headline row")
+p.add_argument("--sizes", default="4,4096,262144,4194304,67108864,268435456",
+               help="all-reduce sizes in bytes, comma-separated (default 4 B to 256 MiB)")
 p.add_argument("--reps", type=int, default=20, help="timed repetitions of each bandwidth measurement")
 p.add_argument("--calls", type=int, default=300, help="timed calls of each per-call measurement")
 p.add_argument("--rows", type=int, default=256, help="rows of the per-call input")
@@ -109,42 +111,48 @@ overhead = {
     - per_call["plain JAX-mode call + block_until_ready"]["median_s"],
 }
 
-# -- NCCL all-reduce, 1 rank ----------------------------------------------------
+# -- NCCL all-reduce, 1 rank, 4 B to 256 MiB -------------------------------------
 
-nbytes = args.mib << 20
-count = nbytes // 4
 comm = proc.device.comm._comm
 stream = cupy.cuda.Stream(non_blocking=True)
-with stream:
-    src = cupy.random.standard_normal(count, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-stream.synchronize()
 f32, nsum = cupy.cuda.nccl.NCCL_FLOAT32, cupy.cuda.nccl.NCCL_SUM
-
-
-def raw_all_reduce():
-    comm.allReduce(src.data.ptr, dst.data.ptr, count, f32, nsum, stream.ptr)
-    stream.synchronize()
-
-
-def d2d_copy():
-    with stream:
-        cupy.copyto(dst, src)
-    stream.synchronize()
-
-
-big = pytensor.shared(np.ones(count, dtype=np.float32), name="big")
-synk.function([], pt.sum(big))
+sizes = sorted({int(b) for b in args.sizes.split(",")} | {args.mib << 20})
+bigs = {b: pytensor.shared(np.ones(max(b // 4, 1), dtype=np.float32), name=f"big{b}") for b in sizes}
+synk.function([], [pt.sum(v) for v in bigs.values()])
 synk.distribute()
-assert bool(np.all(gpu.on_device(big))), "the shared variable should live on the device"
-bandwidth = {}
-for label, fn in (("raw CuPy NCCL allReduce", raw_all_reduce),
-                  ("synk.all_reduce(shared, 'sum')", lambda: synk.all_reduce(big, "sum")),
-                  ("device-to-device copy (scale)", d2d_copy)):
-    t = timed(fn, args.reps, warmup=3)
-    t["GB_per_s"] = nbytes / t["median_s"] / 1e9
-    bandwidth[label] = t
-np.testing.assert_allclose(np.asarray(big.get_value(borrow=True))[:4], 1.0)  # sum over one rank
+assert all(bool(np.all(gpu.on_device(v))) for v in bigs.values()), "shared variables should live on the device"
+sweep = {}
+SYNK_AR = "synk.all_reduce(shared, 'sum')"
+for nbytes in sizes:
+    count = max(nbytes // 4, 1)
+    with stream:
+        src = cupy.random.standard_normal(count, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+    stream.synchronize()
+
+    def raw_all_reduce():
+        comm.allReduce(src.data.ptr, dst.data.ptr, count, f32, nsum, stream.ptr)
+        stream.synchronize()
+
+    def d2d_copy():
+        with stream:
+            cupy.copyto(dst, src)
+        stream.synchronize()
+
+    reps = args.reps if nbytes >= 1 << 24 else max(args.reps, 200)
+    row = {}
+    for label, fn in (("raw CuPy NCCL allReduce", raw_all_reduce),
+                      ("synk.all_reduce(shared, 'sum')", lambda: synk.all_reduce(bigs[nbytes], "sum")),
+                      ("device-to-device copy (scale)", d2d_copy)):
+        t = timed(fn, reps, warmup=3)
+        t["GB_per_s"] = count * 4 / t["median_s"] / 1e9
+        row[label] = t
+    row["synk / raw"] = row["synk.all_reduce(shared, 'sum')"]["median_s"] / row["raw CuPy NCCL allReduce"]["median_s"]
+    sweep[count * 4] = row
+    np.testing.assert_allclose(np.asarray(bigs[nbytes].get_value(borrow=True))[:4], 1.0)  # sum over one rank
+    del src, dst
+nbytes = args.mib << 20
+bandwidth = sweep[nbytes]
 
 result = {
     "when": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -159,6 +167,7 @@ result = {
     "all_reduce_bytes": nbytes,
     "all_reduce_ranks": 1,
     "all_reduce": bandwidth,
+    "all_reduce_sweep": {str(k): v for k, v in sweep.items()},
 }
 synk.close()
 
@@ -173,7 +182,13 @@ for label, dt in overhead.items():
 print(f"\nall-reduce of {args.mib} MiB float32, 1 rank (median of {args.reps})")
 print(f"{'':45s} {'median':>10s} {'GB/s':>10s}")
 for label, t in bandwidth.items():
-    print(f"{label:45s} {t['median_s'] * 1e3:8.3f}ms {t['GB_per_s']:10.1f}")
+    if isinstance(t, dict):
+        print(f"{label:45s} {t['median_s'] * 1e3:8.3f}ms {t['GB_per_s']:10.1f}")
+print("\nall-reduce sweep, 1 rank (medians): bytes, raw NCCL, synk.all_reduce, ratio, d2d copy")
+for b, row in sweep.items():
+    print(f"{b:>12d} {row['raw CuPy NCCL allReduce']['median_s'] * 1e6:10.1f}us "
+          f"{row[SYNK_AR]['median_s'] * 1e6:10.1f}us {row['synk / raw']:6.2f} "
+          f"{row['device-to-device copy (scale)']['median_s'] * 1e6:10.1f}us")
 
 RESULTS.mkdir(parents=True, exist_ok=True)
 out = Path(args.json) if args.json else RESULTS / f"gpu-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"

@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--results", default=os.path.join(HERE, "results"), help="where the plot goes (default: demos/results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
+    p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="cpu",
+                   help="synk.fork's device (default: cpu); on a GPU, name --workers (one per GPU) and "
+                        "--no-baseline: a process where CUDA is up cannot fork GPU workers again")
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = 20 if args.model == "mlp" else 15
@@ -177,7 +180,7 @@ def progress(iterable, total, desc, enabled):
 def run(n_parallel, args, data):
     """Fork n processes, train, evaluate every epoch, close. Returns the history."""
     x_train, x_val, y_train, y_val = data
-    n = synk.fork(n_parallel, device="cpu")
+    n = synk.fork(n_parallel, device=args.device)
     world = synk.world()  # under mpirun: this node among all; else node 0 of 1
     if world.node != 0:
         args = argparse.Namespace(**{**vars(args), "no_progress": True})

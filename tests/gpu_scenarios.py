@@ -297,7 +297,101 @@ def jax_cpu(n: int) -> dict:
     return {"n": n, "as_pytensor output types": kinds}
 
 
-SCENARIOS = {"outputs": outputs, "shareds": shareds, "refork": refork, "jax_cpu": jax_cpu}
+def _gpu_apps() -> dict:
+    """pid -> MiB of GPU memory used, from nvidia-smi (empty where it is missing)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    apps = {}
+    for line in out.strip().splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit():
+            apps[int(pid)] = int(mib.strip() or 0)
+    return apps
+
+
+def _gpu_memory_mib() -> tuple:
+    """(used, total) MiB of GPU 0, from nvidia-smi."""
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    used, total = out.splitlines()[0].split(",")
+    return int(used), int(total)
+
+
+def killed(n: int) -> dict:
+    """JAX's memory per process on a shared GPU, then a worker SIGKILLed while calls run:
+    WorkerDiedError in the master within seconds, close() leaves nothing in /dev/shm,
+    and the workers' GPU memory is freed."""
+    import signal
+    import threading
+    import time
+
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos import runtime
+
+    n = max(n, 2)  # a worker to kill
+    s = _fork(n)
+    pids = dict(runtime.session().watch.pids)
+    rng = np.random.default_rng(0)
+    x = pt.matrix("x", dtype="float32")
+    w = pytensor.shared((rng.standard_normal((1024, 1024)) / 32).astype(np.float32), name="w")
+    y = x
+    for _ in range(16):
+        y = pt.tanh(pt.dot(y, w))
+    f = synk.function([x], (pt.sum(y), "sum"))
+    data = rng.standard_normal((2048 * n, 1024)).astype(np.float32)
+    _close(f(data), f.as_pytensor(data), "the call before the kill", rtol=1e-3)
+    apps = _gpu_apps()
+    ours = {r: apps.get(p) for r, p in pids.items()}
+    ours[s.proc.rank] = apps.get(os.getpid())
+    facts = {"n": n, "gpu_mib_per_rank": ours}
+    if apps:  # together the processes must not take most of the card (JAX preallocates 75% unless told not to)
+        facts["gpu_used_mib"], facts["gpu_total_mib"] = used, total = _gpu_memory_mib()
+        assert used < total / 2, facts
+    victim = max(pids)
+    calls = [0]
+    killer = threading.Timer(0.5, os.kill, (pids[victim], signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 30:
+            f(data)
+            calls[0] += 1
+    except synk.WorkerDiedError as err:
+        facts["error"] = str(err)[:200]
+        assert err.rank == victim, (err.rank, victim)
+    else:
+        raise AssertionError("no WorkerDiedError within 30 s of the kill")
+    finally:
+        killer.cancel()
+    facts["noticed_after_s"] = round(time.monotonic() - t0 - 0.5, 3)
+    facts["calls_before"] = calls[0]
+    assert facts["noticed_after_s"] < 10, facts
+    synk.close()
+    tag = f"synk.{os.getpid()}."
+    left = [e for e in os.listdir("/dev/shm") if e.startswith(tag) or e.startswith("sem." + tag)]
+    assert not left, f"left in /dev/shm: {left}"
+    if apps:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            still = set(_gpu_apps()) & set(pids.values())
+            if not still:
+                break
+            time.sleep(0.2)
+        assert not still, f"workers still hold GPU memory after close(): {still}"
+    return facts
+
+
+SCENARIOS = {"outputs": outputs, "shareds": shareds, "refork": refork, "jax_cpu": jax_cpu, "killed": killed}
 
 
 def main(argv) -> int:

@@ -91,13 +91,23 @@ def test_gpu_fork_again_after_close(n):
     scenario("refork", n)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [2, 3])
+def test_gpu_worker_killed_during_calls(n):
+    """Processes sharing the GPU do not each take most of its memory; a worker killed
+    while calls run is a WorkerDiedError within seconds, and close() frees everything."""
+    facts = scenario("killed", n)
+    assert facts["noticed_after_s"] < 10
+
+
 # ---------------------------------------------------------------------------
 # Anywhere JAX is installed: the same scenarios on the CuPy stand-in.
 
 
 @needs_jax
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("name", ["outputs", "shareds", "refork"])
+@pytest.mark.parametrize("name", ["outputs", "shareds", "refork", "killed"])
 def test_gpu_scenario_on_fake_gpu(name, n):
     facts = scenario(name, n, fake=True)
     if "nccl" in facts:
