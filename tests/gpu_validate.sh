@@ -21,21 +21,21 @@ if step env; then
 fi
 if step gpu; then
   stamp gpu
-  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout 150 --durations 15 \
+  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider --timeout 150 --durations 15 \
     tests/test_gpu.py tests/test_nccl_logic.py > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests exit $?"; tail -25 "$OUT/gpu-tests.log"
 fi
 if step bench; then
   stamp bench
-  timeout 150 python3 bench/gpu_bench.py --json "$OUT/gpu-bench.json" > "$OUT/gpu-bench.log" 2>&1
+  timeout 100 python3 bench/gpu_bench.py --json "$OUT/gpu-bench.json" > "$OUT/gpu-bench.log" 2>&1
   echo "bench exit $?"; tail -30 "$OUT/gpu-bench.log"
 fi
 if step demo; then
   stamp demo
-  timeout 120 python3 demos/train_digits.py --no-progress --device auto --workers 1 --no-baseline \
+  timeout 90 python3 demos/train_digits.py --no-progress --device auto --workers 1 --no-baseline \
     --results /tmp/demo-gpu > "$OUT/demo-gpu.log" 2>&1
   echo "demo (device auto, 1 process) exit $?"; tail -6 "$OUT/demo-gpu.log"
-  timeout 120 python3 demos/train_digits.py --no-progress --device cpu --workers 8 \
+  timeout 90 python3 demos/train_digits.py --no-progress --device cpu --workers 8 \
     --results /tmp/demo-cpu > "$OUT/demo-cpu.log" 2>&1
   echo "demo (device cpu, 1 then 8 processes) exit $?"; tail -8 "$OUT/demo-cpu.log"
 fi
