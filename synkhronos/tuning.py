@@ -113,14 +113,18 @@ def limit_threads(n: int, worker: bool = False):
 
 
 def xla_flags(flags: str, n: int) -> str:
-    """``flags`` (XLA_FLAGS) with XLA's CPU thread pools capped at ``n`` threads, unless
-    they say otherwise already: one thread runs without Eigen's pool at all."""
-    extra = []
+    """``flags`` (XLA_FLAGS) for a process of ``n`` cores: one core runs XLA's CPU work
+    without Eigen's thread pool, unless ``flags`` say otherwise already.
+
+    XLA has no flag for a pool of ``n > 1`` threads; it sizes its pool by the
+    cores this process may run on, which :func:`synkhronos.tuning` binds. Every
+    token is a ``--flag``: XLA reads a first token without ``--`` as a file of
+    flags and aborts the process when there is none (it did, on a GPU machine,
+    for ``intra_op_parallelism_threads=8``), and aborts on a flag it does not know.
+    """
     if n == 1 and "xla_cpu_multi_thread_eigen" not in flags:
-        extra.append("--xla_cpu_multi_thread_eigen=false")
-    if "intra_op_parallelism_threads" not in flags:
-        extra.append(f"intra_op_parallelism_threads={n}")
-    return " ".join([flags] + extra).strip()
+        return " ".join([flags, "--xla_cpu_multi_thread_eigen=false"]).strip()
+    return flags
 
 
 def restore_env(saved) -> None:

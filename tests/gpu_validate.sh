@@ -1,10 +1,10 @@
 #!/bin/bash
 # The GPU validation of docs/gpu-validation.rst, as one command for the device machine:
-#   bash tests/gpu_validate.sh [STEPS]     (STEPS: any of env,gpu,bench,demo,suite; default env,gpu,bench,demo)
+#   bash tests/gpu_validate.sh [STEPS]     (STEPS: any of env,gpu,bench,demo,democpu,suite; default env,gpu,bench,demo,democpu)
 # Installs the carried wheels (.whl) into /tmp/site, then writes every log under $OUT (or ./gpu-out).
 # Each step has its own time limit, so one that hangs cannot eat the others' time.
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-STEPS=${1:-env,gpu,bench,demo}
+STEPS=${1:-env,gpu,bench,demo,democpu}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheels did not install"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
@@ -35,6 +35,9 @@ if step demo; then
   timeout 90 python3 demos/train_digits.py --no-progress --device auto --workers 1 --no-baseline \
     --results /tmp/demo-gpu > "$OUT/demo-gpu.log" 2>&1
   echo "demo (device auto, 1 process) exit $?"; tail -6 "$OUT/demo-gpu.log"
+fi
+if step democpu; then
+  stamp democpu
   timeout 90 python3 demos/train_digits.py --no-progress --device cpu --workers 8 \
     --results /tmp/demo-cpu > "$OUT/demo-cpu.log" 2>&1
   echo "demo (device cpu, 1 then 8 processes) exit $?"; tail -8 "$OUT/demo-cpu.log"

@@ -46,8 +46,9 @@ MOVABLE_KINDS = "biufc"
 _GATHER_ALIGN = 16
 
 
-def new_unique_id() -> tuple:
-    """A fresh NCCL unique id (the master makes it, every process joins with it)."""
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique id (the master makes it, every process joins with it), passed on
+    as CuPy made it: CuPy 14's ``NcclCommunicator`` takes these bytes and refuses a tuple."""
     from cupy.cuda import nccl
 
     return nccl.get_unique_id()
@@ -146,7 +147,7 @@ class NcclCommunicator(Communicator):
         self._shm = shm
         self.rank, self.size, self.master_rank = shm.rank, shm.size, shm.master_rank
         self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._comm = nccl.NcclCommunicator(self.size, tuple(unique_id), self.rank)
+        self._comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         self.broken: str | None = None
 
     # -- agreement and waiting ---------------------------------------------

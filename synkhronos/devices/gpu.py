@@ -56,7 +56,7 @@ class OpenDevice:
     """The INIT_DEVICE command: first every process opens its GPU, then NCCL."""
 
     phase: str                  # "device" or "nccl"
-    unique_id: tuple | None = None
+    unique_id: bytes | None = None
 
 
 def _open(proc, msg: OpenDevice) -> None:

@@ -44,8 +44,8 @@ def get_version() -> int:
     return 0
 
 
-def get_unique_id() -> tuple:
-    return tuple(int(b) - 128 for b in os.urandom(128))
+def get_unique_id() -> bytes:
+    return os.urandom(128)  # CuPy 14 gives bytes
 
 
 def _view(ptr: int, count: int, datatype: int) -> np.ndarray:
@@ -64,7 +64,9 @@ class _World:
 
 
 class NcclCommunicator:
-    def __init__(self, ndev: int, commId: tuple, rank: int):
+    def __init__(self, ndev: int, commId: bytes, rank: int):
+        if not isinstance(commId, bytes):  # as CuPy 14, seen on an H100
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
         if len(commId) != 128:
             raise NcclError("bad unique id")
         with _lock:
