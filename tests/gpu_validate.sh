@@ -21,7 +21,7 @@ if step env; then
 fi
 if step gpu; then
   stamp gpu
-  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider --timeout 150 --durations 15 \
+  timeout ${GPU_S:-240} python3 -m pytest -q -rs -p no:cacheprovider --timeout 150 --durations 15 -k "${GPU_K:-not nothing}" \
     tests/test_gpu.py tests/test_nccl_logic.py > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests exit $?"; tail -25 "$OUT/gpu-tests.log"
 fi
@@ -32,7 +32,7 @@ if step bench; then
 fi
 if step demo; then
   stamp demo
-  timeout 90 python3 demos/train_digits.py --no-progress --device auto --workers 1 --no-baseline \
+  timeout ${DEMO_S:-90} python3 demos/train_digits.py --no-progress --device auto --workers 1 --no-baseline \
     --results /tmp/demo-gpu > "$OUT/demo-gpu.log" 2>&1
   echo "demo (device auto, 1 process) exit $?"; tail -6 "$OUT/demo-gpu.log"
 fi

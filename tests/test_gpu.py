@@ -139,6 +139,27 @@ def _shim(root: Path, name: str, body: str) -> Path:
     return root
 
 
+@pytest.mark.parametrize("preset", [None, "cuda"])
+@pytest.mark.parametrize("jax_first", [False, True])
+def test_cpu_workers_keep_jax_on_the_cpu(preset, jax_first):
+    """A worker of the CPU device runs JAX on the CPU unless the user named JAX_PLATFORMS
+    (on an H100, fork(2, device="cpu") with mode="JAX" lost its second worker: each
+    process opened the GPU and took 75% of its memory)."""
+    if jax_first and not HAS_JAX:
+        pytest.skip("needs jax")
+    done = _run_python(f"""
+        import os
+        {"import jax" if jax_first else ""}
+        from synkhronos.devices.cpu import CpuDevice
+        CpuDevice().bind(1)
+        print(os.environ.get("JAX_PLATFORMS"))
+        {"print(jax.config.jax_platforms)" if jax_first else "print(os.environ['JAX_PLATFORMS'])"}
+    """, JAX_PLATFORMS=preset or "")
+    assert done.returncode == 0, done.stderr
+    want = preset or "cpu"
+    assert done.stdout.split() == [want, want], done.stdout
+
+
 def test_package_imports_without_cupy_or_jax(tmp_path):
     """Even with cupy and jax that fail to import, synkhronos imports and never tries them."""
     shims = _shim(tmp_path, "cupy", "raise ImportError('shim: no cupy here')")

@@ -218,7 +218,7 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
         RuntimeError: CUDA is already up in this process (through JAX).
     """
     want = gpu_plan.gpu_of(rank)
-    if _jax_backends_up():
+    if jax_backends_up():
         if n_parallel == 1 and context.bound_gpu == want:
             return ()
         cuda_initialised_error()
@@ -237,7 +237,7 @@ def unbind(saved: tuple) -> None:
     restore_env(saved)
 
 
-def _jax_backends_up() -> bool:
+def jax_backends_up() -> bool:
     if sys.modules.get("jax") is None:
         return False
     try:
@@ -254,7 +254,7 @@ def cuda_initialised_error() -> None:
     Forked children cannot use a CUDA context their parent created, and a
     process cannot change its GPU once CUDA is up.
     """
-    if _jax_backends_up():
+    if jax_backends_up():
         raise RuntimeError("JAX was already used in this process (its CUDA backend is initialised), "
                            "so synkhronos cannot bind processes to GPUs or fork GPU workers: call "
                            "synk.fork() before any JAX or PyTensor mode='JAX' computation")
