@@ -232,14 +232,18 @@ def test_no_gpu_per_the_probe(monkeypatch):
     synk.close()
 
 
-def test_auto_warns_once_that_the_gpu_path_is_unvalidated(monkeypatch):
-    """device="auto" picking the GPU warns once per process and names both choices;
-    device="gpu" (or the original's use_gpu=True) chose it knowingly: no warning."""
+def test_auto_warns_once_that_several_gpus_are_unvalidated(monkeypatch):
+    """device="auto" picking more GPUs than the path has run on (one) warns once per process
+    and names both choices; one GPU, device="gpu" or the original's use_gpu=True: no warning."""
     monkeypatch.setattr(context, "warned", set())
-    monkeypatch.setattr(devices, "GPU_VALIDATED", False)
+    monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert devices.choose("auto", None) == (devices.GpuDevice, 1)   # validated on one GPU
     monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 2))
-    with pytest.warns(UserWarning, match=r"^device='auto' chose the GPU: .* not yet been validated on a "
-                                         r"real GPU\. Pass device='gpu' .* or device='cpu'"):
+    with pytest.warns(UserWarning, match=r"^device='auto' chose 2 GPUs: .* has run on one GPU .* NCCL "
+                                         r"across several GPUs has not yet been validated on real GPUs\. "
+                                         r"Pass device='gpu' .* or device='cpu'"):
         assert devices.choose("auto", None) == (devices.GpuDevice, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -252,8 +256,8 @@ def test_auto_warns_once_that_the_gpu_path_is_unvalidated(monkeypatch):
 
 
 def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
-    """With the CuPy stand-in counting one GPU (and an importable jax), the real probe finds
-    it and auto warns once, at the caller's line; a GPU-less stand-in says nothing."""
+    """With the CuPy stand-in counting two GPUs (and an importable jax), the real probe finds
+    them and auto warns once, at the caller's line; one GPU, or none, says nothing."""
     paths = [FAKE]
     if not HAS_JAX:
         paths.append(_shim(tmp_path, "jax", "# an importable jax: the probe only imports it"))
@@ -268,11 +272,14 @@ def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
         for w in caught:
             print("WARNING:", w.filename, str(w.message)[:40])
     """
+    done = _run_python(code, paths, FAKE_CUPY_GPUS="2", CUDA_VISIBLE_DEVICES="0,1")
+    assert done.returncode == 0, done.stderr
+    assert "CHOSE: GpuDevice 2 GpuDevice" in done.stdout
+    assert done.stdout.count("WARNING:") == 1, done.stdout
+    assert "WARNING: <string> device='auto' chose 2 GPUs" in done.stdout, done.stdout
     done = _run_python(code, paths, FAKE_CUPY_GPUS="1", CUDA_VISIBLE_DEVICES="0")
     assert done.returncode == 0, done.stderr
-    assert "CHOSE: GpuDevice 1 GpuDevice" in done.stdout
-    assert done.stdout.count("WARNING:") == 1, done.stdout
-    assert "WARNING: <string> device='auto' chose the GPU" in done.stdout, done.stdout
+    assert "CHOSE: GpuDevice 1 GpuDevice" in done.stdout and "WARNING:" not in done.stdout, done.stdout
     done = _run_python(code, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr
     assert "CHOSE: CpuDevice 0 CpuDevice" in done.stdout and "WARNING:" not in done.stdout, done.stdout

@@ -17,13 +17,17 @@ __all__ = ["Device", "CpuDevice", "GpuDevice", "DEVICES", "choose", "create"]
 DEVICES = {"cpu": CpuDevice, "gpu": GpuDevice}
 #: What ``device="auto"`` tries, in order: the first with units to use, else the last.
 AUTO = ("gpu", "cpu")
-#: Whether the GPU path has run on a real GPU: until it has, ``device="auto"`` warns
-#: (once per process) when it picks the GPU (see docs/gpu-validation.rst).
-GPU_VALIDATED = False
-UNVALIDATED_GPU = ("device='auto' chose the GPU: synkhronos's GPU path (PyTensor's JAX backend, "
-                   "NCCL through CuPy) is tested against stand-ins but has not yet been validated "
-                   "on a real GPU. Pass device='gpu' to use it knowingly (no warning), or "
-                   "device='cpu' to run one process per CPU core.")
+#: The most GPUs the GPU path has run on (docs/gpu-validation.rst: one H100, 2026-11-26, NCCL
+#: with one rank): ``device="auto"`` warns (once per process) when it picks more than this.
+VALIDATED_GPUS = 1
+
+
+def unvalidated_gpus(units: int) -> str:
+    """The warning of ``device="auto"`` picking ``units`` GPUs, more than have been validated."""
+    return (f"device='auto' chose {units} GPUs: synkhronos's GPU path has run on one GPU "
+            "(docs/gpu-validation.rst), but NCCL across several GPUs has not yet been validated on "
+            "real GPUs. Pass device='gpu' to use it knowingly (no warning), or device='cpu' to run "
+            "one process per CPU core.")
 
 
 def choose(device: str, use_gpu: bool | None) -> tuple:
@@ -39,16 +43,16 @@ def choose(device: str, use_gpu: bool | None) -> tuple:
         warnings.warn(f"use_gpu=True, but {gpu_stack.no_gpu_reason() or 'no GPU can be used'}: running on "
                       "the CPU (device='gpu' makes this an error)", stacklevel=user_stacklevel())
     if device == "auto" and units and name == "gpu" and not use_gpu:
-        _warn_unvalidated()
+        _warn_unvalidated(units)
     return (DEVICES[name] if units else CpuDevice), units
 
 
-def _warn_unvalidated() -> None:
-    """Warn, once per process, that ``device="auto"`` picked a GPU path never run on a GPU."""
-    if GPU_VALIDATED or "unvalidated GPU" in context.warned:
+def _warn_unvalidated(units: int) -> None:
+    """Warn, once per process, that ``device="auto"`` picked more GPUs than the path has run on."""
+    if units <= VALIDATED_GPUS or "unvalidated GPU" in context.warned:
         return
     context.warned.add("unvalidated GPU")
-    warnings.warn(UNVALIDATED_GPU, UserWarning, stacklevel=user_stacklevel())
+    warnings.warn(unvalidated_gpus(units), UserWarning, stacklevel=user_stacklevel())
 
 
 def create(cls, units: int, n_parallel: int, master_rank: int) -> Device:
