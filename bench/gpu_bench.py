@@ -40,6 +40,9 @@ p.add_argument("--sizes", default="4,4096,262144,4194304,67108864,268435456",
 p.add_argument("--reps", type=int, default=20, help="timed repetitions of each bandwidth measurement")
 p.add_argument("--calls", type=int, default=300, help="timed calls of each per-call measurement")
 p.add_argument("--rows", type=int, default=256, help="rows of the per-call input")
+p.add_argument("--profile", action="store_true",
+               help="also print cProfile's top functions over 300 calls of synk.all_reduce (4 B) and of "
+                    "a call with device_outputs=True: where synkhronos's time goes above the plain call")
 p.add_argument("--json", default=None, help="where to write the results (default bench/results/gpu-<time>.json)")
 args = p.parse_args()
 
@@ -189,6 +192,30 @@ for b, row in sweep.items():
     print(f"{b:>12d} {row['raw CuPy NCCL allReduce']['median_s'] * 1e6:10.1f}us "
           f"{row[SYNK_AR]['median_s'] * 1e6:10.1f}us {row['synk / raw']:6.2f} "
           f"{row['device-to-device copy (scale)']['median_s'] * 1e6:10.1f}us")
+
+if args.profile:
+    import cProfile
+    import pstats
+
+    synk.fork(1, device="gpu")  # again, for the profiles (CUDA is up: one process on the same GPU)
+    tiny = pytensor.shared(np.ones(1, dtype=np.float32), name="tiny")
+    f = synk.function([x], outputs)
+    synk.function([], pt.sum(tiny))
+    synk.distribute()
+    for label, fn in (("synk.all_reduce, 4 B", lambda: synk.all_reduce(tiny, "sum")),
+                      ("synk call, device_outputs=True",
+                       lambda: jax.block_until_ready(f(data, device_outputs=True)))):
+        for _ in range(20):
+            fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            fn()
+        prof.disable()
+        print(f"\n--- profile: {label}, 300 calls (cumulative, then own time) ---")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    synk.close()
 
 RESULTS.mkdir(parents=True, exist_ok=True)
 out = Path(args.json) if args.json else RESULTS / f"gpu-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"

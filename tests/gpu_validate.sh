@@ -27,8 +27,8 @@ if step gpu; then
 fi
 if step bench; then
   stamp bench
-  timeout 100 python3 bench/gpu_bench.py --json "$OUT/gpu-bench.json" > "$OUT/gpu-bench.log" 2>&1
-  echo "bench exit $?"; tail -30 "$OUT/gpu-bench.log"
+  timeout 100 python3 bench/gpu_bench.py --profile --json "$OUT/gpu-bench.json" > "$OUT/gpu-bench.log" 2>&1
+  echo "bench exit $?"; grep -B2 -A12 "^all-reduce sweep" "$OUT/gpu-bench.log"
 fi
 if step demo; then
   stamp demo
