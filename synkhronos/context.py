@@ -255,3 +255,7 @@ mpi_leaving: list = []
 
 #: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.
 bound_gpu: str | None = None
+
+#: In a worker: JAX was already running in the master when it forked this process,
+#: so JAX cannot run here (its threads did not come along: it aborts or hangs).
+jax_inherited: bool = False

@@ -98,6 +98,11 @@ class LocalFunction:
             kwargs = spec.kwargs
             if subset is not None:  # as in PyTensor, a subset need not use every input
                 kwargs = {**kwargs, "on_unused_input": "ignore"}
+            if context.jax_inherited and _jax_mode(kwargs.get("mode")):
+                raise RuntimeError(
+                    f"function {spec.name or '?'} compiles in JAX mode, but JAX was already running in the "
+                    "master when synk.fork() started this worker, and JAX cannot run in a process forked "
+                    "after it started (it aborts or hangs): call synk.fork() before any JAX computation")
             if values:
                 fn = pytensor.function(inputs, list(outs) + [u for _, u in spec.updates],
                                        givens=givens, **kwargs)
@@ -379,6 +384,14 @@ def _plain_input(var) -> bool:
     Shared memory views and the master's planned inputs are checked for that."""
     shape = getattr(var.type, "shape", None)
     return shape is not None and all(d is None for d in shape)
+
+
+def _jax_mode(mode) -> bool:
+    """Whether PyTensor ``mode`` (a name, a Mode, or None for the default) runs through JAX."""
+    try:
+        return type(pytensor.compile.mode.get_mode(mode).linker).__name__ == "JAXLinker"
+    except Exception:  # a mode PyTensor does not know: pytensor.function will say so
+        return False
 
 
 def _run_kept(fn, args, trust: bool):

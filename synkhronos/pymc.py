@@ -11,6 +11,14 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+from pytensor.graph.replace import clone_replace
+
+try:  # PyTensor 3.3 moved it
+    from pytensor.graph.traversal import graph_inputs
+except ImportError:  # pragma: no cover - PyTensor before 3.3
+    from pytensor.graph.basic import graph_inputs
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.shape import SpecifyShape
 from pytensor.tensor.variable import TensorConstant
@@ -30,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - PyTensor 2
     from pytensor.graph.basic import graph_inputs, io_toposort
 
-__all__ = ["data_parallel", "default_mode", "DataParallelModel", "SAMPLERS"]
+__all__ = ["data_parallel", "default_mode", "DataParallelModel", "JaxValueAndGrad", "SAMPLERS"]
 
 #: ``pm.sample(nuts_sampler=...)`` values tested on a data-parallel model (``cores=1``):
 #: numpyro through the Op's JAX rendering, nutpie through Numba (the Op in object mode).
@@ -329,16 +337,111 @@ def _coupling(rv, n_rows, cut, why) -> str:
             "no multivariate distribution over the row axis)")
 
 
+class JaxValueAndGrad(Op):
+    """A scalar graph's value and its gradient with respect to some of its inputs, by
+    JAX's autodiff (``jax.value_and_grad`` of the graph rendered in JAX).
+
+    Each process's share of a data-parallel model in JAX mode. XLA compiles the
+    backward pass with the forward one: on the benchmark's logistic regression
+    (100,000 rows, one process, an Intel Xeon) this took 3.65 ms where
+    PyTensor's symbolic gradient rendered in JAX took 4.57 ms.
+
+    Args:
+        inputs: the graph's inputs (root variables; shared variables too).
+        output: the scalar to differentiate.
+        wrt: positions in ``inputs`` of the variables of the gradient (floats).
+
+    Its outputs are the value, then one gradient per ``wrt``, each of its
+    variable's type. The Op holds the graph itself (it pickles to the workers
+    with the function) and renders it in JAX in each process. Outside JAX
+    mode, ``perform`` runs the same JAX function.
+    """
+
+    def __init__(self, inputs, output, wrt):
+        self.inner_inputs = [v.type() for v in inputs]
+        self.inner_output = clone_replace(output, dict(zip(inputs, self.inner_inputs)))
+        self.wrt = tuple(wrt)
+        self._jitted = None
+        super().__init__()
+        _register_value_and_grad()
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_jitted"}
+
+    def __setstate__(self, state):  # in a worker: teach its JAX backend the Op before it compiles
+        self.__dict__.update(state, _jitted=None)
+        _register_value_and_grad()
+
+    def make_node(self, *inputs):
+        if len(inputs) != len(self.inner_inputs):
+            raise ValueError(f"{self}: {len(self.inner_inputs)} inputs expected, got {len(inputs)}")
+        inputs = [t.type.filter_variable(v) for t, v in zip(self.inner_inputs, inputs)]
+        outputs = [self.inner_output.type()] + [self.inner_inputs[i].type() for i in self.wrt]
+        return Apply(self, inputs, outputs)
+
+    def jax_function(self):
+        """The JAX function ``(*inputs) -> (value, *gradients)`` (imports JAX)."""
+        import jax
+        from pytensor.compile.mode import get_mode
+        from pytensor.graph.fg import FunctionGraph
+        from pytensor.link.jax.dispatch import jax_funcify
+
+        fgraph = FunctionGraph(self.inner_inputs, [self.inner_output], clone=True)
+        get_mode("JAX").optimizer.rewrite(fgraph)
+        inner = jax_funcify(fgraph)
+        wrt = self.wrt
+
+        def value_and_grads(*args):
+            def value(*chosen):
+                full = list(args)
+                for i, v in zip(wrt, chosen):
+                    full[i] = v
+                return inner(*full)[0]
+
+            if not wrt:
+                return (value(),)
+            val, grads = jax.value_and_grad(value, argnums=tuple(range(len(wrt))))(*[args[i] for i in wrt])
+            return (val, *grads)
+
+        return value_and_grads
+
+    def perform(self, node, inputs, outputs):
+        if self._jitted is None:
+            import jax
+
+            self._jitted = jax.jit(self.jax_function())
+        for out, value, var in zip(outputs, self._jitted(*inputs), node.outputs):
+            out[0] = np.asarray(value, dtype=var.type.dtype)
+
+    def __str__(self):
+        return f"JaxValueAndGrad{{{self.inner_output.name or 'value'}}}"
+
+
+def _register_value_and_grad() -> None:
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    if JaxValueAndGrad not in jax_funcify.registry:
+        jax_funcify.register(JaxValueAndGrad)(lambda op, node=None, **kwargs: op.jax_function())
+
+
 def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_in, n_rows, mode) -> _Split:
     total = pt.add(*[t.sum() for t in local_terms])
     total.name = "observed_logp"
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
-    grads = pytensor.grad(total, continuous) if continuous else []
+    if mode == "auto":
+        mode = default_mode()
+    if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
+        _register_value_and_grad()
+        inputs = row_in + glob_in + rv_in
+        inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
+        outs = JaxValueAndGrad(inputs, total, [inputs.index(v) for v in continuous])(*inputs)
+        total, grads = outs[0], outs[1:]
+        total.name = "observed_logp"
+    else:
+        grads = pytensor.grad(total, continuous) if continuous else []
     for g, v in zip(grads, continuous):
         g.name = f"d_observed_logp/d_{v.name}"
     kwargs = {"on_unused_input": "ignore"}
-    if mode == "auto":
-        mode = default_mode()
     if mode == "JAX" and "jax" not in sys.modules:  # the master's share: its own cores only
         os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
     if mode is not None:

@@ -21,6 +21,7 @@ from .errors import user_stacklevel
 from .session import Session
 from .group import Lease
 from .shmem import disown, unlink_prefix
+from .devices.gpu_stack import jax_backends_up
 from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
 from .worker.loop import serve, serve_profiled
 
@@ -275,6 +276,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         atexit._clear()
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
+        context.jax_inherited = jax_backends_up()  # before bind() may configure JAX
         master_proc.device.bind(rank)  # before anything touches the accelerator
         # the master compiles every function too, and gives this warning once
         warnings.filterwarnings("ignore", "PyTensor could not link to a BLAS installation", UserWarning)

@@ -160,6 +160,34 @@ def test_cpu_workers_keep_jax_on_the_cpu(preset, jax_first):
     assert done.stdout.split() == [want, want], done.stdout
 
 
+@needs_jax
+def test_workers_refuse_jax_started_before_fork():
+    """JAX running in the master before fork(): a worker's JAX-mode function is a clear error
+    from that worker, not an abort (SIGABRT, "Mutex::Fer while waiting") or a hang."""
+    done = _run_python("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import jax.numpy as jnp
+        float(jnp.ones(3).sum())  # JAX's CPU backend starts in the master
+        import pytensor.tensor as pt
+        import synkhronos as synk
+        synk.fork(2, device="cpu")
+        x = pt.dvector("x")
+        c = synk.function([x], (pt.sum(x), "sum"), mode="FAST_COMPILE")
+        f = synk.function([x], (pt.sum(x), "sum"), mode="JAX")
+        try:
+            synk.distribute()
+            f(np.ones(6))
+        except RuntimeError as err:
+            print("RAISED", type(err).__name__, err)
+        synk.close()
+    """, JAX_PLATFORMS="cpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RAISED RuntimeError" in done.stdout and "JAX was already running in the master" in done.stdout, \
+        done.stdout + done.stderr[-3000:]
+
+
 def test_package_imports_without_cupy_or_jax(tmp_path):
     """Even with cupy and jax that fail to import, synkhronos imports and never tries them."""
     shims = _shim(tmp_path, "cupy", "raise ImportError('shim: no cupy here')")

@@ -99,6 +99,75 @@ def test_logp_and_gradient_equal_pymc(forked):
         _assert_same_density(model, dp)
 
 
+def _in_a_fresh_process(code: str, timeout: float = 240) -> str:
+    """Run ``code`` in a new Python (tests/ on its path): a test that runs JAX in this process
+    would keep the later tests' forked workers from running JAX (they refuse, see
+    test_gpu.py::test_workers_refuse_jax_started_before_fork)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=here.parent, env=env)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_jax_mode_equals_pymc(n):
+    """Each process's share by JAX's autodiff (JaxValueAndGrad, the default where JAX is
+    installed): logp and gradient equal PyMC's to 1e-10 on 1, 2 and 3 processes."""
+    pytest.importorskip("jax")
+    _in_a_fresh_process(f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        import pytensor
+        import synkhronos as synk
+        synk.fork({n}, device="cpu")
+        import test_pymc as T
+        from conftest import MODE
+        spm = T._spm()
+        with pytensor.config.change_flags(mode=MODE):
+            for model in (T.logistic_model(), T.regression_model()):
+                dp = spm.data_parallel(model, mode="JAX")
+                assert "JaxValueAndGrad" in str(dp.synk_split.op.fn.fn._spec.outputs[0].owner.op), "not the JAX path"
+                T._assert_same_density(model, dp)
+        synk.close()
+        print("OK")
+    """)
+
+
+def test_jax_value_and_grad_equals_symbolic_gradient():
+    """The Op alone, in and out of JAX mode, against pytensor.grad on random points; a shared
+    variable of the graph is an input like any other."""
+    pytest.importorskip("jax")
+    _in_a_fresh_process("""
+        import numpy as np
+        import pytensor
+        import pytensor.tensor as pt
+        from numpy.testing import assert_allclose
+        from synkhronos.pymc import JaxValueAndGrad
+        MODE = "FAST_COMPILE"
+        rng = np.random.default_rng(3)
+        x, w, c = pt.dmatrix("x"), pt.dvector("w"), pt.dscalar("c")
+        k = pytensor.shared(rng.standard_normal(4), name="k")
+        total = pt.sum(pt.log1p(pt.exp(x @ w * c)) - pt.tanh(x @ k) * c ** 2) + pt.sum(w ** 3)
+        want = pytensor.function([x, w, c], [total, *pytensor.grad(total, [w, c])], mode=MODE)
+        op = JaxValueAndGrad([x, w, c, k], total, [1, 2])
+        for mode in (MODE, "JAX"):
+            got = pytensor.function([x, w, c], op(x, w, c, k), mode=mode)
+            for _ in range(5):
+                args = (rng.standard_normal((7, 4)), rng.standard_normal(4), rng.standard_normal())
+                for g, r in zip(got(*args), want(*args)):
+                    assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
+        print("OK")
+    """)
+
+
 def test_rows_named_and_uneven_split(fork):
     fork(3)
     spm = _spm()
