@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 K = 10
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-              "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+              "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
 CASES = ("pymc", "pymc-2", "nutpie", "numpyro", "synk", "synk-NUMBA", "synk-JAX", "synk-C")
 #: What each case measures: parts it has no meaning for are left out.
 PARTS = {

@@ -15,7 +15,7 @@ import sys
 import time
 
 # one XLA thread per process, before JAX starts (synkhronos sets it in the workers itself)
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
 import numpy as np  # noqa: E402
 

@@ -117,10 +117,11 @@ def _in_a_fresh_process(code: str, timeout: float = 240) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [2, 3])
 def test_jax_mode_equals_pymc(n):
     """Each process's share by JAX's autodiff (JaxValueAndGrad, the default where JAX is
-    installed): logp and gradient equal PyMC's to 1e-10 on 1, 2 and 3 processes."""
+    installed): logp and gradient equal PyMC's to 1e-10 on 2 and 3 processes (the master's
+    share among them; the Op alone is the next test)."""
     pytest.importorskip("jax")
     _in_a_fresh_process(f"""
         import warnings
