@@ -64,7 +64,10 @@ def test_killed_multiverso_run_is_reclaimed():
     assert r.rc == -signal.SIGKILL, r.output[-3000:]
     prefix = re.search(r"PREFIX (\S+)", r.output).group(1)
     assert r.leftovers, "a run killed outright removed its names: nothing to reclaim"
-    assert any(name == prefix + "lock" for name in r.leftovers), r.leftovers
+    # (failed once in a full run, with the lock file missing among 100+ semaphores; not reproduced
+    # alone: the message now shows everything to find out why)
+    assert any(name == prefix + "lock" for name in r.leftovers), \
+        f"prefix {prefix!r}; lock file missing among {len(r.leftovers)} leftovers: {r.leftovers}\n{r.output[-2000:]}"
     removed = group.unlink_stale()
     assert set(r.leftovers) <= {n for n in removed}, (r.leftovers, removed)
     assert not [n for n in os.listdir("/dev/shm") if prefix in n]
