@@ -145,12 +145,12 @@ for nbytes in sizes:
     reps = args.reps if nbytes >= 1 << 24 else max(args.reps, 200)
     row = {}
     for label, fn in (("raw CuPy NCCL allReduce", raw_all_reduce),
-                      ("synk.all_reduce(shared, 'sum')", lambda: synk.all_reduce(bigs[nbytes], "sum")),
+                      (SYNK_AR, lambda: synk.all_reduce(bigs[nbytes], "sum")),
                       ("device-to-device copy (scale)", d2d_copy)):
         t = timed(fn, reps, warmup=3)
         t["GB_per_s"] = count * 4 / t["median_s"] / 1e9
         row[label] = t
-    row["synk / raw"] = row["synk.all_reduce(shared, 'sum')"]["median_s"] / row["raw CuPy NCCL allReduce"]["median_s"]
+    row["synk / raw"] = row[SYNK_AR]["median_s"] / row["raw CuPy NCCL allReduce"]["median_s"]
     sweep[count * 4] = row
     np.testing.assert_allclose(np.asarray(bigs[nbytes].get_value(borrow=True))[:4], 1.0)  # sum over one rank
     del src, dst

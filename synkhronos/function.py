@@ -22,6 +22,7 @@ from .control import Command
 from .data import Data, attach, fit_scratch
 from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
+from .devices.gpu_stack import jax_linker
 from .distribute import distribute
 from .kept import KeptCall
 from .errors import PeerFailed, SynkError, as_interrupt, own_share_failed, short_repr, user_stacklevel
@@ -389,9 +390,10 @@ def _plain_input(var) -> bool:
 def _jax_mode(mode) -> bool:
     """Whether PyTensor ``mode`` (a name, a Mode, or None for the default) runs through JAX."""
     try:
-        return type(pytensor.compile.mode.get_mode(mode).linker).__name__ == "JAXLinker"
+        linker = pytensor.compile.mode.get_mode(mode).linker
     except Exception:  # a mode PyTensor does not know: pytensor.function will say so
         return False
+    return jax_linker(linker)
 
 
 def _run_kept(fn, args, trust: bool):

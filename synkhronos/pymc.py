@@ -431,7 +431,6 @@ def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_
     if mode == "auto":
         mode = default_mode()
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
-        _register_value_and_grad()
         inputs = row_in + glob_in + rv_in
         inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
         outs = JaxValueAndGrad(inputs, total, [inputs.index(v) for v in continuous])(*inputs)

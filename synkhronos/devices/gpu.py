@@ -63,12 +63,6 @@ def _open(proc, msg: OpenDevice) -> None:
     proc.device.open(proc, msg)
 
 
-def _uses_jax(fn) -> bool:
-    from pytensor.link.jax.linker import JAXLinker
-
-    return isinstance(getattr(fn.maker, "linker", None), JAXLinker)
-
-
 class GpuDevice(Device):
     """Each process on GPU ``rank % n_gpus`` (see :class:`gpu_stack.GpuPlan`)."""
 
@@ -132,7 +126,7 @@ class GpuDevice(Device):
             fn = lf.compiled()
             used = {id(inp.variable) for inp in fn.maker.inputs if inp.shared}
             used |= {id(v) for v in lf.spec.sliceable}
-            (on_jax if _uses_jax(fn) else elsewhere).update(used)
+            (on_jax if gpu_stack.jax_linker(getattr(fn.maker, "linker", None)) else elsewhere).update(used)
         for sid, var in proc.shareds.items():
             if id(var) in on_jax and id(var) not in elsewhere:
                 self.state.placed[sid] = var

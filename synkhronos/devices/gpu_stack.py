@@ -237,6 +237,14 @@ def unbind(saved: tuple) -> None:
     restore_env(saved)
 
 
+def jax_linker(linker) -> bool:
+    """Whether a PyTensor linker (a Mode's, or a compiled function's) runs through JAX
+    (imports no JAX)."""
+    from pytensor.link.jax.linker import JAXLinker
+
+    return isinstance(linker, JAXLinker)
+
+
 def jax_backends_up() -> bool:
     if sys.modules.get("jax") is None:
         return False
