@@ -43,8 +43,9 @@ venv: $(VENV)/.test
 demo: $(VENV)/.demo
 	$(PY) demos/train_digits.py
 
+# the long several-machines scenarios (marked long) run in make test-nodes
 test: $(VENV)/.test test-pymc
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not long" tests
 
 # synkhronos.pymc in an environment of its own: PyMC pins the PyTensor it takes (PyMC 6 takes
 # PyTensor 3 and Python 3.12; on Python 3.11 PyMC 5.28 takes PyTensor 2.38), which the main
@@ -54,17 +55,18 @@ PYMC_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3
 
 $(PYMC_VENV)/.installed: $(DEPS)
 	$(PYMC_PYTHON) -m venv $(PYMC_VENV)
-	$(PYMC_VENV)/bin/python -m pip install -q -e '.[pymc-samplers]' pytest pytest-timeout scipy
+	$(PYMC_VENV)/bin/python -m pip install -q -e '.[pymc-samplers]' pytest pytest-timeout scipy matplotlib
 	touch $@
 
 test-pymc: $(PYMC_VENV)/.installed
 	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc.py tests/test_as_op.py
 
 # the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
-# process count instead of make test's 40, and messages over 2 GiB (about 10 GiB of memory):
-# slower, run before a release
+# process count instead of make test's 40, messages over 2 GiB (about 10 GiB of memory), and the
+# long scenarios that make test leaves out (marked long): slower, run before a release
 test-nodes: $(VENV)/.test
-	SYNK_DIVERGE_SEQUENCES=300 SYNK_LARGE_MESSAGES=1 $(PY) -m pytest -q tests/test_nodes.py tests/test_mpi_comm.py tests/test_multiverso_mpi.py
+	SYNK_DIVERGE_SEQUENCES=300 SYNK_LARGE_MESSAGES=1 $(PY) -m pytest -q tests/test_nodes.py tests/test_mpi_comm.py \
+	  tests/test_multiverso_mpi.py tests/test_mv_frameworks.py tests/test_bench_smoke.py::test_nodes_bench_quick
 
 MPIRUN := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(VENV)/bin/mpirun --oversubscribe --mca osc ^ucx
 

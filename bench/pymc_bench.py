@@ -19,7 +19,8 @@ parameters per second of sampling), nuts2 (2 chains).
     python bench/pymc_bench.py                       # 20k, 200k, 1M rows, every part
     python bench/pymc_bench.py --rows 20000 --what eval,map --quick
 
-Writes bench/results/pymc.json and prints a table. Run on an idle machine: the times are wall
+Writes bench/results/pymc.json, prints a table and draws bench/results/pymc.png (time
+against rows, one panel per part; needs matplotlib; --plot JSON draws it again). Run on an idle machine: the times are wall
 times of one run, not medians of many.
 """
 
@@ -60,6 +61,7 @@ def parse(argv=None):
     p.add_argument("--advi-steps", type=int, default=5000)
     p.add_argument("--quick", action="store_true", help="few draws and steps: a smoke run")
     p.add_argument("--out", default=str(HERE / "results" / "pymc.json"))
+    p.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file (next to it, .png)")
     p.add_argument("--case", help=argparse.SUPPRESS)  # the subprocess's one case
     args = p.parse_args(argv)
     if args.quick:
@@ -257,8 +259,68 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+#: The plot's panels: (title, the result's key, its unit); a NUTS panel draws wall times.
+PANELS = (("one evaluation (logp and gradient)", "eval_ms", "ms"), ("find_MAP", "map_s", "s"),
+          ("ADVI", "advi_s", "s"), ("NUTS, 1 chain", "nuts", "s"), ("NUTS, 2 chains", "nuts2", "s"))
+#: NUTS through another sampler on the data-parallel model: a line of its own in the 1-chain panel.
+SYNK_SAMPLERS = {"nuts-numpyro": "synk + numpyro", "nuts-nutpie": "synk + nutpie"}
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """Time against rows, log-log, one panel per part and one line per case (and per sampler
+    on the data-parallel model). None, with a message, where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[pymc_bench] no plot: matplotlib is not installed (pip install matplotlib)")
+        return None
+    rows = sorted(results["rows"], key=int)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 4), squeeze=False)
+    for ax, (title, key, unit) in zip(axes[0], PANELS):
+        lines = {}
+        for n_rows in rows:
+            for case, r in results["rows"][n_rows].items():
+                keys = [(key, case)] + ([(k, name) for k, name in SYNK_SAMPLERS.items()]
+                                        if key == "nuts" and case == "synk" else [])
+                for k, label in keys:
+                    v = r.get(k)
+                    if isinstance(v, dict):
+                        v = v.get("s")
+                    if isinstance(v, (int, float)) and v > 0:
+                        lines.setdefault(label, []).append((int(n_rows), v))
+        for label, points in sorted(lines.items()):
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label.startswith("synk") else 1.2)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("rows")
+        ax.set_ylabel(unit)
+        ax.grid(True, which="both", alpha=0.3)
+        if lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"PyMC logistic regression ({K} features): {results.get('cpu', '')}; synkhronos on "
+                 f"{results.get('n')} processes; NUTS {results.get('tune')} + {results.get('draws')}", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.plot:
+        if not Path(args.plot).is_file():
+            sys.exit(f"pymc_bench.py: --plot {args.plot!r}: no such results file (bench/results/pymc.json "
+                     "is what a run writes)")
+        drawn = plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        if drawn:
+            print(f"[pymc_bench] plot: {drawn}")
+        return 0
     if args.case:
         print(json.dumps(one_case(args)), flush=True)
         return 0
@@ -274,6 +336,9 @@ def main(argv=None) -> int:
     print(f"\n{results['cpu']}; synkhronos on {args.n} processes; NUTS {args.tune} tune + {args.draws} "
           f"draws; ADVI {args.advi_steps} steps\n")
     print(table(results["rows"]))
+    drawn = plot(results, Path(args.out).with_suffix(".png"))
+    if drawn:
+        print(f"\n[pymc_bench] plot: {drawn}")
     return 0
 
 

@@ -74,6 +74,7 @@ def test_bench_quick_synk_only(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None
                     or not os.access(Path(sys.executable).parent / "mpirun", os.X_OK),
                     reason="needs mpi4py and Open MPI's mpirun next to this Python")

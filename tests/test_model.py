@@ -57,7 +57,7 @@ import synkhronos as synk
 from model_lib import minimise, random_steps, report, run_steps
 
 #: Steps per process count in the normal run.
-STEPS = {1: 2500, 2: 1600, 3: 1200, 5: 800}
+STEPS = {1: 1500, 2: 1000, 3: 800, 5: 500}
 #: The master's rank per process count (fork(master_rank=...)): not always 0.
 MASTER = {1: 0, 2: 1, 3: 0, 5: 2}
 SEED = 2029

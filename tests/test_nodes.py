@@ -123,7 +123,7 @@ def test_bad_broadcast_value_on_node_zero(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("sizes", ["1,2", "2,2"])
+@pytest.mark.parametrize("sizes", ["1,2", pytest.param("2,2", marks=pytest.mark.long)])
 def test_timeout_names_the_late_node(tmp_path, sizes):
     """fork(timeout=3): a node whose master waits for a late node raises SynkTimeoutError
     naming the other nodes, not its own healthy workers (or "ranks []"); the late node
@@ -277,6 +277,7 @@ def _final_numbers(out: str, epochs: int) -> list:
 
 
 @needs_mpi
+@pytest.mark.long
 def test_digits_demo_on_two_nodes(tmp_path):
     """The digits demo (synkhronos.extensions' Adam step) under ``mpirun -np 2``,
     one process per node, each node passing its shard of every minibatch,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 from numpy.testing import assert_allclose
@@ -332,6 +334,8 @@ def test_bench_quick_synk_case(tmp_path):
     result = json.loads(out.read_text())["rows"]["2000"]["synk"]
     assert "error" not in result, result
     assert result["eval_ms"] > 0 and result["map_s"] > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot beside the JSON
+        assert out.with_suffix(".png").stat().st_size > 5_000, done.stdout
 
 
 def test_set_data_to_another_row_count_is_followed(fork):
