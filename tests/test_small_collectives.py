@@ -17,7 +17,7 @@ from numpy.testing import assert_array_equal
 import synkhronos as synk
 from synkhronos import shareds
 from synkhronos.collectives import shm
-from synkhronos.control import CHECK_EVERY
+from synkhronos.session import ALIVE_EVERY
 
 from conftest import MODE, worker_pids
 from model_lib import reduce_collective
@@ -244,12 +244,12 @@ def test_a_worker_killed_or_stuck_during_a_small_all_reduce_is_noticed(fork, n):
     synk.all_reduce(v, "sum")
     os.kill(pids[n - 1], signal.SIGKILL)
     # with every worker idle no command is sent: a dead worker is noticed as a
-    # waiting master notices it, within CHECK_EVERY of the kernel's word that it died
+    # kept plan's liveness check notices it, within ALIVE_EVERY of the kernel's word that it died
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerDiedError, match=f"rank {n - 1}"):
         while time.monotonic() - t0 < 5:
             synk.all_reduce(v, "sum")
-            time.sleep(CHECK_EVERY / 4)
+            time.sleep(ALIVE_EVERY / 4)
 
 
 def test_kept_gathers_follow_the_values_refuse_bad_arguments_and_notice_a_dead_worker(fork):
@@ -286,7 +286,7 @@ def test_kept_gathers_follow_the_values_refuse_bad_arguments_and_notice_a_dead_w
     with pytest.raises(synk.WorkerDiedError, match="rank 1"):
         while time.monotonic() - t0 < 5:
             synk.gather(v)
-            time.sleep(CHECK_EVERY / 4)
+            time.sleep(ALIVE_EVERY / 4)
 
 
 def test_kept_reduces_follow_the_values_refuse_bad_arguments_and_notice_a_dead_worker(fork):
@@ -333,7 +333,7 @@ def test_kept_reduces_follow_the_values_refuse_bad_arguments_and_notice_a_dead_w
     with pytest.raises(synk.WorkerDiedError, match="rank 1"):
         while time.monotonic() - t0 < 5:
             synk.reduce(v, "sum", in_place=False)
-            time.sleep(CHECK_EVERY / 4)
+            time.sleep(ALIVE_EVERY / 4)
     for again in (lambda: synk.reduce(v, "sum", in_place=False), lambda: synk.gather(v),
                   lambda: synk.broadcast(v), lambda: synk.all_reduce(v, "sum")):
         with pytest.raises(synk.SynkError):  # the fork is broken: no kept plan runs again
@@ -510,3 +510,43 @@ def test_ctrl_c_anywhere_in_small_collectives_leaves_correct_collectives(fork):
         synk.all_reduce(s, "sum")
         assert_array_equal(synk.gather(s, nd_up=1), np.stack([3 * (np.arange(4.0) + trial)] * 3))
     assert hits == 8
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_other_threads_of_the_master_run_during_a_loop_of_kept_collectives(fork, n):
+    """A loop of kept small collectives, which run in the master alone, leaves the GIL
+    to the master's other threads. Its liveness check released the GIL every 1 ms:
+    more often than Python's switch interval, so another thread never got it back (on
+    3 processes and 2 cores, a thread sleeping 1 ms at a time ran 0 to 10 times in
+    3 s, and a threading.Timer of 5 ms fired after up to 30 s)."""
+    fork(n)
+    s = pytensor.shared(np.arange(4.0), name="s")
+    synk.function([], s.sum(), mode=MODE)
+    synk.distribute()
+    ticks, stop = [], threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            time.sleep(0.001)
+            ticks.append(time.monotonic())
+
+    thread = threading.Thread(target=ticker, daemon=True)
+    thread.start()
+    try:
+        synk.all_reduce(s, "max")  # the plans are kept from here on
+        synk.broadcast(s)
+        t0, loops = time.monotonic(), 0
+        while time.monotonic() - t0 < 2.0:
+            synk.all_reduce(s, "max")
+            synk.broadcast(s)
+            loops += 1
+        end = time.monotonic()
+    finally:
+        stop.set()
+        thread.join(5)
+    marks = [t0] + [t for t in ticks if t0 <= t <= end] + [end]
+    longest = max(b - a for a, b in zip(marks, marks[1:]))
+    # it gets the GIL within a switch interval or two: the longest gap was 15-20 ms here,
+    # and 1.6-2 s before the fix
+    assert longest < 0.5, (f"the master's other thread waited {longest:.2f} s for the GIL during "
+                           f"{loops} kept collectives ({len(marks) - 2} turns in 2 s)")
