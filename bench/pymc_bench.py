@@ -266,6 +266,13 @@ PANELS = (("one evaluation (logp and gradient)", "eval_ms", "ms"), ("find_MAP", 
 SYNK_SAMPLERS = {"nuts-numpyro": "synk + numpyro", "nuts-nutpie": "synk + nutpie"}
 
 
+def _color(label: str) -> str:
+    """One colour per case in every panel: the peers' first, synkhronos's after them."""
+    order = ["pymc", "pymc-2", "nutpie", "numpyro", "synk", *SYNK_SAMPLERS.values(),
+             "synk-JAX", "synk-NUMBA", "synk-C"]
+    return f"C{order.index(label) % 10}" if label in order else "black"
+
+
 def plot(results: dict, path: Path) -> Path | None:
     """Time against rows, log-log, one panel per part and one line per case (and per sampler
     on the data-parallel model). None, with a message, where matplotlib is missing."""
@@ -274,6 +281,7 @@ def plot(results: dict, path: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("[pymc_bench] no plot: matplotlib is not installed (pip install matplotlib)")
         return None
@@ -293,8 +301,10 @@ def plot(results: dict, path: Path) -> Path | None:
                         lines.setdefault(label, []).append((int(n_rows), v))
         for label, points in sorted(lines.items()):
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label.startswith("synk") else 1.2)
+            ax.plot(xs, ys, marker="o", label=label, color=_color(label),
+                    linewidth=2.5 if label.startswith("synk") else 1.2)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("rows")
