@@ -20,8 +20,8 @@ parameters per second of sampling), nuts2 (2 chains).
     python bench/pymc_bench.py --rows 20000 --what eval,map --quick
 
 Writes bench/results/pymc.json, prints a table and draws bench/results/pymc.png (time
-against rows, one panel per part; needs matplotlib; --plot JSON draws it again). Run on an idle machine: the times are wall
-times of one run, not medians of many.
+against rows, one panel per part; needs matplotlib; --plot JSON draws it again). Run on an
+idle machine: the times are wall times of one run, not medians of many.
 """
 
 from __future__ import annotations

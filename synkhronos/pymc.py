@@ -14,11 +14,6 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.graph.replace import clone_replace
-
-try:  # PyTensor 3.3 moved it
-    from pytensor.graph.traversal import graph_inputs
-except ImportError:  # pragma: no cover - PyTensor before 3.3
-    from pytensor.graph.basic import graph_inputs
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.shape import SpecifyShape
 from pytensor.tensor.variable import TensorConstant

@@ -5,8 +5,12 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,15 @@ from synkhronos.batching import split
 #: Compile fast; the tests are about the runtime, not about PyTensor's optimiser.
 MODE = "FAST_COMPILE"
 SHM_DIR = "/dev/shm"
+
+
+def run_python(code: str, pythonpath=(), timeout: float = 120, **env) -> subprocess.CompletedProcess:
+    """``code`` (dedented) in a new Python, from the repository's root, with ``pythonpath``
+    first on its path and ``env`` added to this process's environment."""
+    paths = [str(p) for p in pythonpath] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=full_env)
 
 
 def shm_names() -> list[str]:

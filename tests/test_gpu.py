@@ -31,6 +31,8 @@ import synkhronos as synk
 from synkhronos import context, devices, gpu, runtime
 from synkhronos.devices import gpu_stack
 
+from conftest import run_python
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "gpu_scenarios.py"
 FAKE = ROOT / "tests" / "fakegpu"
@@ -126,13 +128,6 @@ def test_jax_mode_on_cpu_workers(n):
 # Anywhere.
 
 
-def _run_python(code: str, pythonpath: list[Path] = (), **env) -> subprocess.CompletedProcess:
-    paths = [str(p) for p in pythonpath] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=full_env)
-
-
 def _shim(root: Path, name: str, body: str) -> Path:
     (root / name).mkdir(parents=True, exist_ok=True)
     (root / name / "__init__.py").write_text(textwrap.dedent(body))
@@ -147,7 +142,7 @@ def test_cpu_workers_keep_jax_on_the_cpu(preset, jax_first):
     process opened the GPU and took 75% of its memory)."""
     if jax_first and not HAS_JAX:
         pytest.skip("needs jax")
-    done = _run_python(f"""
+    done = run_python(f"""
         import os
         {"import jax" if jax_first else ""}
         from synkhronos.devices.cpu import CpuDevice
@@ -164,7 +159,7 @@ def test_cpu_workers_keep_jax_on_the_cpu(preset, jax_first):
 def test_workers_refuse_jax_started_before_fork():
     """JAX running in the master before fork(): a worker's JAX-mode function is a clear error
     from that worker, not an abort (SIGABRT, "Mutex::Fer while waiting") or a hang."""
-    done = _run_python("""
+    done = run_python("""
         import warnings
         warnings.simplefilter("ignore")
         import numpy as np
@@ -192,7 +187,7 @@ def test_package_imports_without_cupy_or_jax(tmp_path):
     """Even with cupy and jax that fail to import, synkhronos imports and never tries them."""
     shims = _shim(tmp_path, "cupy", "raise ImportError('shim: no cupy here')")
     _shim(shims, "jax", "raise ImportError('shim: no jax here')")
-    done = _run_python("""
+    done = run_python("""
         import sys
         import synkhronos, synkhronos.gpu, synkhronos.devices.gpu, synkhronos.collectives.nccl
         from synkhronos.collectives import BACKENDS
@@ -207,7 +202,7 @@ def test_gpu_without_the_stack_names_what_to_install(tmp_path):
     """cupy and jax are found but fail to import (in the probe subprocess too)."""
     shims = _shim(tmp_path, "cupy", "raise ImportError('shim: libcudart.so.13 not found')")
     _shim(shims, "jax", "raise ImportError('shim: no jax here')")
-    done = _run_python("""
+    done = run_python("""
         import synkhronos as synk
         try:
             synk.fork(device="gpu")
@@ -227,7 +222,7 @@ def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
     paths = [FAKE]
     if not HAS_JAX:
         paths.append(_shim(tmp_path, "jax", "# an importable jax: the probe only imports it"))
-    done = _run_python("""
+    done = run_python("""
         import synkhronos as synk
         from synkhronos import runtime
         try:
@@ -300,15 +295,15 @@ def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
         for w in caught:
             print("WARNING:", w.filename, str(w.message)[:40])
     """
-    done = _run_python(code, paths, FAKE_CUPY_GPUS="2", CUDA_VISIBLE_DEVICES="0,1")
+    done = run_python(code, paths, FAKE_CUPY_GPUS="2", CUDA_VISIBLE_DEVICES="0,1")
     assert done.returncode == 0, done.stderr
     assert "CHOSE: GpuDevice 2 GpuDevice" in done.stdout
     assert done.stdout.count("WARNING:") == 1, done.stdout
     assert "WARNING: <string> device='auto' chose 2 GPUs" in done.stdout, done.stdout
-    done = _run_python(code, paths, FAKE_CUPY_GPUS="1", CUDA_VISIBLE_DEVICES="0")
+    done = run_python(code, paths, FAKE_CUPY_GPUS="1", CUDA_VISIBLE_DEVICES="0")
     assert done.returncode == 0, done.stderr
     assert "CHOSE: GpuDevice 1 GpuDevice" in done.stdout and "WARNING:" not in done.stdout, done.stdout
-    done = _run_python(code, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
+    done = run_python(code, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr
     assert "CHOSE: CpuDevice 0 CpuDevice" in done.stdout and "WARNING:" not in done.stdout, done.stdout
 

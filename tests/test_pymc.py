@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from numpy.testing import assert_allclose
 pm = pytest.importorskip("pymc")
 
 import synkhronos as synk  # noqa: E402
-from conftest import MODE  # noqa: E402
+from conftest import MODE, run_python  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning", "ignore::RuntimeWarning")
@@ -105,16 +106,8 @@ def _in_a_fresh_process(code: str, timeout: float = 240) -> str:
     """Run ``code`` in a new Python (tests/ on its path): a test that runs JAX in this process
     would keep the later tests' forked workers from running JAX (they refuse, see
     test_gpu.py::test_workers_refuse_jax_started_before_fork)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-
     here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, cwd=here.parent, env=env)
+    done = run_python(code, [here, here.parent], timeout=timeout)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout
 
