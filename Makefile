@@ -59,7 +59,7 @@ $(PYMC_VENV)/.installed: $(DEPS)
 	touch $@
 
 test-pymc: $(PYMC_VENV)/.installed
-	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc.py tests/test_as_op.py
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc.py tests/test_as_op.py tests/test_xla_rewrites.py
 
 # the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
 # process count instead of make test's 40, messages over 2 GiB (about 10 GiB of memory), and the

@@ -39,13 +39,16 @@ HERE = Path(__file__).resolve().parent
 K = 10
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
               "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
-CASES = ("pymc", "pymc-2", "nutpie", "numpyro", "synk", "synk-NUMBA", "synk-JAX", "synk-C")
+CASES = ("pymc", "pymc-2", "nutpie", "numpyro", "jax-rw", "synk", "synk-NUMBA", "synk-JAX", "synk-C")
 #: What each case measures: parts it has no meaning for are left out.
 PARTS = {
     "pymc": ("eval", "map", "advi", "nuts"),
     "pymc-2": ("nuts2",),
     "nutpie": ("nuts", "nuts2"),
     "numpyro": ("eval", "nuts", "nuts2"),
+    # JAX in one process on PyMC's graph as synkhronos renders each process's share
+    # (synkhronos.xla_rewrites, its XLA flags): what the split alone brings
+    "jax-rw": ("eval",),
     "synk": ("eval", "map", "advi", "nuts", "nuts-numpyro", "nuts-nutpie", "nuts2"),
 }
 
@@ -112,12 +115,27 @@ def pymc_eval(model) -> float:
     return time_eval(f, x)
 
 
-def jax_eval(model) -> float:
+def jax_eval(model, rewrite=False) -> float:
+    """JAX's value and gradient of the model's log-density, as numpyro computes them;
+    ``rewrite``: on the graph rewritten as synkhronos.pymc does each process's share."""
     import jax
     import numpy as np
-    from pymc.sampling.jax import get_jaxified_logp
+    from pymc.sampling.jax import _replace_shared_variables, get_jaxified_logp
+    from pytensor.compile.mode import JAX
+    from pytensor.graph.fg import FunctionGraph
+    from pytensor.link.jax.dispatch import jax_funcify
 
-    logp = get_jaxified_logp(model, negative_logp=False)
+    if rewrite:
+        from synkhronos.xla_rewrites import rewrite_for_xla
+
+        fgraph = FunctionGraph(model.value_vars, _replace_shared_variables([model.logp()]), clone=True)
+        JAX.optimizer.rewrite(fgraph)
+        inner = jax_funcify(rewrite_for_xla(fgraph))
+
+        def logp(x):
+            return inner(*x)[0]
+    else:
+        logp = get_jaxified_logp(model, negative_logp=False)
     vg = jax.jit(jax.value_and_grad(lambda *x: logp(x)))
     x = [np.full(np.shape(model.initial_point()[v.name]), 0.05) for v in model.value_vars]
     return time_eval(lambda xs: jax.block_until_ready(vg(*xs)), x)
@@ -181,10 +199,12 @@ def one_case(args) -> dict:
                    "nuts2": lambda: sample(model, args, chains=2, sampler="nutpie")},
         "numpyro": {"nuts": lambda: sample(model, args, sampler="numpyro"),
                     "nuts2": lambda: sample(model, args, chains=2, sampler="numpyro")},
+        "jax-rw": {},
     }[case]
     out = run_parts(model, args, [p for p in parts if p != "eval"], samplers)
     if "eval" in parts:
-        out["eval_ms"] = jax_eval(model) if case == "numpyro" else pymc_eval(model)
+        out["eval_ms"] = (jax_eval(model) if case == "numpyro" else jax_eval(model, rewrite=True)
+                          if case == "jax-rw" else pymc_eval(model))
     return out
 
 
@@ -220,6 +240,10 @@ def run_case(case: str, n_rows: int, args) -> dict:
         env.update(ONE_THREAD)
     if case == "numpyro":  # 2 parallel chains need 2 XLA host devices
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+    if case == "jax-rw":  # numpyro's flags and those synkhronos adds for a process of all the cores
+        from synkhronos.tuning import xla_flags
+
+        env.update(ONE_THREAD, XLA_FLAGS=xla_flags(ONE_THREAD["XLA_FLAGS"], os.cpu_count() or 1))
     cmd = [sys.executable, __file__, "--case", case, "--rows", str(n_rows), "--what", args.what,
            "--n", str(args.n), "--draws", str(args.draws), "--tune", str(args.tune),
            "--advi-steps", str(args.advi_steps)]
@@ -268,7 +292,7 @@ SYNK_SAMPLERS = {"nuts-numpyro": "synk + numpyro", "nuts-nutpie": "synk + nutpie
 
 def _color(label: str) -> str:
     """One colour per case in every panel: the peers' first, synkhronos's after them."""
-    order = ["pymc", "pymc-2", "nutpie", "numpyro", "synk", *SYNK_SAMPLERS.values(),
+    order = ["pymc", "pymc-2", "nutpie", "numpyro", "jax-rw", "synk", *SYNK_SAMPLERS.values(),
              "synk-JAX", "synk-NUMBA", "synk-C"]
     return f"C{order.index(label) % 10}" if label in order else "black"
 

@@ -1,0 +1,154 @@
+"""Rewrites of a PyTensor graph that XLA compiles for the CPU, to forms it runs faster.
+
+Applied by :class:`synkhronos.pymc.JaxValueAndGrad` to each process's share of a
+data-parallel PyMC model, after JAX mode's own rewrites (which would fold the new
+forms back). Measured on one core of an Intel Xeon with AVX-512 (2026-11-26,
+jaxlib 0.12, float64), value and gradient of PyMC's Bernoulli(``logit_p``) log-
+likelihood over ``a + X @ b`` at 100,000 rows and 10 columns, the three rewrites
+in turn, interleaved in one process: 5.9 ms, 4.4 ms, 3.7 ms (medians of 12
+rounds), with the same value to the last digit.
+
+* :func:`switch_of_log_sigmoids`. PyMC writes that log-likelihood as
+  ``switch(y, -softplus(-x), -softplus(x))``: two softplus per row, and a select
+  of two computed values, which XLA's loop does not vectorize. ``-softplus(-x) =
+  min(x, 0) - log1p(exp(-|x|))`` and ``-softplus(x) = -max(x, 0) - log1p(exp(-|x|))``
+  share their transcendental part; the select is left with two cheap values.
+* :func:`softplus_by_abs`. PyTensor renders ``softplus`` in JAX as a chain of
+  ``where`` over four ranges, every branch of which XLA evaluates: the sum of it
+  over 100,000 values took 2.3 ms against 0.46 ms for ``max(x, 0) +
+  log1p(exp(-|x|))`` (the same to 2 ulp). Its gradient through JAX has no
+  ``where`` over an overflowing ``exp`` either: past a logit of about 709
+  PyTensor's rendering gives a NaN gradient, this one the right one.
+* :func:`sum_of_switch_less_log`. XLA's loop fusions do not vectorize ``log1p``
+  (1.2 ms for 100,000 values written out, 0.16 ms summed): a log term summed
+  apart goes to YNNPACK's reduction, which does. It changes one thing: a row out
+  of the model's support (``-inf``) whose log term is NaN makes the sum NaN
+  instead of ``-inf``; both are rejected by every sampler and optimizer, and
+  PyMC's own check raises on such a row outside JAX.
+
+All three are tested against the old graph on random and extreme inputs
+(``tests/test_xla_rewrites.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor.scalar as ps
+import pytensor.tensor as pt
+from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.scalar.math import Softplus
+from pytensor.raise_op import CheckAndRaise
+from pytensor.tensor.basic import get_underlying_scalar_constant_value
+from pytensor.tensor.elemwise import Elemwise
+from pytensor.tensor.exceptions import NotScalarConstantError
+from pytensor.tensor.math import Sum
+
+__all__ = ["rewrite_for_xla"]
+
+
+def _scalar_op(var, kind):
+    """The input of ``var`` when ``var`` is an Elemwise of scalar op ``kind``, else None."""
+    owner = var.owner
+    if owner is not None and isinstance(owner.op, Elemwise) and isinstance(owner.op.scalar_op, kind):
+        return owner.inputs
+    return None
+
+
+def _as_output(node, new):
+    """``[new]`` as the replacement of ``node``'s output, or None where its type cannot be."""
+    old = node.outputs[0]
+    if new.type.dtype != old.type.dtype or new.type.ndim != old.type.ndim:
+        return None
+    try:
+        return [old.type.filter_variable(new, allow_convert=True)]
+    except TypeError:
+        return None
+
+
+def _neg_softplus(var):
+    """``x`` when ``var`` is ``-softplus(x)``, else None."""
+    inner = _scalar_op(var, ps.Neg)
+    if inner is None:
+        return None
+    arg = _scalar_op(inner[0], Softplus)
+    return None if arg is None else arg[0]
+
+
+@node_rewriter([Elemwise])
+def switch_of_log_sigmoids(fgraph, node):
+    """``switch(c, -softplus(-x), -softplus(x))`` -> ``switch(c, min(x, 0), -max(x, 0))
+    - log1p(exp(-|x|))`` (and the mirrored switch): one exp and one log1p, and a
+    select of two cheap values."""
+    if not isinstance(node.op.scalar_op, ps.Switch):
+        return None
+    cond, when_true, when_false = node.inputs
+    for first, second, flip in ((when_true, when_false, False), (when_false, when_true, True)):
+        x, neg_x = _neg_softplus(second), _neg_softplus(first)
+        if x is None or neg_x is None:
+            continue
+        negated = _scalar_op(neg_x, ps.Neg)
+        if negated is None or negated[0] is not x:
+            continue
+        zero = pt.constant(np.zeros((), dtype=x.type.dtype))
+        below, above = pt.minimum(x, zero), -pt.maximum(x, zero)  # -softplus(-x), -softplus(x) less a shared term
+        picked = pt.switch(cond, above, below) if flip else pt.switch(cond, below, above)
+        return _as_output(node, picked - pt.log1p(pt.exp(-pt.abs(x))))
+    return None
+
+
+@node_rewriter([Elemwise])
+def softplus_by_abs(fgraph, node):
+    """``softplus(x)`` -> ``max(x, 0) + log1p(exp(-|x|))``: no ranges, one exp."""
+    if not isinstance(node.op.scalar_op, Softplus):
+        return None
+    [x] = node.inputs
+    if not x.type.dtype.startswith("float"):
+        return None
+    return _as_output(node, pt.maximum(x, pt.constant(np.zeros((), dtype=x.type.dtype))) + pt.log1p(pt.exp(-pt.abs(x))))
+
+
+def _infinite(var) -> bool:
+    try:
+        return bool(np.isinf(get_underlying_scalar_constant_value(var)))
+    except NotScalarConstantError:
+        return False
+
+
+@node_rewriter([Sum])
+def sum_of_switch_less_log(fgraph, node):
+    """``sum(switch(c, -inf, a - log_term))`` -> ``sum(switch(c, -inf, a)) - sum(log_term)``,
+    through a ``CheckAndRaise`` between the sum and the switch (kept, around the new sum).
+
+    A row where ``c`` holds gives ``-inf`` either way, as long as ``log_term`` is finite
+    there; where it is NaN the new sum is NaN where the old one was ``-inf`` (an input
+    already out of the model's support). XLA's loop fusions do not vectorize
+    ``log``/``log1p``; in a sum of its own the log goes to YNNPACK, which does."""
+    if node.op.axis is not None and len(node.op.axis) != node.inputs[0].type.ndim:
+        return None
+    inner, check = node.inputs[0], None
+    if inner.owner is not None and isinstance(inner.owner.op, CheckAndRaise):
+        check = inner.owner
+        inner = check.inputs[0]
+    parts = _scalar_op(inner, ps.Switch)
+    if parts is None:
+        return None
+    cond, when_true, when_false = parts
+    diff = _scalar_op(when_false, ps.Sub)
+    if not _infinite(when_true) or diff is None:
+        return None
+    kept, log_term = diff
+    if _scalar_op(log_term, (ps.Log1p, ps.Log)) is None or log_term.type.broadcastable != inner.type.broadcastable:
+        return None
+    dtype = node.outputs[0].type.dtype
+    new = pt.sum(pt.switch(cond, when_true, kept), dtype=dtype) - pt.sum(log_term, dtype=dtype)
+    if check is not None:
+        new = check.op(new, *check.inputs[1:])
+    return _as_output(node, new)
+
+
+def rewrite_for_xla(fgraph):
+    """Rewrite ``fgraph`` in place for XLA on the CPU; returns it."""
+    in2out(switch_of_log_sigmoids, name="switch_of_log_sigmoids").rewrite(fgraph)
+    in2out(softplus_by_abs, name="softplus_by_abs").rewrite(fgraph)
+    in2out(sum_of_switch_less_log, name="sum_of_switch_less_log").rewrite(fgraph)
+    return fgraph
