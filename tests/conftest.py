@@ -18,6 +18,18 @@ import pytest
 import synkhronos as synk
 from synkhronos.batching import split
 
+#: A shell without job control starts a background command (``make test &``)
+#: with SIGINT and SIGQUIT ignored, ``nohup`` with SIGHUP ignored, and a process
+#: keeps an ignored signal across exec. The signal tests, here and in the scripts
+#: they start, expect each signal's default action, as from a terminal: with one
+#: ignored they would wait for a death or a KeyboardInterrupt that never comes
+#: (they did, under ``nohup``). So the suite runs with the defaults (Python's
+#: handler for SIGINT; a child started after exec gets the default action).
+for _sig, _default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL),
+                       (signal.SIGHUP, signal.SIG_DFL)):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _default)
+
 #: Compile fast; the tests are about the runtime, not about PyTensor's optimiser.
 MODE = "FAST_COMPILE"
 SHM_DIR = "/dev/shm"
