@@ -120,12 +120,14 @@ def jax_eval(model, rewrite=False) -> float:
     ``rewrite``: on the graph rewritten as synkhronos.pymc does each process's share."""
     import jax
     import numpy as np
-    from pymc.sampling.jax import _replace_shared_variables, get_jaxified_logp
-    from pytensor.compile.mode import JAX
-    from pytensor.graph.fg import FunctionGraph
-    from pytensor.link.jax.dispatch import jax_funcify
+    from pymc.sampling.jax import get_jaxified_logp
 
-    if rewrite:
+    if rewrite:  # pymc.sampling.jax.get_jaxified_graph, and the rewrites
+        from pymc.sampling.jax import _replace_shared_variables
+        from pytensor.compile.mode import JAX
+        from pytensor.graph.fg import FunctionGraph
+        from pytensor.link.jax.dispatch import jax_funcify
+
         from synkhronos.xla_rewrites import rewrite_for_xla
 
         fgraph = FunctionGraph(model.value_vars, _replace_shared_variables([model.logp()]), clone=True)
