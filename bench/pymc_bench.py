@@ -122,17 +122,14 @@ def jax_eval(model, rewrite=False) -> float:
     import numpy as np
     from pymc.sampling.jax import get_jaxified_logp
 
-    if rewrite:  # pymc.sampling.jax.get_jaxified_graph, and the rewrites
+    if rewrite:  # pymc.sampling.jax.get_jaxified_graph, rendered as synkhronos.pymc renders a share
         from pymc.sampling.jax import _replace_shared_variables
-        from pytensor.compile.mode import JAX
         from pytensor.graph.fg import FunctionGraph
-        from pytensor.link.jax.dispatch import jax_funcify
 
-        from synkhronos.xla_rewrites import rewrite_for_xla
+        from synkhronos.xla_rewrites import render_for_xla
 
-        fgraph = FunctionGraph(model.value_vars, _replace_shared_variables([model.logp()]), clone=True)
-        JAX.optimizer.rewrite(fgraph)
-        inner = jax_funcify(rewrite_for_xla(fgraph))
+        inner = render_for_xla(FunctionGraph(model.value_vars, _replace_shared_variables([model.logp()]),
+                                             clone=True))
 
         def logp(x):
             return inner(*x)[0]
@@ -238,14 +235,14 @@ def synk_case(args, mode, n_rows: int, what: set) -> dict:
 
 def run_case(case: str, n_rows: int, args) -> dict:
     env = dict(os.environ)
-    if case in ("pymc-2", "numpyro") or case.startswith("synk"):
+    if case in ("pymc-2", "numpyro", "jax-rw") or case.startswith("synk"):
         env.update(ONE_THREAD)
     if case == "numpyro":  # 2 parallel chains need 2 XLA host devices
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
     if case == "jax-rw":  # numpyro's flags and those synkhronos adds for a process of all the cores
         from synkhronos.tuning import xla_flags
 
-        env.update(ONE_THREAD, XLA_FLAGS=xla_flags(ONE_THREAD["XLA_FLAGS"], os.cpu_count() or 1))
+        env["XLA_FLAGS"] = xla_flags(env["XLA_FLAGS"], os.cpu_count() or 1)
     cmd = [sys.executable, __file__, "--case", case, "--rows", str(n_rows), "--what", args.what,
            "--n", str(args.n), "--draws", str(args.draws), "--tune", str(args.tune),
            "--advi-steps", str(args.advi_steps)]

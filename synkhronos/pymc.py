@@ -21,7 +21,7 @@ from pytensor.tensor.variable import TensorConstant
 import synkhronos as synk
 from synkhronos.graph_op import register_jax
 from synkhronos.tuning import available_cores, xla_flags
-from synkhronos.xla_rewrites import rewrite_for_xla
+from synkhronos.xla_rewrites import render_for_xla
 
 try:
     import pymc as pm
@@ -380,14 +380,9 @@ class JaxValueAndGrad(Op):
     def jax_function(self):
         """The JAX function ``(*inputs) -> (value, *gradients)`` (imports JAX)."""
         import jax
-        from pytensor.compile.mode import get_mode
         from pytensor.graph.fg import FunctionGraph
-        from pytensor.link.jax.dispatch import jax_funcify
 
-        fgraph = FunctionGraph(self.inner_inputs, [self.inner_output], clone=True)
-        get_mode("JAX").optimizer.rewrite(fgraph)
-        rewrite_for_xla(fgraph)
-        inner = jax_funcify(fgraph)
+        inner = render_for_xla(FunctionGraph(self.inner_inputs, [self.inner_output], clone=True))
         wrt = self.wrt
 
         def value_and_grads(*args):

@@ -43,7 +43,7 @@ from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.math import Sum
 
-__all__ = ["rewrite_for_xla"]
+__all__ = ["rewrite_for_xla", "render_for_xla"]
 
 
 def _scalar_op(var, kind):
@@ -63,6 +63,15 @@ def _as_output(node, new):
         return [old.type.filter_variable(new, allow_convert=True)]
     except TypeError:
         return None
+
+
+def _zero(x):
+    return pt.constant(np.zeros((), dtype=x.type.dtype))
+
+
+def _log1p_exp_neg_abs(x):
+    """``log1p(exp(-|x|))``: the part of ``softplus(x)`` and ``softplus(-x)`` past ``max(+-x, 0)``."""
+    return pt.log1p(pt.exp(-pt.abs(x)))
 
 
 def _neg_softplus(var):
@@ -89,10 +98,9 @@ def switch_of_log_sigmoids(fgraph, node):
         negated = _scalar_op(neg_x, ps.Neg)
         if negated is None or negated[0] is not x:
             continue
-        zero = pt.constant(np.zeros((), dtype=x.type.dtype))
-        below, above = pt.minimum(x, zero), -pt.maximum(x, zero)  # -softplus(-x), -softplus(x) less a shared term
+        below, above = pt.minimum(x, _zero(x)), -pt.maximum(x, _zero(x))  # -softplus(-x), -softplus(x) less it
         picked = pt.switch(cond, above, below) if flip else pt.switch(cond, below, above)
-        return _as_output(node, picked - pt.log1p(pt.exp(-pt.abs(x))))
+        return _as_output(node, picked - _log1p_exp_neg_abs(x))
     return None
 
 
@@ -104,7 +112,7 @@ def softplus_by_abs(fgraph, node):
     [x] = node.inputs
     if not x.type.dtype.startswith("float"):
         return None
-    return _as_output(node, pt.maximum(x, pt.constant(np.zeros((), dtype=x.type.dtype))) + pt.log1p(pt.exp(-pt.abs(x))))
+    return _as_output(node, pt.maximum(x, _zero(x)) + _log1p_exp_neg_abs(x))
 
 
 def _infinite(var) -> bool:
@@ -152,3 +160,13 @@ def rewrite_for_xla(fgraph):
     in2out(softplus_by_abs, name="softplus_by_abs").rewrite(fgraph)
     in2out(sum_of_switch_less_log, name="sum_of_switch_less_log").rewrite(fgraph)
     return fgraph
+
+
+def render_for_xla(fgraph):
+    """``fgraph`` (rewritten in place) as a JAX function: JAX mode's rewrites, then
+    :func:`rewrite_for_xla`, then PyTensor's JAX rendering (imports JAX)."""
+    from pytensor.compile.mode import get_mode
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    get_mode("JAX").optimizer.rewrite(fgraph)
+    return jax_funcify(rewrite_for_xla(fgraph))
