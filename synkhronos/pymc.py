@@ -11,15 +11,14 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.graph.basic import Apply
+from pytensor.graph.basic import Apply, Variable
 from pytensor.graph.op import Op
-from pytensor.graph.replace import clone_replace
-from pytensor.tensor.random.op import RandomVariable
-from pytensor.tensor.shape import SpecifyShape
+from pytensor.graph.replace import clone_replace, graph_replace
 from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
 from synkhronos.graph_op import register_jax
+from synkhronos.row_split import Coupling, split_rows
 from synkhronos.tuning import available_cores, xla_flags
 from synkhronos.xla_rewrites import render_for_xla
 
@@ -48,11 +47,12 @@ COUPLING_RTOL = 1e-8
 class _Split:
     """What a data-parallel model computes across the fork, and from what."""
 
-    term: object          # the summed observed log-likelihood, a graph of the model's RVs
+    term: object          # the summed observed log-likelihood, a graph of the model's value variables
     op: object            # the SynkOp
     rows: list            # (model data variable or constant, its synk.data, the value it was copied from)
     n_rows: int
     observed: list        # names of the observed variables it replaces
+    checker: object = None  # the numerical check of the split, run again after pm.set_data
 
 
 class DataParallelModel:
@@ -71,7 +71,7 @@ class DataParallelModel:
             # one variable's terms, or elementwise terms: PyMC's own, on the master's copy of the data
             return super().logp(vars=vars, jacobian=jacobian, sum=sum)
         rest = [v for v in varlist if all(v is not o for o in observed)]
-        total = self.replace_rvs_by_values([self.synk_split.term])[0]
+        total = self.synk_split.term
         if rest:
             total = super().logp(vars=rest, jacobian=jacobian, sum=True) + total
         total.name = ("__logp" if jacobian else "__logp_nojac") + (f"_{self.name}" if self.name else "")
@@ -93,9 +93,11 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
     Call after :func:`synkhronos.fork`. The per-row data go into shared memory
     once; every evaluation of the model's log-density (and its gradient, from
     the same call) sums the observed variables' log-likelihood over every
-    process's rows. Priors, Jacobians and potentials are computed once, in
-    the master. ``pm.sample`` (``nuts_sampler`` "pymc", "numpyro" or
-    "blackjax", ``cores=1``), ``pm.find_MAP``, ``pm.fit`` and
+    process's rows. Each process's share is PyMC's own log-density of the
+    observed variables (``model.logp``: value variables, transforms, parameter
+    checks as -inf), on its rows. Priors, Jacobians and potentials are
+    computed once, in the master. ``pm.sample`` (``nuts_sampler`` "pymc",
+    "numpyro" or "nutpie", ``cores=1``), ``pm.find_MAP``, ``pm.fit`` and
     ``pm.sample_posterior_predictive`` take the copy as they take the model.
 
     Args:
@@ -107,8 +109,10 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
         mode: the PyTensor mode each process compiles its share with; ``"auto"``
             (default) is :func:`default_mode`: JAX where it is installed (one XLA
             thread per process), else PyTensor's default.
-        check: check once, at a draw from the prior, that each observed term is
-            a sum over rows (splitting the rows does not change it).
+        check: prove that each observed term is a sum over rows: from the graph
+            (nothing reduces, slices or reshapes along the rows, nothing depends on
+            their number), and by value and gradient on a split of the data, again
+            after every ``pm.set_data`` of per-row data. ``False`` skips both.
 
     Returns:
         The data-parallel copy of ``model`` (a ``pm.Model``).
@@ -117,40 +121,76 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
         TypeError: ``model`` is not a PyMC model.
         ValueError: no observed variable; per-row data of different row
             counts; a free variable with one entry per row (a per-row latent
-            variable); an observed term that couples rows. Each names the
-            variable.
+            variable); missing values in the observed data; no continuous free
+            variable; an observed term that couples rows. Each names the
+            variable and the reason.
     """
     if not isinstance(model, pm.Model):
         raise TypeError(f"data_parallel takes a pm.Model, got {model!r}")
     if not model.observed_RVs:
         raise ValueError(f"model {model.name or '(unnamed)'} has no observed variables: there is no "
                          "per-row data to split across processes")
+    _check_no_imputation(model)
     new = _clone(model)
-    terms, free, observed = _observed_terms(new)
+    terms = new.logp(vars=new.observed_RVs, sum=False, jacobian=False)
+    values = _values_of_free(new, terms)
     leaves = _data_leaves(terms)
-    n_rows, other_rows = _rows(new, leaves, rows)
-    _check_no_row_latents(new, free, n_rows)
-    row_leaves = list(observed) + other_rows
-    fn_inputs = {**observed, **{leaf: _row_type(leaf) if leaf in other_rows else leaf.type() for leaf in leaves}}
-    for leaf in leaves:
-        fn_inputs[leaf].name = _leaf_name(new, leaf)
-    glob = [leaf for leaf in leaves if leaf not in other_rows and isinstance(leaf, SharedVariable)]
-    local_terms = _rebuild(terms, {**free, **{leaf: fn_inputs[leaf] for leaf in other_rows + glob}})
-    row_in = [fn_inputs[leaf] for leaf in row_leaves]
-    glob_in = [fn_inputs[leaf] for leaf in glob]
-    rv_in = list(free.values())
-    if check:
-        _check_rows_separate(new, local_terms, row_in + glob_in + rv_in, row_leaves, glob, free, n_rows)
-    split = _distribute(new, local_terms, row_leaves, glob, free, row_in, glob_in, rv_in, n_rows, mode)
+    n_rows, row_leaves = _rows(new, leaves, rows)
+    _check_no_row_latents(new, values, n_rows)
+    glob = [leaf for leaf in leaves if leaf not in row_leaves and isinstance(leaf, SharedVariable)]
+    row_in = [_row_type(leaf) for leaf in row_leaves]
+    for leaf, var in zip(row_leaves, row_in):
+        var.name = _leaf_name(new, leaf)
+    glob_in = [leaf.type(name=leaf.name) for leaf in glob]
+    value_in = [v.type(name=v.name) for v in values]
+    local_terms = _split_terms(new, terms, dict(zip(row_leaves, row_in)), n_rows, check)
+    local_terms = graph_replace(local_terms, dict(zip(glob + values, glob_in + value_in)), strict=False)
+    checker = _Checker(new, local_terms, row_in + glob_in + value_in, row_leaves, glob, values) if check else None
+    if checker is not None:
+        checker.check(n_rows)
+    split = _distribute(new, local_terms, row_leaves, glob, values, row_in, glob_in, value_in, n_rows, mode)
+    split.checker = checker
     new.__class__ = type(f"DataParallel{type(new).__name__}", (DataParallelModel, type(new)), {})
     new.synk_split = split
     return new
 
 
+def _check_no_imputation(model) -> None:
+    """PyMC imputes an observed variable's missing values with a free variable, one entry per
+    missing row: a latent per row, which the split cannot follow."""
+    for rv in model.free_RVs:
+        if rv.name.endswith("_unobserved") and rv.name[:-len("_unobserved")] + "_observed" in model.named_vars:
+            name = rv.name[:-len("_unobserved")]
+            raise ValueError(
+                f"observed variable {name!r} has missing values (NaN or masked): PyMC imputes them with "
+                f"free variable {rv.name!r}, one entry per missing row, which synkhronos.pymc cannot split "
+                "across processes; drop the rows with missing values, or model them without data_parallel")
+
+
 def _clone(model):
-    """A clone of ``model`` whose variables keep the model's order (the order of the
-    value variables is the order of every flat vector that samplers and optimisers use)."""
-    new = clone_model(model)
+    """A clone of ``model`` whose variables keep the model's order (the order of the value
+    variables is the order of every flat vector that samplers and optimisers use).
+
+    PyMC's clone refuses initial values and data dims without a name (``None``): both are
+    set aside for the clone and given back to each model."""
+    initvals = dict(model.rvs_to_initial_values)
+    symbolic = [rv.name for rv, v in initvals.items() if isinstance(v, Variable)]
+    if symbolic:
+        raise ValueError(f"free variable {symbolic[0]!r} has a symbolic initval: synkhronos.pymc clones the "
+                         "model, which PyMC cannot do with symbolic initial values; give a number or array")
+    unnamed = {name: ds for name, ds in model.named_vars_to_dims.items() if any(d is None for d in ds)}
+    try:
+        model.rvs_to_initial_values.update(dict.fromkeys(initvals))
+        for name in unnamed:
+            del model.named_vars_to_dims[name]
+        new = clone_model(model)
+    finally:
+        model.rvs_to_initial_values.update(initvals)
+        model.named_vars_to_dims.update(unnamed)
+    new.named_vars_to_dims.update(unnamed)
+    for rv, value in initvals.items():
+        if value is not None:
+            new.rvs_to_initial_values[new[rv.name]] = value
     for attr in ("free_RVs", "observed_RVs", "deterministics", "potentials", "data_vars"):
         mine, theirs = getattr(new, attr), getattr(model, attr)
         order = {v.name: i for i, v in enumerate(theirs)}
@@ -160,58 +200,50 @@ def _clone(model):
     return new
 
 
-def _observed_terms(model):
-    """Each observed variable's elementwise log-likelihood as a graph of fresh inputs: one
-    for each free variable it depends on, one for each observed variable's data (of any
-    number of rows). ``(terms, {free RV: input}, {observed data: input})``."""
-    terms, observed = [], {}
-    for rv in model.observed_RVs:
-        value = model.rvs_to_values[rv]
-        if np.ndim(_value(value)) == 0:
-            raise ValueError(f"observed data of {rv.name!r} is 0-d: it has no rows to split")
-        observed[value] = _row_type(value)
-        observed[value].name = rv.name
-        terms.append(pm.logp(_sized_by_data(rv, observed[value]), observed[value]))
-        parents = [o for o in model.observed_RVs if o is not rv and o in _ancestors([terms[-1]])]
-        if parents:
-            raise ValueError(f"observed variable {rv.name!r} depends on observed variable "
-                             f"{parents[0].name!r}: synkhronos.pymc takes observed variables that depend "
-                             "on free variables and data only")
-    ancestors = _ancestors(terms)
-    free = {rv: rv.type(name=rv.name) for rv in model.free_RVs if rv in ancestors}
-    return terms, free, observed
+def _values_of_free(model, terms) -> list:
+    """The value variables of the free variables the observed terms read, in the model's order;
+    at least one continuous."""
+    inputs = set(graph_inputs(terms))
+    values = [model.rvs_to_values[rv] for rv in model.free_RVs if model.rvs_to_values[rv] in inputs]
+    if values and not any(v.type.dtype.startswith("float") for v in values):
+        raise ValueError(
+            f"the observed terms of model {model.name or '(unnamed)'} depend on discrete free variables only "
+            f"({[v.name for v in values]}): nothing continuous to differentiate, and synkhronos.pymc splits "
+            "the log-density and its gradient; sample this model without data_parallel")
+    return values
 
 
-def _sized_by_data(rv, value):
-    """``rv`` with a constant size of the whole data's rows made the rows of ``value``
-    (a process's rows, once the data are replaced by its share)."""
-    node = rv.owner
-    if not isinstance(node.op, RandomVariable):
-        return rv
-    size = node.inputs[1]
-    if not isinstance(size, TensorConstant) or size.data.ndim != 1 or not len(size.data) \
-            or size.data[0] != rv.type.shape[0]:
-        return rv
-    rows = pt.concatenate([value.shape[:1], pt.as_tensor(size.data[1:], dtype="int64")]).astype(size.dtype)
-    inputs = list(node.inputs)
-    inputs[1] = rows
-    return node.op.make_node(*inputs).outputs[node.outputs.index(rv)]
+def _split_terms(model, terms, replace, n_rows, check) -> list:
+    """Each observed term on a process's rows (:func:`synkhronos.row_split.split_rows`), with
+    PyMC's rewrite of parameter checks (-inf where a parameter is out of its support)."""
+    guard = _guard(model)
+    out = []
+    for rv, term in zip(model.observed_RVs, terms):
+        try:
+            out.append(split_rows([term], replace, n_rows, guard)[0])
+        except Coupling as err:
+            if check:
+                raise ValueError(_coupling(rv, str(err))) from None
+            out.append(split_rows([term], replace, n_rows, guard, strict=False)[0])
+    return out
 
 
-def _rebuild(outputs, replace) -> list:
-    """``outputs`` with ``replace`` made, every node downstream built anew (so that no static
-    shape of the whole data survives) and PyMC's shape assertions left out."""
-    memo = dict(replace)
-    for node in io_toposort(list(graph_inputs(outputs)), outputs):
-        inputs = [memo.get(i, i) for i in node.inputs]
-        if isinstance(node.op, SpecifyShape):
-            memo[node.outputs[0]] = inputs[0]
-            continue
-        if all(a is b for a, b in zip(inputs, node.inputs)):
-            continue
+def _guard(model):
+    """PyMC's own rewrite of a parameter check, as ``pm.compile`` applies it: ``switch(cond,
+    logp, -inf)`` (or the check removed where the model says ``check_bounds=False``)."""
+    from pymc.logprob.utils import (CheckParameterValue, local_check_parameter_to_ninf_switch,
+                                    local_remove_check_parameter)
+
+    rewrite = local_check_parameter_to_ninf_switch if model.check_bounds else local_remove_check_parameter
+
+    def guard(node, inputs):
+        if not isinstance(node.op, CheckParameterValue):
+            return None
         new = node.op.make_node(*inputs)
-        memo.update(zip(node.outputs, new.outputs))
-    return [memo.get(o, o) for o in outputs]
+        done = rewrite.transform(None, new)
+        return done[0] if done else new.outputs[0]
+
+    return guard
 
 
 def _ancestors(graphs) -> set:
@@ -254,39 +286,52 @@ def _leaf_name(model, leaf) -> str:
     return f"constant of shape {_value(leaf).shape}"
 
 
+def _observed_rows(model) -> dict:
+    """``{observed variable's name: its number of rows}`` (its data's first axis)."""
+    out = {}
+    for rv in model.observed_RVs:
+        value = model.rvs_to_values[rv]
+        data = _value(value) if isinstance(value, (SharedVariable, TensorConstant)) else value.eval()
+        if np.ndim(data) == 0:
+            raise ValueError(f"observed data of {rv.name!r} is 0-d: it has no rows to split")
+        out[rv.name] = np.shape(data)[0]
+    return out
+
+
 def _rows(model, leaves, rows) -> tuple:
-    """``(n_rows, per-row data other than the observed)``, checked: all have the same rows."""
-    lengths = {model.rvs_to_values[rv]: np.shape(_value(model.rvs_to_values[rv]))[0] for rv in model.observed_RVs}
-    names = {model.rvs_to_values[rv]: f"observed {rv.name!r}" for rv in model.observed_RVs}
+    """``(n_rows, the per-row data)``, checked: all have the same rows. The observed data are
+    per row; so are ``rows`` (names), or by default every datum of as many rows."""
+    lengths = {f"observed {name!r}": n for name, n in _observed_rows(model).items()}
+    observed = set(graph_inputs([model.rvs_to_values[rv] for rv in model.observed_RVs]))
+    named = set()
     if rows is not None:
-        if isinstance(rows, str) or not isinstance(rows, (list, tuple)):
-            rows = [rows]
-        for name in rows:
+        for name in [rows] if isinstance(rows, str) or not isinstance(rows, (list, tuple)) else rows:
             var = model.named_vars.get(name) if isinstance(name, str) else None
             if var is None or not isinstance(var, SharedVariable):
                 raise ValueError(f"rows: {name!r} is not a data container (pm.Data) of the model; "
                                  f"its data containers are {[d.name for d in model.data_vars]}")
             if np.ndim(_value(var)) == 0:
                 raise ValueError(f"rows: data container {name!r} is 0-d: it has no rows")
-            lengths[var] = np.shape(_value(var))[0]
-            names[var] = f"data {name!r}"
+            lengths[f"data {name!r}"] = np.shape(_value(var))[0]
+            named.add(var)
     counts = sorted(set(lengths.values()))
     if len(counts) != 1:
-        listed = ", ".join(f"{names[v]}: {n}" for v, n in lengths.items())
+        listed = ", ".join(f"{k}: {n}" for k, n in lengths.items())
         raise ValueError(f"the per-row data have different row counts ({listed}); expected one count "
                          "for all of them")
     n_rows = counts[0]
     if rows is not None:
-        return n_rows, [v for v in leaves if v in lengths]
+        return n_rows, [v for v in leaves if v in named or (v in observed and np.shape(_value(v))[0] == n_rows)]
     return n_rows, [v for v in leaves if np.shape(_value(v))[0] == n_rows]
 
 
-def _check_no_row_latents(model, free, n_rows) -> None:
+def _check_no_row_latents(model, values, n_rows) -> None:
     if n_rows <= 1:
         return
     shapes = model.eval_rv_shapes()
-    for rv in free:
-        shape = shapes.get(model.rvs_to_values[rv].name, shapes.get(rv.name, ()))
+    for value in values:
+        rv = model.values_to_rvs[value]
+        shape = shapes.get(value.name, shapes.get(rv.name, ()))
         if len(shape) and shape[0] == n_rows:
             raise ValueError(
                 f"free variable {rv.name!r} has one entry per row (shape {tuple(shape)}, {n_rows} rows): a "
@@ -294,43 +339,63 @@ def _check_no_row_latents(model, free, n_rows) -> None:
                 "splits data only; sample this model without data_parallel")
 
 
-def _check_rows_separate(model, local_terms, inputs, row_leaves, glob, free, n_rows) -> None:
-    """Each observed term, at a draw from the prior, equals its sum over a split of the rows."""
-    if n_rows < 2:
-        return
-    fn = pytensor.function(inputs, [t.sum() for t in local_terms], mode="FAST_COMPILE",
-                           on_unused_input="ignore")
-    draws = pm.draw(list(free), random_seed=0) if free else []
-    if not isinstance(draws, (list, tuple)):
-        draws = [draws]
-    rest = [_value(g) for g in glob] + [np.asarray(d) for d in draws]
-    whole_rows = [_value(v) for v in row_leaves]
-    # one call gives every observed term: each split is evaluated once, however many terms
-    evaluated = {}
+class _Checker:
+    """Each observed term's value and gradient on all rows against their sum over a split of
+    the rows, at a random point: at the split, and after each ``pm.set_data`` of per-row data."""
 
-    def terms(lo, hi):
-        if (lo, hi) not in evaluated:
-            evaluated[lo, hi] = fn(*[r[lo:hi] for r in whole_rows], *rest)
-        return evaluated[lo, hi]
+    def __init__(self, model, local_terms, inputs, row_leaves, glob, values):
+        self.model, self.row_leaves, self.glob, self.values = model, row_leaves, glob, values
+        wrt = [v for v in inputs[len(row_leaves) + len(glob):] if v.type.dtype.startswith("float")]
+        sums = [t.sum() for t in local_terms]
+        grads = [pytensor.grad(s, wrt, disconnected_inputs="ignore") for s in sums]
+        self.fn = pytensor.function(inputs, sums + [g for gs in grads for g in gs], mode="FAST_COMPILE",
+                                    on_unused_input="ignore")
+        self.n_wrt = len(wrt)
 
-    half = n_rows // 2
-    for i, rv in enumerate(model.observed_RVs):
-        for cut in sorted({1, half}):
-            try:
-                whole = terms(0, n_rows)[i]
-                parts = [terms(lo, hi)[i] for lo, hi in ((0, cut), (cut, n_rows))]
-            except Exception as err:
-                raise ValueError(_coupling(rv, n_rows, cut, f"it fails on part of the rows ({err})")) from err
-            if not np.isclose(whole, sum(parts), rtol=COUPLING_RTOL, atol=0, equal_nan=True):
-                raise ValueError(_coupling(rv, n_rows, cut, f"its value on all rows ({whole!r}) differs from "
-                                           f"the sum over the parts ({sum(parts)!r})"))
+    def _point(self) -> list:
+        ip = self.model.initial_point(random_seed=0)
+        rng = np.random.default_rng(0)
+        return [np.asarray(ip[v.name] + (rng.normal(0, 0.3, np.shape(ip[v.name]))
+                                         if v.type.dtype.startswith("float") else 0), dtype=v.type.dtype)
+                for v in self.values]
+
+    def check(self, n_rows) -> None:
+        if n_rows < 2:
+            return
+        rest = [_value(g) for g in self.glob] + self._point()
+        whole_rows = [_value(v) for v in self.row_leaves]
+        n_terms = len(self.model.observed_RVs)
+        evaluated = {}
+
+        def run(lo, hi):
+            if (lo, hi) not in evaluated:
+                evaluated[lo, hi] = self.fn(*[r[lo:hi] for r in whole_rows], *rest)
+            return evaluated[lo, hi]
+
+        for cut in sorted({1, n_rows // 2}):
+            for i, rv in enumerate(self.model.observed_RVs):
+                self._compare(rv, n_rows, cut, run, i, n_terms)
+
+    def _compare(self, rv, n_rows, cut, run, i, n_terms) -> None:
+        where = [i] + list(range(n_terms + i * self.n_wrt, n_terms + (i + 1) * self.n_wrt))
+        try:
+            whole = [np.asarray(run(0, n_rows)[k], dtype=float) for k in where]
+            parts = [sum(np.asarray(run(lo, hi)[k], dtype=float) for lo, hi in ((0, cut), (cut, n_rows)))
+                     for k in where]
+        except Exception as err:
+            raise ValueError(_coupling(rv, f"split into rows [0:{cut}] and [{cut}:{n_rows}], it fails on "
+                                           f"part of the rows ({err})")) from err
+        for what, w, p in zip(["value"] + ["gradient"] * self.n_wrt, whole, parts):
+            scale = max(float(np.max(np.abs(w), initial=0.0)), 1.0) if what == "gradient" else 0.0
+            if not np.allclose(w, p, rtol=COUPLING_RTOL, atol=COUPLING_RTOL * scale, equal_nan=True):
+                raise ValueError(_coupling(rv, f"split into rows [0:{cut}] and [{cut}:{n_rows}], its {what} "
+                                               f"on all rows ({w!r}) differs from the sum over the parts ({p!r})"))
 
 
-def _coupling(rv, n_rows, cut, why) -> str:
-    return (f"the log-likelihood of observed variable {rv.name!r} couples its rows: split into rows "
-            f"[0:{cut}] and [{cut}:{n_rows}], {why}. synkhronos.pymc sums each process's rows, so it "
-            "takes observed terms that are a sum over rows (no row-wide means, no dependence across rows, "
-            "no multivariate distribution over the row axis)")
+def _coupling(rv, why) -> str:
+    return (f"the log-likelihood of observed variable {rv.name!r} couples its rows: {why}. synkhronos.pymc "
+            "sums each process's rows, so it takes observed terms that are a sum over rows (no row-wide "
+            "means, no dependence across rows, no multivariate distribution over the row axis)")
 
 
 class JaxValueAndGrad(Op):
@@ -418,7 +483,7 @@ def _register_value_and_grad() -> None:
         jax_funcify.register(JaxValueAndGrad)(lambda op, node=None, **kwargs: op.jax_function())
 
 
-def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_in, n_rows, mode) -> _Split:
+def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, rv_in, n_rows, mode) -> _Split:
     total = pt.add(*[t.sum() for t in local_terms])
     total.name = "observed_logp"
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
@@ -449,7 +514,7 @@ def _distribute(model, local_terms, row_leaves, glob, free, row_in, glob_in, rv_
     rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
     split = _Split(None, op, rows, n_rows, [rv.name for rv in model.observed_RVs])
     op.fn = _Following(op.fn, split)
-    split.term = op(*glob, *free)[0] if (glob or free) else op()[0]
+    split.term = op(*glob, *values)[0] if (glob or values) else op()[0]
     return split
 
 
@@ -482,3 +547,5 @@ def _follow_data(split: _Split) -> None:
         data.set_value(value)
         split.rows[i] = (leaf, data, value)
     split.n_rows = next(iter(counts.values()))
+    if split.checker is not None:  # data that couple rows can come with set_data: the check again
+        split.checker.check(split.n_rows)

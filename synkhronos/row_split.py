@@ -1,0 +1,441 @@
+"""A log-likelihood graph split by rows: each per-row leaf made a process's rows, and a proof
+from the graph's structure that the split terms add up to the whole (used by synkhronos.pymc).
+
+One pass over the graph, in topological order, knows for each variable its *row axis* (the
+axis that runs over the data's rows, or none) and whether its value depends on the *number*
+of rows. An op is known to keep rows apart when its rule below says so: elementwise ops,
+axis moves, reductions and scans along other axes, products whose rows stay an output axis,
+indexing by per-row indices, and the broadcast PyMC wraps around a term. Anything else that
+touches the rows (a reduction or a slice along them, a term that depends on the number of
+rows, an op with no rule) is a :class:`Coupling`, whatever the data's values are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.compile.builders import OpFromGraph
+from pytensor.graph.basic import Constant
+from pytensor.tensor.basic import Alloc, ARange, Join, Split
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
+from pytensor.tensor.extra_ops import CumOp
+from pytensor.tensor.math import Dot
+from pytensor.tensor.shape import Reshape, Shape, Shape_i, SpecifyShape
+from pytensor.tensor.special import LogSoftmax, Softmax
+from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
+
+try:
+    from pytensor.tensor.subtensor import AdvancedSubtensor1
+except ImportError:  # PyTensor 3: AdvancedSubtensor only
+    AdvancedSubtensor1 = AdvancedSubtensor
+
+try:
+    from pytensor.graph.traversal import graph_inputs, io_toposort
+except ImportError:  # pragma: no cover - PyTensor 2
+    from pytensor.graph.basic import graph_inputs, io_toposort
+
+__all__ = ["Coupling", "split_rows"]
+
+
+class Coupling(ValueError):
+    """The graph combines different rows (or depends on their number): the sum of a split's
+    terms would not be the whole's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    axis: int | None = None      # the axis along the rows, or None
+    count: bool = False          # the value depends on the number of rows
+    index: bool = False          # the value is the rows' own positions (an arange over them)
+    coupled: str | None = None   # why the value mixes rows, if it does
+    shape_of: int | None = None  # the value is a shape vector whose entry shape_of is the count
+
+
+_NONE = _Rows()
+
+
+def split_rows(outputs, replace, n_rows, guard=None, strict=True) -> list:
+    """``outputs`` (one elementwise term per output, rows along axis 0) with ``replace`` made
+    (each per-row leaf -> a variable of any number of rows: its row axis is 0).
+
+    Every node that reads rows is built anew (no static shape of the whole survives);
+    shape assertions are dropped; a shape entry of ``n_rows`` at a row axis (PyMC's
+    broadcast of a term to its dims) becomes the rows' count. ``guard(node)`` may return
+    a replacement for a parameter check (its conditions are not a coupling: a failed
+    check makes the whole -inf, and so the share that holds the failing row).
+
+    Raises:
+        Coupling: an output's rows are not kept apart (the message says where); not
+            raised where ``strict`` is false (the caller vouches for the graph)."""
+    count = next(iter(replace.values())).shape[0]
+    walk = _Walk(dict(replace), {k: _Rows(axis=0) for k in replace}, count, n_rows, guard)
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        walk.visit(node)
+    done = []
+    for out in outputs:
+        rows = walk.rows.get(out, _NONE)
+        why = rows.coupled or ("its value depends on the number of rows" if rows.count else None) or \
+            (f"its rows end up along axis {rows.axis}, not 0" if rows.axis not in (0, None) else None)
+        if why and strict:
+            raise Coupling(why)
+        done.append(walk.memo.get(out, out))
+    return done
+
+
+class _Walk:
+    def __init__(self, memo, rows, count, n_rows, guard):
+        self.memo, self.rows, self.count, self.n_rows, self.guard = memo, rows, count, n_rows, guard
+
+    def visit(self, node) -> None:
+        ins = [self.rows.get(i, _NONE) for i in node.inputs]
+        new_inputs = [self.memo.get(i, i) for i in node.inputs]
+        op = node.op
+        if isinstance(op, SpecifyShape):
+            self._set(node.outputs[0], new_inputs[0], ins[0])
+            return
+        if self.guard is not None and (guarded := self.guard(node, new_inputs)) is not None:
+            self._set(node.outputs[0], guarded, ins[0])
+            return
+        coupled = next((r.coupled for r in ins if r.coupled), None)
+        if coupled:  # kept, not raised: only a parameter check's conditions may read it
+            out = [_Rows(coupled=coupled)] * len(node.outputs)
+        elif not any(r.axis is not None or r.count or r.index for r in ins) and not isinstance(op, Alloc):
+            if all(a is b for a, b in zip(new_inputs, node.inputs)):
+                return
+            out = [_NONE] * len(node.outputs)
+        else:
+            try:
+                if isinstance(op, Alloc):
+                    new_inputs, out = self._alloc(node, ins, new_inputs)
+                else:
+                    out = _rule(node, ins)
+            except Coupling as err:
+                out = [_Rows(coupled=str(err))] * len(node.outputs)
+        if all(a is b for a, b in zip(new_inputs, node.inputs)):
+            new_outputs = node.outputs
+        elif isinstance(op, OpFromGraph):  # a symbolic op builds its inner graph for the new types
+            new_outputs = op(*new_inputs, return_list=True)
+        else:
+            new_outputs = op.make_node(*new_inputs).outputs
+        for old, new, rows in zip(node.outputs, new_outputs, out):
+            self._set(old, new, rows)
+
+    def _set(self, old, new, rows) -> None:
+        self.memo[old] = new
+        if rows != _NONE:
+            self.rows[old] = rows
+
+    def _alloc(self, node, ins, new_inputs):
+        """PyMC broadcasts each term to its variable's shape: the entry of ``n_rows`` along the
+        rows becomes the rows' count (the dims of the observed variable follow the share)."""
+        value, shape = ins[0], ins[1:]
+        ndim = len(shape)
+        axis = None if value.axis is None else value.axis + ndim - node.inputs[0].type.ndim
+        if axis is None:
+            counted = [i for i, r in enumerate(shape) if r.count]
+            axis = counted[0] if counted else (0 if ndim and _equals(node.inputs[1], self.n_rows) else None)
+        for i, r in enumerate(shape):
+            if i == axis:
+                continue
+            if r.count or r.axis is not None:
+                raise Coupling(f"{node.op} broadcasts along axis {i} by the number of rows")
+        if axis is None:
+            return new_inputs, [_NONE]
+        if not shape[axis].count:
+            if not _equals(node.inputs[1 + axis], self.n_rows):
+                raise Coupling(f"{node.op} broadcasts its rows to {node.inputs[1 + axis]}, not to the rows")
+            new_inputs = list(new_inputs)
+            new_inputs[1 + axis] = self.count.astype(node.inputs[1 + axis].dtype)
+        return new_inputs, [_Rows(axis=axis, count=value.count)]
+
+
+def _equals(var, n) -> bool:
+    """``var`` is a number known without any input (a constant or a shared value) equal to ``n``."""
+    if any(not isinstance(v, Constant) and not hasattr(v, "get_value") for v in graph_inputs([var])):
+        return False
+    try:
+        value = var.eval() if not isinstance(var, Constant) else var.data
+    except Exception:  # noqa: BLE001 - not a number known now
+        return False
+    return np.ndim(value) == 0 and value == n
+
+
+def _rule(node, ins) -> list:
+    """The rows of ``node``'s outputs from its inputs' rows, or :class:`Coupling`."""
+    op = node.op
+    for kind, rule in _RULES:
+        if isinstance(op, kind):
+            return rule(node, ins)
+    touched = [i for i, r in enumerate(ins) if r.axis is not None or r.count]
+    raise Coupling(f"{op} reads the rows (input {touched[0]}) and is not known to keep them apart")
+
+
+def _counted(ins) -> bool:
+    return any(r.count for r in ins)
+
+
+def _elemwise(node, ins) -> list:
+    axes = {r.axis for r in ins if r.axis is not None}
+    if len(axes) > 1:
+        raise Coupling(f"{node.op} combines rows along different axes {sorted(axes)}")
+    axis = axes.pop() if axes else None
+    index = axis is not None and all(r.index or r.axis is None for r in ins) and _is_index_copy(node)
+    return [_Rows(axis=axis, count=_counted(ins) and not index, index=index)] * len(node.outputs)
+
+
+def _is_index_copy(node) -> bool:
+    """A cast of an arange over the rows stays the rows' positions."""
+    scalar = getattr(node.op, "scalar_op", None)
+    return type(scalar).__name__ in ("Cast", "Identity") and len(node.inputs) == 1
+
+
+def _dimshuffle(node, ins) -> list:
+    r = ins[0]
+    if r.axis is None:
+        return [r]
+    order = list(node.op.new_order)
+    if r.axis not in order:
+        raise Coupling(f"{node.op} drops the row axis")
+    return [dataclasses.replace(r, axis=order.index(r.axis))]
+
+
+def _reduce(node, ins) -> list:
+    r = ins[0]
+    axis = node.op.axis
+    axes = range(node.inputs[0].type.ndim) if axis is None else (axis if isinstance(axis, (tuple, list)) else (axis,))
+    axes = [a % max(node.inputs[0].type.ndim, 1) for a in axes]
+    if r.axis is not None and r.axis in axes:
+        raise Coupling(f"{node.op} reduces over the rows")
+    axis = None if r.axis is None else r.axis - sum(a < r.axis for a in axes)
+    return [_Rows(axis=axis, count=r.count)] * len(node.outputs)
+
+
+def _along_axis(node, ins) -> list:
+    """Softmax, log-softmax and cumulative ops along one axis (or a few): not the rows'."""
+    r = ins[0]
+    axis, ndim = node.op.axis, max(node.inputs[0].type.ndim, 1)
+    axes = None if axis is None else {a % ndim for a in (axis if isinstance(axis, (tuple, list)) else (axis,))}
+    if r.axis is not None and (axes is None or r.axis in axes):
+        raise Coupling(f"{node.op} runs along the rows")
+    return [r] * len(node.outputs)
+
+
+def _op_axis(node, position):
+    """A join's or a split's axis: an Op property (PyTensor 3) or a constant input (PyTensor 2)."""
+    axis = getattr(node.op, "axis", None)
+    if isinstance(axis, (int, np.integer)):
+        return int(axis), list(node.inputs)
+    var = node.inputs[position]
+    rest = [v for i, v in enumerate(node.inputs) if i != position]
+    return (int(var.data) if isinstance(var, Constant) else None), rest
+
+
+def _shape(node, ins) -> list:
+    r = ins[0]
+    if isinstance(node.op, Shape_i):
+        return [_Rows(count=r.count or node.op.i == r.axis)]
+    return [_Rows(count=r.count or r.axis is not None, shape_of=None if r.count else r.axis)]
+
+
+def _arange(node, ins) -> list:
+    if _counted(ins[:1]) or _counted(ins[2:]) or not ins[1].count:
+        raise Coupling(f"{node.op} of the rows' count does not run over the rows")
+    return [_Rows(axis=0, index=True)]
+
+
+def _join(node, ins) -> list:
+    axis, rest = _op_axis(node, 0)
+    parts = ins if len(rest) == len(ins) else ins[1:]
+    axes = {r.axis for r in parts if r.axis is not None}
+    if len(axes) > 1 or (axes and (axis is None or axis % node.outputs[0].type.ndim in axes)):
+        raise Coupling(f"{node.op} joins along the rows")
+    return [_Rows(axis=axes.pop() if axes else None, count=_counted(parts))]
+
+
+def _split(node, ins) -> list:
+    r = ins[0]
+    axis, _ = _op_axis(node, 1)
+    if r.axis is not None and (axis is None or axis % node.inputs[0].type.ndim == r.axis):
+        raise Coupling(f"{node.op} splits along the rows")
+    return [r] * len(node.outputs)
+
+
+def _subtensor(node, ins) -> list:
+    r = ins[0]
+    if r.shape_of is not None and _counted(ins[:1]) and not _counted(ins[1:]):
+        return [_shape_entry(node, r.shape_of)]
+    if _counted(ins[1:]) or any(x.axis is not None for x in ins[1:]):
+        raise Coupling(f"{node.op} slices by the number of rows")
+    if r.axis is None:
+        return [r]
+    idx = list(node.op.idx_list)
+    if r.axis < len(idx) and idx[r.axis] != slice(None, None, None):
+        raise Coupling(f"{node.op} indexes along the rows")
+    dropped = sum(1 for i in idx[:r.axis] if not isinstance(i, slice))
+    return [dataclasses.replace(r, axis=r.axis - dropped, index=False)]
+
+
+def _advanced(node, ins) -> list:
+    """``x[i, j, ...]`` with index arrays: the rows come from per-row index arrays (a group
+    index) or from ``x``'s rows taken at their own positions (an arange over the rows)."""
+    x, idx = ins[0], ins[1:]
+    arrays = [i for i, v in enumerate(node.inputs[1:]) if isinstance(v.type, pt.TensorType)
+              and v.type.dtype not in ("bool",) and v.type.ndim > 0]
+    if isinstance(node.op, AdvancedSubtensor1):
+        arrays = [0]
+    row_axes = {r.axis for r in idx if r.axis is not None}
+    if len(row_axes) > 1 or any(r.count for r in idx):
+        raise Coupling(f"{node.op} indexes by rows along different axes")
+    if x.axis is not None:
+        at = _index_position(node, x.axis)
+        if at is None or not idx[at].index:
+            raise Coupling(f"{node.op} indexes along the rows")
+    if not row_axes:
+        return [_Rows(axis=x.axis, count=x.count)] if x.axis is None or not arrays else _unknown(node)
+    if not arrays or min(arrays) != 0 or arrays != list(range(len(arrays))):
+        return _unknown(node)
+    return [_Rows(axis=row_axes.pop(), count=x.count)]
+
+
+def _shape_entry(node, axis) -> _Rows:
+    """An entry of a shape vector: the count only where it is the row axis's entry."""
+    idx = list(node.op.idx_list)
+    length = node.inputs[0].type.shape[0]
+    if len(idx) == 1 and not isinstance(idx[0], slice) and isinstance(node.inputs[1], Constant) \
+            and length is not None:
+        return _Rows(count=int(node.inputs[1].data) % length == axis)
+    return _Rows(count=True)
+
+
+def _index_position(node, axis):
+    """Which index applies to ``x``'s ``axis`` (every index taking one axis), or None."""
+    if isinstance(node.op, AdvancedSubtensor1):
+        return 0 if axis == 0 else None
+    return axis if axis < len(node.inputs) - 1 else None
+
+
+def _unknown(node):
+    raise Coupling(f"{node.op} mixes per-row indices with other indices")
+
+
+def _dot(node, ins) -> list:
+    x, y = ins
+    if x.count or y.count:
+        raise Coupling(f"{node.op} of the number of rows")
+    xn, yn = node.inputs[0].type.ndim, node.inputs[1].type.ndim
+    if x.axis is not None and (xn < 2 or x.axis != 0):
+        raise Coupling(f"{node.op} sums over the rows")
+    if y.axis is not None and (yn < 2 or y.axis != 1):
+        raise Coupling(f"{node.op} sums over the rows")
+    if x.axis is not None and y.axis is not None:
+        raise Coupling(f"{node.op} of rows by rows")
+    axis = 0 if x.axis is not None else (node.outputs[0].type.ndim - 1 if y.axis is not None else None)
+    return [_Rows(axis=axis)]
+
+
+def _blockwise(node, ins) -> list:
+    """Batched core ops: batch axes as elementwise; a row axis among the core axes stays rows
+    when the output names the same core dimension (a matrix product's rows)."""
+    sig_in, sig_out = node.op.inputs_sig, node.op.outputs_sig
+    axes = set()
+    for v, r, core in zip(node.inputs, ins, sig_in):
+        if r.count:
+            raise Coupling(f"{node.op} of the number of rows")
+        if r.axis is None:
+            continue
+        batch = v.type.ndim - len(core)
+        if r.axis < batch:
+            axes.add(("batch", r.axis))
+            continue
+        axes.add(("core", core[r.axis - batch]))
+    if len(axes) > 1:
+        raise Coupling(f"{node.op} combines rows along different axes")
+    if not axes:
+        return [_NONE] * len(node.outputs)
+    kind, where = axes.pop()
+    out = []
+    for v, core in zip(node.outputs, sig_out):
+        batch = v.type.ndim - len(core)
+        if kind == "batch":
+            out.append(_Rows(axis=where))
+        elif where in core:
+            out.append(_Rows(axis=batch + core.index(where)))
+        else:
+            raise Coupling(f"{node.op} sums over the rows (core dimension {where!r})")
+    return out
+
+
+def _reshape(node, ins) -> list:
+    r, shape = ins
+    if r.axis is None:
+        if shape.count:
+            raise Coupling(f"{node.op} to a shape of the number of rows")
+        return [r]
+    if r.axis != 0 or not (_first_entry_is_count(node.inputs[1]) or _keeps_first_axis(node)):
+        raise Coupling(f"{node.op} reshapes the rows")
+    return [_Rows(axis=0, count=r.count, index=r.index and node.inputs[0].type.ndim == 1)]
+
+
+def _keeps_first_axis(node) -> bool:
+    """A constant shape ``(-1, *rest)`` where ``rest`` holds exactly the input's other axes."""
+    shape, x = node.inputs[1], node.inputs[0]
+    if not isinstance(shape, Constant) or None in x.type.shape[1:]:
+        return False
+    entries = [int(e) for e in np.ravel(shape.data)]
+    return bool(entries) and entries[0] == -1 and -1 not in entries[1:] \
+        and int(np.prod(entries[1:])) == int(np.prod(x.type.shape[1:]))
+
+
+def _first_entry_is_count(shape) -> bool:
+    """``shape``'s first entry is the rows' count (PyTensor builds it as a vector of the
+    input's own shape entries)."""
+    owner = shape.owner
+    if owner is None or type(owner.op).__name__ != "MakeVector":
+        return False
+    first = owner.inputs[0]
+    while first.owner is not None and type(first.owner.op).__name__ in ("ScalarFromTensor", "TensorFromScalar",
+                                                                         "Elemwise") \
+            and len(first.owner.inputs) == 1:
+        first = first.owner.inputs[0]
+    return first.owner is not None and isinstance(first.owner.op, Shape_i) and first.owner.op.i == 0
+
+
+def _passthrough(node, ins) -> list:
+    return [_Rows(axis=ins[0].axis, count=_counted(ins))] * len(node.outputs)
+
+
+def _values(node, ins) -> list:
+    """Shape arithmetic (vectors of shape entries, scalars from tensors): the rows' count flows."""
+    if any(r.axis is not None for r in ins):
+        raise Coupling(f"{node.op} reads the rows")
+    return [_Rows(count=_counted(ins))] * len(node.outputs)
+
+
+class _NamedOps:
+    def __init__(self, *names):
+        self.names = names
+
+    def __instancecheck__(self, op) -> bool:
+        return type(op).__name__ in self.names
+
+
+_RULES = (
+    (Elemwise, _elemwise),
+    (DimShuffle, _dimshuffle),
+    ((CAReduce, _NamedOps("LogSumExp")), _reduce),
+    ((Softmax, LogSoftmax, CumOp), _along_axis),
+    ((Shape, Shape_i), _shape),
+    (ARange, _arange),
+    (Join, _join),
+    (Split, _split),
+    (Subtensor, _subtensor),
+    ((AdvancedSubtensor, AdvancedSubtensor1), _advanced),
+    (Dot, _dot),
+    (Blockwise, _blockwise),
+    (Reshape, _reshape),
+    (_NamedOps("MakeVector", "ScalarFromTensor", "TensorFromScalar"), _values),
+    (_NamedOps("DeepCopyOp", "OutputGuard", "ViewOp"), _passthrough),
+)

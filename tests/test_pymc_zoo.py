@@ -1,0 +1,116 @@
+"""synkhronos.pymc on the models PyMC users write (tests/pymc_zoo.py): PyMC's own log-density and
+gradient at random points, on 1, 2 and 3 processes, or a ValueError naming the variable; never a
+different number. Real worker processes; PyMC 5.28 and PyMC 6 (make test runs both)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose
+
+pm = pytest.importorskip("pymc")
+
+import synkhronos as synk  # noqa: E402
+from conftest import MODE  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning", "ignore::RuntimeWarning")
+
+import pymc_zoo as Z  # noqa: E402
+
+#: Rows of each zoo model: odd, so that every split is uneven.
+ROWS = 203
+
+
+@pytest.fixture(autouse=True)
+def fast_compile():
+    import pytensor
+
+    with pytensor.config.change_flags(mode=MODE):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """conftest's no_leaks closes the fork around every test; here one fork serves the zoo
+    (zoo_fork checks for leftovers when it closes)."""
+    yield
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3])
+def zoo_fork(request):
+    """One fork per process count for the whole zoo (a fork per model would cost minutes)."""
+    import warnings
+
+    from conftest import child_pids, shm_names
+
+    synk.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        synk.fork(request.param, device="cpu")
+    yield request.param
+    synk.close()
+    assert shm_names() == [] and child_pids() == [], "the zoo's fork left segments or processes"
+
+
+def _spm():
+    import synkhronos.pymc as spm  # imports PyMC's stack: after fork()
+
+    return spm
+
+
+def _points(model, n, rng):
+    """Random points of the value space: continuous values around the initial point (some far
+    out, where parameter checks fail), discrete values drawn from their prior."""
+    ip = model.initial_point(random_seed=int(rng.integers(1 << 30)))
+    points = []
+    for i in range(n):
+        point = {}
+        for v in model.value_vars:
+            base = np.asarray(ip[v.name])
+            if v.type.dtype.startswith("float"):
+                point[v.name] = (base + rng.normal(0, 1.5 if i else 0.5, base.shape)).astype(v.type.dtype)
+            else:
+                rv = model.values_to_rvs[v]
+                point[v.name] = np.asarray(pm.draw(rv, random_seed=int(rng.integers(1 << 30))), dtype=v.type.dtype)
+        points.append(point)
+    return points
+
+
+def assert_same_density(model, dp, rng, n_points=4, rtol=1e-9, grad_rtol=1e-8):
+    """logp to ``rtol`` and each gradient to ``grad_rtol`` relative to its largest entry (float32
+    data: float32's precision), at points where PyMC's logp is finite; the same -inf elsewhere."""
+    ref_logp, ref_dlogp = model.compile_logp(mode=MODE), model.compile_dlogp(mode=MODE)
+    got_logp, got_dlogp = dp.compile_logp(mode=MODE), dp.compile_dlogp(mode=MODE)
+    names = [v.name for v in model.continuous_value_vars]
+    assert names == [v.name for v in dp.continuous_value_vars]
+    for point in _points(model, n_points, rng):
+        want, got = ref_logp(point), got_logp(point)
+        if not np.isfinite(want):
+            assert got == want, (point, got, want)
+            continue
+        assert_allclose(got, want, rtol=rtol, err_msg=str(point))
+        ref, mine = ref_dlogp(point), got_dlogp(point)
+        scale = max(float(np.abs(ref).max(initial=0.0)), 1.0)
+        assert_allclose(mine, ref, rtol=grad_rtol, atol=grad_rtol * scale, err_msg=str(point))
+
+
+@pytest.mark.parametrize("name", sorted(Z.ZOO))
+def test_zoo_model_equals_pymc(zoo_fork, name):
+    if zoo_fork != 2 and name not in Z.FINDINGS:
+        pytest.skip("on 2 processes only (the findings' shapes run on 1, 2 and 3)")
+    rng = np.random.default_rng(abs(hash(name)) % (1 << 32))
+    model = Z.ZOO[name](rng, ROWS)
+    dp = _spm().data_parallel(model, mode=MODE)
+    f32 = "float32" in name
+    assert_same_density(model, dp, rng, rtol=1e-5 if f32 else 1e-9, grad_rtol=1e-4 if f32 else 1e-8)
+
+
+@pytest.mark.parametrize("name", sorted(Z.REFUSED))
+def test_zoo_model_refused_clearly(zoo_fork, name):
+    if zoo_fork != 2:
+        pytest.skip("a refusal does not depend on the number of processes")
+    fn, match = Z.REFUSED[name]
+    model = fn(np.random.default_rng(1), ROWS)
+    with pytest.raises(ValueError, match=match):
+        _spm().data_parallel(model, mode=MODE)
