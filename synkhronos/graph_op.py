@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import warnings
 import weakref
 
 import numpy as np
@@ -14,7 +15,7 @@ from pytensor.graph.basic import Apply, Variable
 from pytensor.graph.op import Op
 from pytensor.scalar import upcast
 
-__all__ = ["SynkOp", "build_op", "register_jax"]
+__all__ = ["SynkOp", "build_op", "register_jax", "register_numba"]
 
 #: The live Ops of this process by token: a pickled Op (Numba's object mode pickles what
 #: it calls) comes back as the same Op in this process, and as a clear error elsewhere.
@@ -231,6 +232,22 @@ def register_jax() -> None:
     if SynkOp in jax_funcify.registry:
         return
     jax_funcify.register(SynkOp)(_jax_funcify_synk)
+
+
+def register_numba() -> None:
+    """Teach PyTensor's Numba backend the Op (nutpie's path) without the warning it gives for
+    an Op run in Numba's object mode: that mode costs a few microseconds a call, and each call
+    of this Op is a call of every process of the fork (tens of microseconds at least)."""
+    from pytensor.link.numba.dispatch import basic
+
+    if SynkOp in basic.numba_funcify.registry:
+        return
+
+    @basic.numba_funcify.register(SynkOp)
+    def _numba_funcify_synk(op, node=None, storage_map=None, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Numba will use object mode", category=UserWarning)
+            return basic.generate_fallback_impl(op, node, storage_map, **kwargs)
 
 
 def _jax_funcify_synk(op, node=None, **kwargs):

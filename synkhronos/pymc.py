@@ -17,7 +17,7 @@ from pytensor.graph.replace import clone_replace, graph_replace
 from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
-from synkhronos.graph_op import register_jax
+from synkhronos.graph_op import register_jax, register_numba
 from synkhronos.row_split import Coupling, split_rows
 from synkhronos.tuning import available_cores, xla_flags
 from synkhronos.xla_rewrites import render_for_xla
@@ -511,6 +511,8 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     grad_of = iter(range(1, 1 + len(grads)))
     declared = [None] * len(glob_in) + [next(grad_of) if v in continuous else None for v in rv_in]
     op = f.as_op(given=copies, grads={0: declared} if grads else None)
+    if importlib.util.find_spec("numba") is not None:  # nutpie, and PyTensor 3's default backend
+        register_numba()
     rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
     split = _Split(None, op, rows, n_rows, [rv.name for rv in model.observed_RVs])
     op.fn = _Following(op.fn, split)

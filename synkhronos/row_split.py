@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
+from pytensor.compile.mode import Mode
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Constant
 from pytensor.tensor.basic import Alloc, ARange, Join, Split
@@ -78,7 +80,8 @@ def split_rows(outputs, replace, n_rows, guard=None, strict=True) -> list:
     for out in outputs:
         rows = walk.rows.get(out, _NONE)
         why = rows.coupled or ("its value depends on the number of rows" if rows.count else None) or \
-            (f"its rows end up along axis {rows.axis}, not 0" if rows.axis not in (0, None) else None)
+            ("it does not read the per-row data (every process would add the whole)" if rows.axis is None
+             else f"its rows end up along axis {rows.axis}, not 0" if rows.axis != 0 else None)
         if why and strict:
             raise Coupling(why)
         done.append(walk.memo.get(out, out))
@@ -136,7 +139,7 @@ class _Walk:
         axis = None if value.axis is None else value.axis + ndim - node.inputs[0].type.ndim
         if axis is None:
             counted = [i for i, r in enumerate(shape) if r.count]
-            axis = counted[0] if counted else (0 if ndim and _equals(node.inputs[1], self.n_rows) else None)
+            axis = counted[0] if counted else None
         for i, r in enumerate(shape):
             if i == axis:
                 continue
@@ -156,8 +159,9 @@ def _equals(var, n) -> bool:
     """``var`` is a number known without any input (a constant or a shared value) equal to ``n``."""
     if any(not isinstance(v, Constant) and not hasattr(v, "get_value") for v in graph_inputs([var])):
         return False
-    try:
-        value = var.eval() if not isinstance(var, Constant) else var.data
+    try:  # Python's linker, no rewrites: a few shape entries, evaluated at once
+        value = var.data if isinstance(var, Constant) else \
+            pytensor.function([], var, mode=Mode(linker="py", optimizer=None))()
     except Exception:  # noqa: BLE001 - not a number known now
         return False
     return np.ndim(value) == 0 and value == n

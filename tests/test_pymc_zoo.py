@@ -114,3 +114,88 @@ def test_zoo_model_refused_clearly(zoo_fork, name):
     model = fn(np.random.default_rng(1), ROWS)
     with pytest.raises(ValueError, match=match):
         _spm().data_parallel(model, mode=MODE)
+
+
+def _at(model, **values):
+    """The initial point with some values set."""
+    point = model.initial_point(random_seed=0)
+    point.update({k: np.asarray(v, dtype=point[k].dtype) for k, v in values.items()})
+    return point
+
+
+def test_edge_of_support_is_minus_inf_and_sampling_goes_on(zoo_fork):
+    """A parameter out of its support gives PyMC's -inf (PyMC's rewrite of parameter checks),
+    never an exception, so NUTS records a divergence and goes on (it aborted before)."""
+    if zoo_fork != 2:
+        pytest.skip("on 2 processes")
+    model = Z.studentt_free_nu(np.random.default_rng(5), ROWS)
+    dp = _spm().data_parallel(model, mode=MODE)
+    for values in ({"sigma_log__": -800.0}, {"nu_log__": -800.0}, {"sigma_log__": 800.0}):
+        point = _at(model, **values)
+        assert dp.compile_logp(mode=MODE)(point) == model.compile_logp(mode=MODE)(point), values
+    with dp:
+        idata = pm.sample(40, tune=40, chains=1, cores=1, random_seed=3, progressbar=False,
+                          compute_convergence_checks=False)
+    assert idata.posterior["nu"].shape == (1, 40)
+
+
+def test_find_map_with_dims_on_the_observed(zoo_fork):
+    """find_MAP on the dims model, which failed when each share's gradient used all rows."""
+    if zoo_fork != 2:
+        pytest.skip("on 2 processes")
+    model = Z.dims_on_the_observed(np.random.default_rng(6), ROWS)
+    dp = _spm().data_parallel(model, mode=MODE)
+    with model:
+        want = pm.find_MAP(progressbar=False)
+    with dp:
+        got = pm.find_MAP(progressbar=False)
+    assert_allclose(got["s"], want["s"], rtol=1e-6)
+
+
+def test_set_data_with_coords_follows_the_rows(zoo_fork):
+    """pm.set_data of the observed data and its dims' coords to another row count: the shares
+    follow (the row count along the dims comes from each process's rows)."""
+    if zoo_fork == 1:
+        pytest.skip("on 2 and 3 processes")
+    rng = np.random.default_rng(7)
+    with pm.Model(coords={"obs": np.arange(ROWS)}) as model:
+        x = pm.Data("x", rng.standard_normal(ROWS), dims="obs")
+        yd = pm.Data("yd", rng.standard_normal(ROWS), dims="obs")
+        b = pm.Normal("b", 0, 1)
+        s = pm.HalfNormal("s", 2)
+        pm.Normal("y", b * x, s, observed=yd, dims="obs")
+    dp = _spm().data_parallel(model, mode=MODE)
+    new = {"x": rng.standard_normal(150), "yd": rng.standard_normal(150)}
+    for m in (model, dp):
+        with m:
+            pm.set_data(new, coords={"obs": np.arange(150)})
+    assert_same_density(model, dp, rng, n_points=3)
+
+
+def test_zoo_in_jax_mode():
+    """The findings' shapes through JAX's autodiff (the default where JAX is installed; PyMC 6
+    gave a different logp there for the group-index model), on 2 processes, in a fresh Python
+    (JAX must start after fork())."""
+    pytest.importorskip("jax")
+    from test_pymc import _in_a_fresh_process
+
+    _in_a_fresh_process(f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import pytensor
+        import synkhronos as synk
+        synk.fork(2, device="cpu")
+        import pymc_zoo as Z
+        import test_pymc_zoo as T
+        spm = T._spm()
+        with pytensor.config.change_flags(mode=T.MODE):
+            for name in Z.FINDINGS:
+                rng = np.random.default_rng(11)
+                model = Z.ZOO[name](rng, {ROWS})
+                dp = spm.data_parallel(model, mode="JAX")
+                T.assert_same_density(model, dp, rng, n_points=3)
+                print(name, "ok", flush=True)
+        synk.close()
+        print("OK")
+    """, timeout=600)

@@ -1,0 +1,121 @@
+"""synkhronos.row_split: graphs that keep rows apart are split (the sum of the parts equals the
+whole, on many random splits), graphs that couple rows are refused whatever the data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from numpy.testing import assert_allclose
+
+from synkhronos.row_split import Coupling, split_rows
+
+N = 17
+rng = np.random.default_rng(0)
+X_VALUE = rng.standard_normal((N, 3))
+Y_VALUE = rng.standard_normal(N)
+G_VALUE = rng.integers(0, 4, N)
+
+
+def _leaves():
+    X = pytensor.shared(X_VALUE, name="X")
+    y = pt.constant(Y_VALUE, name="y")
+    g = pytensor.shared(G_VALUE, name="g")
+    return X, y, g
+
+
+def _separable():
+    """name -> (term builder over (X, y, g, b, a), whether it keeps rows apart)."""
+    rows = pytensor.shared(N, name="n_obs")
+    return {
+        "elementwise": lambda X, y, g, b, a: -0.5 * (y - X @ b) ** 2 - pt.log(pt.abs(b[0]) + 1),
+        "group index": lambda X, y, g, b, a: -((y - a[g]) ** 2),
+        "logsumexp across columns": lambda X, y, g, b, a: pt.logsumexp(X * b + y[:, None], axis=1),
+        "softmax across columns": lambda X, y, g, b, a: pt.log(pt.special.softmax(X * b, axis=-1))[:, 0] * y,
+        "broadcast to dims": lambda X, y, g, b, a: pt.alloc(-y ** 2 * b[1], rows),
+        "broadcast to the data's shape": lambda X, y, g, b, a: pt.alloc(-y ** 2 * b[1], y.shape[0]),
+        "cumsum across columns": lambda X, y, g, b, a: pt.cumsum(X * b, axis=1)[:, -1] + y,
+        "matrix times matrix": lambda X, y, g, b, a: (X @ pt.outer(b, b)).sum(axis=1) + y,
+        "rows at their positions": lambda X, y, g, b, a: (X * b)[pt.arange(y.shape[0]), pt.clip(g, 0, 2)],
+    }
+
+
+def _coupled():
+    return {
+        "mean over rows": lambda X, y, g, b, a: (y - y.mean()) * b[0],
+        "sum over rows": lambda X, y, g, b, a: y * pt.sum(X @ b),
+        "row count": lambda X, y, g, b, a: y * b[0] / y.shape[0],
+        "slice along rows": lambda X, y, g, b, a: (y[1:] - y[:-1]) * b[0],
+        "cumsum along rows": lambda X, y, g, b, a: pt.cumsum(y * b[0]),
+        "softmax along rows": lambda X, y, g, b, a: pt.log(pt.special.softmax(X @ b, axis=0)),
+        "product over rows": lambda X, y, g, b, a: X.T @ y + b[0],
+        "join along rows": lambda X, y, g, b, a: pt.concatenate([y, y]) * b[0],
+        "reshape of rows": lambda X, y, g, b, a: X.reshape((-1,)) * b[0],
+        "sort": lambda X, y, g, b, a: pt.sort(y) * b[0],
+        "no rows": lambda X, y, g, b, a: b[0] ** 2,
+    }
+
+
+def _split(term_of):
+    X, y, g = _leaves()
+    b, a = pt.dvector("b"), pt.dvector("a")
+    term = term_of(X, y, g, b, a)
+    places = {X: pt.dmatrix("X_rows"), y: pt.dvector("y_rows"), g: pt.lvector("g_rows")}
+    (local,) = split_rows([term], places, N)
+    whole = pytensor.function([b, a], term.sum(), mode="FAST_COMPILE", on_unused_input="ignore")
+    part = pytensor.function([places[X], places[y], places[g], b, a], local.sum(), mode="FAST_COMPILE",
+                             on_unused_input="ignore")
+    return whole, part
+
+
+@pytest.mark.parametrize("name", sorted(_separable()))
+def test_separable_terms_split_to_the_whole_on_random_splits(name):
+    whole, part = _split(_separable()[name])
+    r = np.random.default_rng(1)
+    for _ in range(25):
+        b, a = r.standard_normal(3), r.standard_normal(4)
+        cuts = np.sort(r.choice(np.arange(1, N), size=r.integers(1, 4), replace=False))
+        bounds = [0, *cuts, N]
+        total = sum(part(X_VALUE[lo:hi], Y_VALUE[lo:hi], G_VALUE[lo:hi], b, a) for lo, hi in zip(bounds, bounds[1:]))
+        assert_allclose(total, whole(b, a), rtol=1e-12, err_msg=str(bounds))
+
+
+@pytest.mark.parametrize("name", sorted(_coupled()))
+def test_coupled_terms_are_refused(name):
+    with pytest.raises(Coupling):
+        _split(_coupled()[name])
+
+
+def test_refusal_does_not_depend_on_the_data():
+    """All-zero data hide a mean over rows from any numerical check; not from the graph."""
+    X = pytensor.shared(np.zeros((N, 3)))
+    y = pytensor.shared(np.zeros(N))
+    b = pt.dscalar("b")
+    term = -((y - b * (X[:, 0] - X[:, 0].mean())) ** 2)
+    with pytest.raises(Coupling, match="reduces over the rows"):
+        split_rows([term], {X: pt.dmatrix(), y: pt.dvector()}, N)
+
+
+def test_a_parameter_check_may_read_every_row():
+    """A check whose condition reads every row guards the term (the whole is -inf where one row
+    fails, and so is the share that holds that row): with a guard, not a coupling; the guard
+    rebuilds the check on each process's rows."""
+    from pytensor.raise_op import Assert
+
+    y = pytensor.shared(Y_VALUE)
+    s = pt.dscalar("s")
+    sigma = pt.exp(y * s)
+    term = Assert("sigma > 0")(-y ** 2 / sigma, pt.all(sigma > 0))
+    places = {y: pt.dvector("y_rows")}
+
+    def guard(node, inputs):
+        if not isinstance(node.op, Assert):
+            return None
+        return pt.switch(pt.all(inputs[1]), inputs[0], -np.inf)
+
+    with pytest.raises(Coupling, match="reduces over the rows"):
+        split_rows([term], places, N)
+    (local,) = split_rows([term], places, N, guard)
+    part = pytensor.function([places[y], s], local.sum(), mode="FAST_COMPILE")
+    assert_allclose(part(Y_VALUE[:5], 0.3) + part(Y_VALUE[5:], 0.3), (-Y_VALUE ** 2 / np.exp(Y_VALUE * 0.3)).sum())
