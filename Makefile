@@ -94,11 +94,16 @@ bench: $(VENV)/.bench
 	$(PY) bench/nodes_bench.py
 	$(PY) bench/nodes_steps.py
 
-# synkhronos.pymc against PyMC, PyMC cores=2, nutpie and numpyro (in .venv-pymc): 20k and 200k
-# rows by default (1M: ROWS=20000,200000,1000000, an hour or more on 2 cores)
+# synkhronos.pymc against PyMC, PyMC cores=2, nutpie and numpyro (in .venv-pymc), 20k and 200k rows
+# by default (1M: ROWS=20000,200000,1000000, an hour or more on 2 cores): the logistic regression in
+# every part, then the Poisson and StudentT likelihoods (eval and one NUTS chain)
 ROWS ?= 20000,200000
 bench-pymc: $(PYMC_VENV)/.installed
 	$(PYMC_VENV)/bin/python bench/pymc_bench.py --rows $(ROWS)
+	for l in poisson studentt; do \
+	  $(PYMC_VENV)/bin/python bench/pymc_bench.py --rows $(ROWS) --likelihood $$l --what eval,nuts \
+	    --cases numpyro,nutpie,synk || exit 1; \
+	done
 
 docs: $(VENV)/.docs
 	$(PY) -m sphinx -W -b html docs docs/_build/html

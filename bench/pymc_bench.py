@@ -1,6 +1,8 @@
 """PyMC data-parallel (synkhronos.pymc) against what a PyMC user picks today.
 
-Bayesian logistic regression, 10 features, made here (no download). For each row count the
+A regression of 10 features, made here (no download), with one of three likelihoods
+(--likelihood): bernoulli (logistic regression, the default), poisson (log link) or studentt
+(free nu and sigma). For each row count the
 cases run one after another, each in a fresh subprocess, interleaved (row count by row
 count), so that the peers share the machine's state of the moment:
 
@@ -18,10 +20,12 @@ parameters per second of sampling), nuts2 (2 chains).
 
     python bench/pymc_bench.py                       # 20k, 200k, 1M rows, every part
     python bench/pymc_bench.py --rows 20000 --what eval,map --quick
+    python bench/pymc_bench.py --rows 200000 --what eval --cases numpyro,synk --likelihood poisson
 
-Writes bench/results/pymc.json, prints a table and draws bench/results/pymc.png (time
-against rows, one panel per part; needs matplotlib; --plot JSON draws it again). Run on an
-idle machine: the times are wall times of one run, not medians of many.
+Writes bench/results/pymc.json (pymc-poisson.json, pymc-studentt.json for the other
+likelihoods), prints a table and draws bench/results/pymc.png (time against rows, one panel
+per part; needs matplotlib; --plot JSON draws it again). Run on an idle machine: the times
+are wall times of one run, not medians of many.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 K = 10
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
               "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+LIKELIHOODS = ("bernoulli", "poisson", "studentt")
 CASES = ("pymc", "pymc-2", "nutpie", "numpyro", "jax-rw", "synk", "synk-NUMBA", "synk-JAX", "synk-C")
 #: What each case measures: parts it has no meaning for are left out.
 PARTS = {
@@ -59,11 +64,12 @@ def parse(argv=None):
     p.add_argument("--what", default="eval,map,advi,nuts,nuts2")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--n", type=int, default=2, help="synkhronos processes")
+    p.add_argument("--likelihood", default="bernoulli", choices=LIKELIHOODS)
     p.add_argument("--draws", type=int, default=500)
     p.add_argument("--tune", type=int, default=500)
     p.add_argument("--advi-steps", type=int, default=5000)
     p.add_argument("--quick", action="store_true", help="few draws and steps: a smoke run")
-    p.add_argument("--out", default=str(HERE / "results" / "pymc.json"))
+    p.add_argument("--out", default=None, help="default: bench/results/pymc[-LIKELIHOOD].json")
     p.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file (next to it, .png)")
     p.add_argument("--case", help=argparse.SUPPRESS)  # the subprocess's one case
     args = p.parse_args(argv)
@@ -76,19 +82,27 @@ def parse(argv=None):
 # one case, in its own process
 
 
-def make_model(n_rows: int):
+def make_model(n_rows: int, likelihood: str = "bernoulli"):
     import numpy as np
     import pymc as pm
 
     rng = np.random.default_rng(0)
     X = rng.standard_normal((n_rows, K))
     beta = rng.standard_normal(K) * 0.5
-    y = (rng.random(n_rows) < 1 / (1 + np.exp(-X @ beta))).astype("int64")
+    eta = X @ beta
     with pm.Model() as model:
         Xd = pm.Data("X", X)
         b = pm.Normal("b", 0, 1, shape=K)
         a = pm.Normal("a", 0, 2)
-        pm.Bernoulli("y", logit_p=a + Xd @ b, observed=y)
+        if likelihood == "bernoulli":
+            y = (rng.random(n_rows) < 1 / (1 + np.exp(-eta))).astype("int64")
+            pm.Bernoulli("y", logit_p=a + Xd @ b, observed=y)
+        elif likelihood == "poisson":
+            pm.Poisson("y", pm.math.exp(a + Xd @ (0.3 * b)), observed=rng.poisson(np.exp(0.3 * eta)))
+        else:
+            nu = pm.Gamma("nu", 2, 0.1)
+            sigma = pm.HalfNormal("sigma", 2)
+            pm.StudentT("y", nu=nu, mu=a + Xd @ b, sigma=sigma, observed=eta + 0.5 * rng.standard_t(4, n_rows))
     return model
 
 
@@ -189,7 +203,7 @@ def one_case(args) -> dict:
     what = set(args.what.split(","))
     if case.startswith("synk"):
         return synk_case(args, case.partition("-")[2] or None, n_rows, what)
-    model = make_model(n_rows)
+    model = make_model(n_rows, args.likelihood)
     parts = [p for p in PARTS[case] if p in what or (p == "nuts2" and "nuts2" in what)]
     samplers = {
         "pymc": {"nuts": lambda: sample(model, args)},
@@ -213,7 +227,7 @@ def synk_case(args, mode, n_rows: int, what: set) -> dict:
     synk.fork(args.n, device="cpu")
     import synkhronos.pymc as spm
 
-    model = make_model(n_rows)
+    model = make_model(n_rows, args.likelihood)
     t0 = time.perf_counter()
     dp = spm.data_parallel(model, **({} if mode is None else {"mode": {"C": "FAST_RUN"}.get(mode, mode)}))
     out = {"build_s": time.perf_counter() - t0}
@@ -244,7 +258,7 @@ def run_case(case: str, n_rows: int, args) -> dict:
 
         env["XLA_FLAGS"] = xla_flags(env["XLA_FLAGS"], os.cpu_count() or 1)
     cmd = [sys.executable, __file__, "--case", case, "--rows", str(n_rows), "--what", args.what,
-           "--n", str(args.n), "--draws", str(args.draws), "--tune", str(args.tune),
+           "--n", str(args.n), "--likelihood", args.likelihood, "--draws", str(args.draws), "--tune", str(args.tune),
            "--advi-steps", str(args.advi_steps)]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -357,7 +371,10 @@ def main(argv=None) -> int:
     if args.case:
         print(json.dumps(one_case(args)), flush=True)
         return 0
-    results = {"cpu": cpu_name(), "n": args.n, "draws": args.draws, "tune": args.tune,
+    if args.out is None:
+        suffix = "" if args.likelihood == "bernoulli" else f"-{args.likelihood}"
+        args.out = str(HERE / "results" / f"pymc{suffix}.json")
+    results = {"cpu": cpu_name(), "likelihood": args.likelihood, "n": args.n, "draws": args.draws, "tune": args.tune,
                "advi_steps": args.advi_steps, "rows": {}}
     for n_rows in [int(r) for r in args.rows.split(",")]:
         results["rows"][n_rows] = {}
@@ -366,7 +383,7 @@ def main(argv=None) -> int:
             print(n_rows, case, results["rows"][n_rows][case], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"\n{results['cpu']}; synkhronos on {args.n} processes; NUTS {args.tune} tune + {args.draws} "
+    print(f"\n{results['cpu']}; {args.likelihood} likelihood; synkhronos on {args.n} processes; NUTS {args.tune} tune + {args.draws} "
           f"draws; ADVI {args.advi_steps} steps\n")
     print(table(results["rows"]))
     drawn = plot(results, Path(args.out).with_suffix(".png"))

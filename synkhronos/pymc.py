@@ -18,7 +18,7 @@ from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
 from synkhronos.graph_op import register_jax, register_numba
-from synkhronos.row_split import Coupling, split_rows
+from synkhronos.row_split import Coupling, hoist_data_only, split_rows
 from synkhronos.tuning import available_cores, xla_flags
 from synkhronos.xla_rewrites import render_for_xla
 
@@ -53,6 +53,8 @@ class _Split:
     n_rows: int
     observed: list        # names of the observed variables it replaces
     checker: object = None  # the numerical check of the split, run again after pm.set_data
+    derived: list = dataclasses.field(default_factory=list)  # synk.data of per-row parts computed once
+    derive: object = None   # computes them from the per-row data (rows' order), after every change
 
 
 class DataParallelModel:
@@ -484,6 +486,11 @@ def _register_value_and_grad() -> None:
 
 
 def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, rv_in, n_rows, mode) -> _Split:
+    local_terms, hoisted = hoist_data_only(local_terms, row_in)
+    derive = pytensor.function(row_in, [g for _, g in hoisted], on_unused_input="ignore",
+                               mode="FAST_COMPILE") if hoisted else None
+    derived_in = [v for v, _ in hoisted]
+    row_leaves, row_in = list(row_leaves), row_in + derived_in
     total = pt.add(*[t.sum() for t in local_terms])
     total.name = "observed_logp"
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
@@ -508,13 +515,17 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
                       bcast_inputs=glob_in + rv_in, name="pymc_observed_logp", **kwargs)
     synk.distribute()
     copies = {var: synk.data(_value(leaf), var=var, name=var.name) for leaf, var in zip(row_leaves, row_in)}
+    if derive is not None:
+        computed = derive(*[_value(leaf) for leaf in row_leaves])
+        copies.update({var: synk.data(v, var=var, name=var.name) for var, v in zip(derived_in, computed)})
     grad_of = iter(range(1, 1 + len(grads)))
     declared = [None] * len(glob_in) + [next(grad_of) if v in continuous else None for v in rv_in]
     op = f.as_op(given=copies, grads={0: declared} if grads else None)
     if importlib.util.find_spec("numba") is not None:  # nutpie, and PyTensor 3's default backend
         register_numba()
     rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
-    split = _Split(None, op, rows, n_rows, [rv.name for rv in model.observed_RVs])
+    split = _Split(None, op, rows, n_rows, [rv.name for rv in model.observed_RVs],
+                   derived=[copies[v] for v in derived_in], derive=derive)
     op.fn = _Following(op.fn, split)
     split.term = op(*glob, *values)[0] if (glob or values) else op()[0]
     return split
@@ -549,5 +560,8 @@ def _follow_data(split: _Split) -> None:
         data.set_value(value)
         split.rows[i] = (leaf, data, value)
     split.n_rows = next(iter(counts.values()))
+    if split.derive is not None:  # their one rule: computed again from the rows whenever one changes
+        for data, value in zip(split.derived, split.derive(*[_value(leaf) for leaf, _, _ in split.rows])):
+            data.set_value(value)
     if split.checker is not None:  # data that couple rows can come with set_data: the check again
         split.checker.check(split.n_rows)

@@ -20,6 +20,7 @@ import pytensor.tensor as pt
 from pytensor.compile.mode import Mode
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Constant
+from pytensor.graph.replace import graph_replace
 from pytensor.tensor.basic import Alloc, ARange, Join, Split
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
@@ -39,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - PyTensor 2
     from pytensor.graph.basic import graph_inputs, io_toposort
 
-__all__ = ["Coupling", "split_rows"]
+__all__ = ["Coupling", "hoist_data_only", "split_rows"]
 
 
 class Coupling(ValueError):
@@ -443,3 +444,51 @@ _RULES = (
     (_NamedOps("MakeVector", "ScalarFromTensor", "TensorFromScalar"), _values),
     (_NamedOps("DeepCopyOp", "OutputGuard", "ViewOp"), _passthrough),
 )
+
+
+#: Scalar ops cheaper than reading one more number per row: a part of the graph that reads only
+#: per-row data is computed once, before the calls, only where it holds some other op
+#: (``gammaln(y + 1)``, ``log(y)``, ...).
+_CHEAP = frozenset({"Add", "Sub", "Mul", "Neg", "Identity", "Cast", "EQ", "NEQ", "LT", "GT", "LE", "GE",
+                    "AND", "OR", "XOR", "Invert", "Switch", "Abs", "Sqr", "Minimum", "Maximum", "Second"})
+
+
+def hoist_data_only(outputs, row_inputs) -> tuple[list, list]:
+    """``(outputs', [(input, graph), ...])``: each costly part of ``outputs`` that reads only
+    the per-row ``row_inputs`` (and constants), keeping the rows along axis 0, made a new
+    per-row input; ``graph`` computes it from ``row_inputs`` (once per change of the data
+    instead of at every evaluation: XLA folds such parts for a peer that holds the data as
+    constants)."""
+    rows, consts = set(row_inputs), set()
+    costly = {}
+    frontier = []
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        if all(isinstance(i, Constant) or i in consts for i in node.inputs):
+            consts.update(node.outputs)
+            continue
+        if _row_wise(node, rows, consts):
+            rows.update(node.outputs)
+            own = type(getattr(node.op, "scalar_op", None)).__name__ not in _CHEAP and isinstance(node.op, Elemwise)
+            cost = own or any(costly.get(i, False) for i in node.inputs)
+            costly.update(dict.fromkeys(node.outputs, cost))
+            continue
+        frontier += [i for i in node.inputs if costly.get(i) and i not in frontier]
+    frontier += [o for o in outputs if costly.get(o) and o not in frontier]
+    if not frontier:
+        return list(outputs), []
+    new = [pt.TensorType(v.type.dtype, shape=(None,) + tuple(v.type.shape[1:]))(name=f"per-row {i}")
+           for i, v in enumerate(frontier)]
+    done = graph_replace(list(outputs), dict(zip(frontier, new)), strict=False)
+    return done, list(zip(new, frontier))
+
+
+def _row_wise(node, rows, consts) -> bool:
+    """``node`` reads per-row data and constants only, and keeps the rows along axis 0."""
+    if not any(i in rows for i in node.inputs) or \
+            not all(i in rows or i in consts or isinstance(i, Constant) for i in node.inputs):
+        return False
+    if isinstance(node.op, Elemwise):
+        return node.outputs[0].type.ndim >= 1
+    if isinstance(node.op, DimShuffle):
+        return bool(node.op.new_order) and node.op.new_order[0] == 0
+    return False

@@ -199,3 +199,29 @@ def test_zoo_in_jax_mode():
         synk.close()
         print("OK")
     """, timeout=600)
+
+
+def test_parts_of_the_data_computed_once_follow_set_data(zoo_fork):
+    """Poisson's ``gammaln(y + 1)`` reads only the data: computed once into shared memory, and
+    again, with the rows, after every pm.set_data of per-row data (its one validity rule)."""
+    if zoo_fork == 1:
+        pytest.skip("on 2 and 3 processes")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(ROWS)
+    with pm.Model() as model:
+        xd = pm.Data("x", x)
+        yd = pm.Data("yd", rng.poisson(2.0, ROWS))
+        a = pm.Normal("a", 0, 1)
+        b = pm.Normal("b", 0, 1)
+        pm.Poisson("y", pm.math.exp(a + b * xd), observed=yd, shape=xd.shape[0])
+    dp = _spm().data_parallel(model, mode=MODE)
+    assert dp.synk_split.derived, "gammaln(y + 1) was not computed once"
+    compiled = dp.compile_logp(mode=MODE)
+    for rows in (ROWS, 120):
+        new = {"x": rng.standard_normal(rows), "yd": rng.poisson(5.0, rows)}
+        for m in (model, dp):
+            with m:
+                pm.set_data(new)
+        point = _at(model, a=0.3, b=-0.2)
+        assert_allclose(compiled(point), model.compile_logp(mode=MODE)(point), rtol=1e-10)
+        assert_same_density(model, dp, rng, n_points=2)

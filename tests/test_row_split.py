@@ -119,3 +119,25 @@ def test_a_parameter_check_may_read_every_row():
     (local,) = split_rows([term], places, N, guard)
     part = pytensor.function([places[y], s], local.sum(), mode="FAST_COMPILE")
     assert_allclose(part(Y_VALUE[:5], 0.3) + part(Y_VALUE[5:], 0.3), (-Y_VALUE ** 2 / np.exp(Y_VALUE * 0.3)).sum())
+
+
+def test_costly_parts_of_the_data_alone_are_computed_once():
+    """``gammaln(y + 1)`` reads only the data: it becomes a per-row input computed from them;
+    cheap parts (a comparison) and parts that read a parameter stay; the value is the same."""
+    from synkhronos.row_split import hoist_data_only
+
+    y = pt.lvector("y")
+    mu = pt.dscalar("mu")
+    term = pt.switch(pt.eq(y, 0), 0.0, y * pt.log(mu)) - pt.gammaln(y + 1) - mu + pt.log(mu + y)
+    (done,), hoisted = hoist_data_only([term], [y])
+    assert len(hoisted) == 1
+    (new, graph), = hoisted
+    assert "Gammaln" in str(graph.owner.op)
+    derive = pytensor.function([y], graph, mode="FAST_COMPILE")
+    before = pytensor.function([y, mu], term, mode="FAST_COMPILE")
+    after = pytensor.function([y, new, mu], done, mode="FAST_COMPILE")
+    r = np.random.default_rng(2)
+    for _ in range(10):
+        yv, m = r.poisson(3.0, 11), float(r.gamma(2.0))
+        assert_allclose(after(yv, derive(yv), m), before(yv, m), rtol=1e-14)
+    assert hoist_data_only([pt.eq(y, 0) * mu], [y])[1] == []
