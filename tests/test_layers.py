@@ -38,6 +38,7 @@ LAYERS = {
     "synkhronos.tuning": 0,
     "synkhronos.collectives.ops": 0,
     "synkhronos.xla_rewrites": 0,
+    "synkhronos.jax_dtypes": 0,
     # 1: this process's state (the only module with module-level mutable state)
     "synkhronos.context": 1,
     # 2: operating-system resources

@@ -1,0 +1,118 @@
+"""PyTensor's JAX mode with the graph's dtypes: each node's result cast to its output's type.
+
+PyTensor's JAX rendering does not always give a node's result the dtype its
+output has in the graph. Seen with PyTensor 3.0.7 and JAX 0.10/0.11 (on the CPU
+and on an H200): a ``Sum``, ``Prod`` or ``mean`` of float32 is rendered as
+``jnp.sum(x).astype(acc_dtype)``, and PyTensor accumulates float32 in float64,
+so the result is float64 where the graph says float32 (float16 sums come back
+float32); whatever reads it computes in float64 too, and an update stores a
+float64 value in a float32 shared variable, which ``set_value`` and every
+collective then refuse. The C and Numba backends cast to the output's dtype.
+
+:func:`typed_jax_mode` gives a JAX mode whose linker casts each node's result
+to its output's dtype inside the traced function (XLA fuses the conversion;
+nothing happens where the dtypes agree), so a JAX-mode function computes in
+the graph's dtypes as the other backends do. Where a dtype cannot be had (JAX
+with 64-bit types disabled, as PyTensor sets it for ``floatX="float32"``, turns
+float64 into float32), the first call raises a ``TypeError`` naming the output,
+never returns another dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+__all__ = ["typed_jax_mode"]
+
+
+def typed_jax_mode(mode):
+    """``mode`` (a name or a ``Mode`` whose linker is PyTensor's JAX linker) with the
+    linker of this module: the same rewrites, results in the graph's dtypes."""
+    from pytensor.compile.mode import Mode, get_mode
+
+    mode = get_mode(mode)
+    if isinstance(mode.linker, _linker_class()):
+        return mode
+    return Mode(linker=_linker_class()(), optimizer=mode.provided_optimizer, db=mode.optdb)
+
+
+def _wanted(var):
+    """The dtype of graph variable ``var``, or None for a type without one (random generators)."""
+    dtype = getattr(var.type, "dtype", None)
+    try:
+        return None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        return None
+
+
+def _cast(value, dtype):
+    """``value`` as ``dtype``; numpy values stay numpy (static for JAX's tracing), values
+    without a dtype (Python numbers of shapes) stay as they are."""
+    if dtype is None or getattr(value, "dtype", dtype) == dtype:
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value).astype(dtype)
+    return value.astype(dtype)
+
+
+def _typed_conversion(op, node=None, **kwargs):
+    """``jax_funcify`` of one node, its results cast to the node's output dtypes."""
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    fn = jax_funcify(op, node=node, **kwargs)
+    if node is None:
+        return fn
+    wanted = [_wanted(out) for out in node.outputs]
+    if all(w is None for w in wanted):
+        return fn
+    if len(wanted) == 1:
+        (dtype,) = wanted
+        return functools.wraps(fn)(lambda *args: _cast(fn(*args), dtype))
+
+    def typed(*args):
+        return tuple(_cast(v, w) for v, w in zip(fn(*args), wanted))
+
+    return functools.wraps(fn)(typed)
+
+
+def _check_outputs(fgraph, fn):
+    """``fn`` (the converted graph), refusing at trace time an output whose dtype is not the graph's."""
+    wanted = [_wanted(out) for out in fgraph.outputs]
+    names = [str(out.name or out) for out in fgraph.outputs]
+
+    def checked(*args):
+        outs = fn(*args)
+        for value, dtype, name in zip(outs, wanted, names):
+            got = getattr(value, "dtype", None)
+            if dtype is not None and got is not None and got != dtype:
+                raise TypeError(
+                    f"JAX computes output {name} as {got}, but the graph says {dtype}: JAX has 64-bit "
+                    "types disabled in this process (PyTensor disables them when floatX is float32); "
+                    "use floatX=float64 with mode='JAX', or a graph of 32-bit dtypes")
+        return outs
+
+    return functools.wraps(fn)(checked)
+
+
+@functools.cache
+def _linker_class():
+    """The linker class, made on first use: PyTensor's JAX linker is imported only then."""
+    from pytensor.link.jax.dispatch import jax_typify
+    from pytensor.link.jax.linker import JAXLinker
+    from pytensor.link.utils import fgraph_to_python
+
+    class TypedJAXLinker(JAXLinker):
+        """PyTensor's JAX linker, each node's result in its output's dtype."""
+
+        def fgraph_convert(self, fgraph, input_storage, storage_map, **kwargs):
+            # the parent's conversion replaces shared random generators and finds the inputs
+            # used as static shapes; its function is then rendered again, node by node, typed
+            super().fgraph_convert(fgraph, input_storage=input_storage, storage_map=storage_map, **kwargs)
+            fn = fgraph_to_python(fgraph, _typed_conversion, type_conversion_fn=jax_typify,
+                                  fgraph_name="jax_funcified_fgraph", input_storage=input_storage,
+                                  storage_map=storage_map, **kwargs)
+            return _check_outputs(fgraph, fn)
+
+    return TypedJAXLinker
