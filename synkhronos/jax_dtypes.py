@@ -12,15 +12,18 @@ collective then refuse. The C and Numba backends cast to the output's dtype.
 :func:`typed_jax_mode` gives a JAX mode whose linker casts each node's result
 to its output's dtype inside the traced function (XLA fuses the conversion;
 nothing happens where the dtypes agree), so a JAX-mode function computes in
-the graph's dtypes as the other backends do. Where a dtype cannot be had (JAX
-with 64-bit types disabled, as PyTensor sets it for ``floatX="float32"``, turns
-float64 into float32), the first call raises a ``TypeError`` naming the output,
-never returns another dtype.
+the graph's dtypes as the other backends do. One exception, PyTensor's own:
+with ``floatX="float32"`` PyTensor turns JAX's 64-bit types off, and JAX
+then computes float64 and int64 as float32 and int32; compiling a function
+with such outputs warns, naming them (use ``floatX="float64"``, PyTensor's
+default, for 64-bit results). Any other difference raises a ``TypeError``
+naming the output at the first call, never returns another dtype.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 
@@ -39,10 +42,13 @@ def typed_jax_mode(mode):
 
 
 def _wanted(var):
-    """The dtype of graph variable ``var``, or None for a type without one (random generators)."""
+    """The dtype JAX can give graph variable ``var`` (64-bit types become 32-bit where
+    JAX has them disabled), or None for a type without a dtype (random generators)."""
+    import jax
+
     dtype = getattr(var.type, "dtype", None)
     try:
-        return None if dtype is None else np.dtype(dtype)
+        return None if dtype is None else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     except TypeError:
         return None
 
@@ -77,20 +83,30 @@ def _typed_conversion(op, node=None, **kwargs):
     return functools.wraps(fn)(typed)
 
 
+def _name(var) -> str:
+    return str(var.name or var)
+
+
+def _warn_narrowed(fgraph) -> None:
+    narrowed = [f"{_name(out)} ({out.type.dtype})" for out in fgraph.outputs
+                if _wanted(out) is not None and _wanted(out) != np.dtype(out.type.dtype)]
+    if narrowed:
+        warnings.warn(f"JAX has 64-bit types disabled in this process (PyTensor disables them when floatX is "
+                      f"float32), so these outputs come back in 32 bits: {', '.join(narrowed)}; use "
+                      "floatX=float64 for 64-bit results in mode='JAX'", UserWarning, stacklevel=2)
+
+
 def _check_outputs(fgraph, fn):
     """``fn`` (the converted graph), refusing at trace time an output whose dtype is not the graph's."""
     wanted = [_wanted(out) for out in fgraph.outputs]
-    names = [str(out.name or out) for out in fgraph.outputs]
+    names = [_name(out) for out in fgraph.outputs]
 
     def checked(*args):
         outs = fn(*args)
         for value, dtype, name in zip(outs, wanted, names):
             got = getattr(value, "dtype", None)
             if dtype is not None and got is not None and got != dtype:
-                raise TypeError(
-                    f"JAX computes output {name} as {got}, but the graph says {dtype}: JAX has 64-bit "
-                    "types disabled in this process (PyTensor disables them when floatX is float32); "
-                    "use floatX=float64 with mode='JAX', or a graph of 32-bit dtypes")
+                raise TypeError(f"JAX computes output {name} as {got}, but the graph says {dtype}")
         return outs
 
     return functools.wraps(fn)(checked)
@@ -113,6 +129,7 @@ def _linker_class():
             fn = fgraph_to_python(fgraph, _typed_conversion, type_conversion_fn=jax_typify,
                                   fgraph_name="jax_funcified_fgraph", input_storage=input_storage,
                                   storage_map=storage_map, **kwargs)
+            _warn_narrowed(fgraph)
             return _check_outputs(fgraph, fn)
 
     return TypedJAXLinker

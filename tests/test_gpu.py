@@ -77,7 +77,7 @@ def scenario(name: str, n: int, fake: bool = False, timeout: float = 280) -> dic
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("name", ["outputs", "shareds"])
+@pytest.mark.parametrize("name", ["outputs", "shareds", "dtypes"])
 def test_gpu_scenario(name, n):
     """1 process: a real one-rank NCCL communicator through every collective and output
     op; more processes than GPUs share them over the CPU collectives. Results equal
@@ -114,6 +114,15 @@ def test_gpu_scenario_on_fake_gpu(name, n):
     facts = scenario(name, n, fake=True)
     if "nccl" in facts:
         assert facts["nccl"] == (n == 1)
+
+
+@needs_jax
+@pytest.mark.parametrize("n", [1, 2])
+def test_dtypes_on_fake_gpu(n):
+    """Every output op and collective keeps the graph's dtype (float16 to int64) on every
+    path: one process through NCCL, two over the CPU collectives (issue 45)."""
+    facts = scenario("dtypes", n, fake=True)
+    assert facts["nccl"] == (n == 1)
 
 
 @needs_jax
