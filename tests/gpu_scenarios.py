@@ -235,7 +235,7 @@ REDUCE_OPS = ("avg", "sum", "prod", "max", "min")
 
 
 def _rtol(dtype) -> float:
-    return {"float16": 2e-3, "float32": 1e-5}.get(np.dtype(dtype).name, 1e-12)
+    return {"float16": 5e-3, "float32": 1e-5}.get(np.dtype(dtype).name, 1e-12)
 
 
 def _same(got, want, what) -> None:
@@ -269,7 +269,7 @@ def _output_sweep(s, n, dtype) -> None:
 
     x = pt.matrix("x", dtype=dtype)
     v = pytensor.shared(np.zeros(3, dtype=dtype), name="v")
-    graph = [getattr(pt, {"avg": "mean"}.get(op, op))(x, axis=0) for op in REDUCE_OPS] + [x * 2, pt.sum(x)]
+    graph = [getattr(pt, {"avg": "mean"}.get(op, op))(x, axis=0) for op in REDUCE_OPS] + [x * 2, x * 3]
     ops = REDUCE_OPS + ("gather", None)
     whole = pytensor.function([x], graph, mode="FAST_COMPILE")  # plain PyTensor, numpy's kernels
     update = [(v, pt.cast(v + pt.mean(x, axis=0), dtype))]  # a float32 mean is float32: no cast
@@ -283,14 +283,16 @@ def _output_sweep(s, n, dtype) -> None:
     lo, hi = split(len(data), n, s.proc.rank)
     want = [np.asarray(w) for w in whole(data)]
     want[-1] = np.asarray(whole(data[lo:hi])[-1])  # None: the master's own rows
-    for label, fn in paths.items():
-        for device_outputs in (False, True):
-            got = fn(data, device_outputs=device_outputs)
-            for i, op in enumerate(ops * (len(got) // len(ops))):
-                exp = want[i % len(ops)]
-                exp = exp.astype(result_dtype(exp.dtype, op) if op else exp.dtype)
-                path = "c_" if i >= len(ops) else label.split()[0]
-                _same(got[i], exp, f"{dtype} {path} {op} over {n} (device_outputs={device_outputs})")
+    calls = [(label, fn, dict(device_outputs=d)) for label, fn in paths.items() for d in (False, True)]
+    if dtype in ("float16", "float32"):  # slices accumulated on the host, in the output's dtype
+        calls.append(("nccl and c_", paths["nccl and c_"], dict(num_slices=2)))
+    for label, fn, kwargs in calls:
+        got = fn(data, **kwargs)
+        for i, op in enumerate(ops * (len(got) // len(ops))):
+            exp = want[i % len(ops)]
+            exp = exp.astype(result_dtype(exp.dtype, op) if op else exp.dtype)
+            path = "c_" if i >= len(ops) else label.split()[0]
+            _same(got[i], exp, f"{dtype} {path} {op} over {n} ({kwargs})")
     assert v.get_value(borrow=True).dtype == dtype, f"{dtype} update left {v.get_value(borrow=True).dtype}"
     for r in range(n):
         got = synk.get_value(r, v)
