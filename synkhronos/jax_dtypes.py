@@ -1,13 +1,13 @@
 """PyTensor's JAX mode with the graph's dtypes: each node's result cast to its output's type.
 
 PyTensor's JAX rendering does not always give a node's result the dtype its
-output has in the graph. Seen with PyTensor 3.0.7 and JAX 0.10/0.11 (on the CPU
-and on an H200): a ``Sum``, ``Prod`` or ``mean`` of float32 is rendered as
+output has in the graph. With PyTensor 3.0.7 (JAX 0.10 on the CPU here, 0.11 on
+an H200 in issue 45's run), a ``Sum``, ``Prod`` or ``mean`` of float32 is rendered as
 ``jnp.sum(x).astype(acc_dtype)``, and PyTensor accumulates float32 in float64,
 so the result is float64 where the graph says float32 (float16 sums come back
 float32); whatever reads it computes in float64 too, and an update stores a
 float64 value in a float32 shared variable, which ``set_value`` and every
-collective then refuse. The C and Numba backends cast to the output's dtype.
+collective then refuse. The Numba backend (the CPU device's default) gives float32.
 
 :func:`typed_jax_mode` gives a JAX mode whose linker casts each node's result
 to its output's dtype inside the traced function (XLA fuses the conversion;
