@@ -47,6 +47,7 @@ p.add_argument("--json", default=None, help="where to write the results (default
 args = p.parse_args()
 
 from synkhronos import gpu  # noqa: E402  (imports neither CuPy nor JAX)
+from synkhronos.jax_dtypes import typed_jax_mode  # noqa: E402
 
 missing = gpu.stack_missing()
 if missing:
@@ -96,7 +97,9 @@ w = pytensor.shared(rng.standard_normal((64, 64)).astype(np.float32), name="w")
 h = pt.tanh(pt.dot(x, w))
 outputs = [pt.mean(h, axis=0), pt.sum(h ** 2)]
 f = synk.function([x], outputs)  # mode="JAX" by default on the GPU device, avg reduced by NCCL
-plain = pytensor.function([x], outputs, mode="JAX")
+# compiled as synk.function compiles JAX mode (the graph's float32; PyTensor's own JAX mode
+# returns these float32 reductions as float64): the difference is synkhronos's own
+plain = pytensor.function([x], outputs, mode=typed_jax_mode("JAX"))
 data = rng.standard_normal((args.rows, 64)).astype(np.float32)
 np.testing.assert_allclose(f(data)[0], np.asarray(plain(data)[0]), rtol=1e-4, atol=1e-5)
 

@@ -26,6 +26,7 @@ from .devices.gpu_stack import jax_linker
 from .distribute import distribute
 from .kept import KeptCall
 from .errors import PeerFailed, SynkError, as_interrupt, own_share_failed, short_repr, user_stacklevel
+from .jax_dtypes import typed_jax_mode
 from .shmem import oversized
 
 __all__ = ["Function", "function"]
@@ -99,11 +100,14 @@ class LocalFunction:
             kwargs = spec.kwargs
             if subset is not None:  # as in PyTensor, a subset need not use every input
                 kwargs = {**kwargs, "on_unused_input": "ignore"}
-            if context.jax_inherited and _jax_mode(kwargs.get("mode")):
+            jax_mode = _jax_mode(kwargs.get("mode"))
+            if context.jax_inherited and jax_mode:
                 raise RuntimeError(
                     f"function {spec.name or '?'} compiles in JAX mode, but JAX was already running in the "
                     "master when synk.fork() started this worker, and JAX cannot run in a process forked "
                     "after it started (it aborts or hangs): call synk.fork() before any JAX computation")
+            if jax_mode:  # PyTensor's JAX rendering alone returns some float32 results as float64
+                kwargs = {**kwargs, "mode": typed_jax_mode(kwargs.get("mode"))}
             if values:
                 fn = pytensor.function(inputs, list(outs) + [u for _, u in spec.updates],
                                        givens=givens, **kwargs)

@@ -163,10 +163,12 @@ def rewrite_for_xla(fgraph):
 
 
 def render_for_xla(fgraph):
-    """``fgraph`` (rewritten in place) as a JAX function: JAX mode's rewrites, then
-    :func:`rewrite_for_xla`, then PyTensor's JAX rendering (imports JAX)."""
+    """``fgraph`` (rewritten in place) as a JAX function: JAX mode's rewrites but its
+    elemwise fusion, then :func:`rewrite_for_xla`, then PyTensor's JAX rendering (imports JAX)."""
     from pytensor.compile.mode import get_mode
     from pytensor.link.jax.dispatch import jax_funcify
 
-    get_mode("JAX").optimizer.rewrite(fgraph)
+    # without PyTensor's elemwise fusion: it folds the switch and softplus into one
+    # Composite, where these rewrites find nothing (PyTensor 3.0.7); XLA fuses anyway
+    get_mode("JAX").excluding("fusion").optimizer.rewrite(fgraph)
     return jax_funcify(rewrite_for_xla(fgraph))

@@ -190,6 +190,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(60, method="thread"))
 
 
+def pytest_runtest_logreport(report):
+    """With ``SYNK_FAILURES_LOG`` set (tests/gpu_validate.sh), each failure's traceback and
+    captured output go to that file the moment it is reported (by the controller under
+    pytest-xdist): a run that a time limit cuts short never prints its summary."""
+    path = os.environ.get("SYNK_FAILURES_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    captured = "".join(f"---- {name} ----\n{text[-4000:]}\n" for name, text in report.sections)
+    with open(path, "a") as fh:
+        fh.write(f"==== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s) ====\n"
+                 f"{report.longreprtext}\n{captured}\n")
+
+
 def pytest_addoption(parser):
     """Options of tests/test_model.py (the model-based random test)."""
     parser.addoption("--soak", type=float, default=0,

@@ -93,7 +93,7 @@ def _fork(n):
     return s
 
 
-def outputs(n: int) -> dict:
+def outputs(s, n: int) -> dict:
     """Every output op (and its c_ twin), nccl=False, device_outputs, uneven rows, updates."""
     import pytensor
     import pytensor.tensor as pt
@@ -101,7 +101,6 @@ def outputs(n: int) -> dict:
     import synkhronos as synk
     from synkhronos.batching import split
 
-    s = _fork(n)
     rng = np.random.default_rng(0)
     x = pt.dmatrix("x")
     k = pt.lvector("k")
@@ -155,11 +154,10 @@ def outputs(n: int) -> dict:
     assert _is_jax(v.get_value(borrow=True)), type(v.get_value(borrow=True))
     g(np.ones((4, 5)), num_slices=2)
     assert _is_jax(v.get_value(borrow=True)), "a sliced update left the device"
-    synk.close()
     return facts
 
 
-def shareds(n: int) -> dict:
+def shareds(s, n: int) -> dict:
     """Every collective on shared variables, their c_ twins, and residency on the device."""
     import pytensor
     import pytensor.tensor as pt
@@ -167,7 +165,6 @@ def shareds(n: int) -> dict:
     import synkhronos as synk
     from synkhronos import gpu
 
-    s = _fork(n)
     a = pytensor.shared(np.zeros((4, 3)), name="a")
     b = pytensor.shared(np.zeros(5, dtype=np.int32), name="b")
     synk.function([], [pt.sum(a), pt.sum(b)])
@@ -229,7 +226,161 @@ def shareds(n: int) -> dict:
     h = synk.function([], (pt.sum(a), "sum"))
     _close(h(), np.sum(np.arange(3.0 * 2 * n)), "function on scattered shared variable")
     resident("a call")
+    return {"n": n, "nccl": s.proc.device.comm is not None}
+
+
+#: The dtypes of the dtype sweep (every one NCCL and the CPU collectives move).
+DTYPES = ("float32", "float64", "float16", "int32", "int64")
+REDUCE_OPS = ("avg", "sum", "prod", "max", "min")
+
+
+def _rtol(dtype) -> float:
+    return {"float16": 5e-3, "float32": 1e-5}.get(np.dtype(dtype).name, 1e-12)
+
+
+def _same(got, want, what) -> None:
+    """``got`` has ``want``'s dtype and shape and its values (to the dtype's precision)."""
+    got = np.asarray(got)
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, want {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
+    if want.dtype.kind in "iub":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, want, rtol=_rtol(want.dtype), atol=0, err_msg=what)
+
+
+def _sweep_data(dtype, rows, cols, seed):
+    """Values in [1, 2] (exact in every dtype, no overflow in a product of 7 rows)."""
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(1, 3, size=(rows, cols)).astype(dtype)
+    return (1 + rng.integers(0, 5, size=(rows, cols)) / 4).astype(dtype)
+
+
+def _output_sweep(s, n, dtype) -> None:
+    """Every output op on every path in ``dtype``: the dtype and values of plain PyTensor
+    on the whole batch (the avg of integers in float64), an update keeps its dtype."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos.batching import split
+    from synkhronos.collectives.ops import result_dtype
+
+    x = pt.matrix("x", dtype=dtype)
+    v = pytensor.shared(np.zeros(3, dtype=dtype), name="v")
+    graph = [getattr(pt, {"avg": "mean"}.get(op, op))(x, axis=0) for op in REDUCE_OPS] + [x * 2, x * 3]
+    ops = REDUCE_OPS + ("gather", None)
+    whole = pytensor.function([x], graph, mode="FAST_COMPILE")  # plain PyTensor, numpy's kernels
+    update = [(v, pt.cast(v + pt.mean(x, axis=0), dtype))]  # a float32 mean is float32: no cast
+    # each output twice in one function (one compilation): through the device's
+    # communicator (NCCL where there is one) and through the CPU collectives (c_)
+    both = list(zip(graph, ops)) + [(g, op and "c_" + op) for g, op in zip(graph, ops)]
+    paths = {"nccl and c_": synk.function([x], both, updates=update)}
+    if dtype == "float32":
+        paths["nccl=False"] = synk.function([x], list(zip(graph, ops)), nccl=False)
+    data = _sweep_data(dtype, 2 * n + 3, 3, seed=n)  # rows split unevenly
+    lo, hi = split(len(data), n, s.proc.rank)
+    want = [np.asarray(w) for w in whole(data)]
+    want[-1] = np.asarray(whole(data[lo:hi])[-1])  # None: the master's own rows
+    calls = [(label, fn, dict(device_outputs=d)) for label, fn in paths.items() for d in (False, True)]
+    if dtype in ("float16", "float32"):  # slices accumulated on the host, in the output's dtype
+        calls.append(("nccl and c_", paths["nccl and c_"], dict(num_slices=2)))
+    for label, fn, kwargs in calls:
+        got = fn(data, **kwargs)
+        for i, op in enumerate(ops * (len(got) // len(ops))):
+            exp = want[i % len(ops)]
+            exp = exp.astype(result_dtype(exp.dtype, op) if op else exp.dtype)
+            path = "c_" if i >= len(ops) else label.split()[0]
+            _same(got[i], exp, f"{dtype} {path} {op} over {n} ({kwargs})")
+    assert v.get_value(borrow=True).dtype == dtype, f"{dtype} update left {v.get_value(borrow=True).dtype}"
+    for r in range(n):
+        got = synk.get_value(r, v)
+        assert got.dtype == dtype, f"{dtype} update in rank {r} left {got.dtype}"
+    synk.all_reduce(v, "avg")  # refused the float64 an update had left in a float32 variable
+    assert v.get_value(borrow=True).dtype == dtype, f"{dtype} all_reduce left {v.get_value(borrow=True).dtype}"
+
+
+def _collective_sweep(s, n, dtype) -> None:
+    """Every collective on a shared variable of ``dtype`` (the c_ twins too) keeps its dtype,
+    in the master's result and in every process's value."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    a = pytensor.shared(np.zeros((4, 3), dtype=dtype), name=f"a_{dtype}")
+    synk.function([], (pt.sum(a), "sum"))
+    synk.distribute()
+    per = [_sweep_data(dtype, 4, 3, seed=10 + r) for r in range(n)]
+    ref = {"avg": np.mean, "sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}
+
+    def reset():
+        for r in range(n):
+            synk.set_value(r, a, per[r])
+
+    def everywhere(want, what):
+        assert a.get_value(borrow=True).dtype == dtype, f"{what}: the master holds {a.get_value(borrow=True).dtype}"
+        for r in range(n):
+            _same(synk.get_value(r, a), want, f"{what}, rank {r}")
+
+    for prefix in ("", "c_"):
+        for op, fn in ref.items():
+            exact = fn(np.stack(per).astype(np.float64), axis=0)  # an avg of integers rounds into them
+            want = (np.rint(exact) if np.dtype(dtype).kind in "iu" else exact).astype(dtype)
+            what = f"{dtype} {prefix}{op} over {n}"
+            reset()
+            _same(synk.reduce(a, op=prefix + op, in_place=False), want, f"reduce {what}")
+            synk.all_reduce(a, op=prefix + op)
+            everywhere(want, f"all_reduce {what}")
+        reset()
+        synk.reduce(a, op=prefix + "sum")
+        _same(a.get_value(), np.sum(np.stack(per), axis=0).astype(dtype), f"reduce in place {dtype} {prefix}")
+    reset()
+    _same(synk.gather(a), np.stack(per), f"gather {dtype}")
+    _same(synk.all_gather(a), np.concatenate(per), f"all_gather {dtype}")
+    everywhere(np.concatenate(per), f"all_gather {dtype}")
+    synk.broadcast(a, per[0][:2])
+    everywhere(per[0][:2], f"broadcast {dtype}")
+    rows = _sweep_data(dtype, 2 * n, 3, seed=99)
+    synk.scatter(a, rows)
+    for r in range(n):
+        _same(synk.get_value(r, a), rows[2 * r:2 * r + 2], f"scatter {dtype} rank {r}")
+
+
+def dtypes(s, n: int) -> dict:
+    """Outputs and shared variables keep the graph's dtype on every path, for every op
+    and dtype (issue 45: a float32 avg came back float64 on the GPU device)."""
+    for dtype in DTYPES:
+        _output_sweep(s, n, dtype)
+        _collective_sweep(s, n, dtype)
+    return {"n": n, "nccl": s.proc.device.comm is not None, "dtypes": list(DTYPES)}
+
+
+#: The scenarios that share one fork in "contract": the public contract on the GPU device.
+CONTRACT = {"outputs": outputs, "shareds": shareds, "dtypes": dtypes}
+
+
+def _in_a_fork(body):
+    """``body(s, n)`` in a fork of its own."""
+    def run(n: int) -> dict:
+        import synkhronos as synk
+
+        facts = body(_fork(n), n)
+        synk.close()
+        return facts
+
+    return run
+
+
+def contract(n: int) -> dict:
+    """outputs, shareds and dtypes in one fork: the GPU's start (CUDA and JAX in every
+    process, seconds each) once for the three."""
+    import synkhronos as synk
+
+    s = _fork(n)
     facts = {"n": n, "nccl": s.proc.device.comm is not None}
+    facts.update((name, body(s, n)) for name, body in CONTRACT.items())
     synk.close()
     return facts
 
@@ -342,13 +493,16 @@ def killed(n: int) -> dict:
     s = _fork(n)
     pids = dict(runtime.session().watch.pids)
     rng = np.random.default_rng(0)
+    # on a GPU, work enough to show JAX's memory; on the stand-in (numpy on shared CPU
+    # cores) a call of that size took seconds, and the master noticed the death only after it
+    width, rows = (128, 256) if getattr(sys.modules.get("cupy"), "FAKE", False) else (1024, 2048)
     x = pt.matrix("x", dtype="float32")
-    w = pytensor.shared((rng.standard_normal((1024, 1024)) / 32).astype(np.float32), name="w")
+    w = pytensor.shared((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), name="w")
     y = x
     for _ in range(16):
         y = pt.tanh(pt.dot(y, w))
     f = synk.function([x], (pt.sum(y), "sum"))
-    data = rng.standard_normal((2048 * n, 1024)).astype(np.float32)
+    data = rng.standard_normal((rows * n, width)).astype(np.float32)
     _close(f(data), f.as_pytensor(data), "the call before the kill", rtol=1e-3)
     apps = _gpu_apps()
     ours = {r: apps.get(p) for r, p in pids.items()}
@@ -391,7 +545,8 @@ def killed(n: int) -> dict:
     return facts
 
 
-SCENARIOS = {"outputs": outputs, "shareds": shareds, "refork": refork, "jax_cpu": jax_cpu, "killed": killed}
+SCENARIOS = {**{name: _in_a_fork(body) for name, body in CONTRACT.items()}, "contract": contract,
+             "refork": refork, "jax_cpu": jax_cpu, "killed": killed}
 
 
 def main(argv) -> int:

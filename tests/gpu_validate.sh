@@ -2,7 +2,9 @@
 # The GPU validation of docs/gpu-validation.rst, as one command for the device machine:
 #   bash tests/gpu_validate.sh [STEPS]     (STEPS: any of env,gpu,bench,demo,democpu,suite; default env,gpu,bench,demo,democpu)
 # Installs the carried wheels (.whl) into /tmp/site, then writes every log under $OUT (or ./gpu-out).
-# Each step has its own time limit, so one that hangs cannot eat the others' time.
+# Each step has its own time limit, so one that hangs cannot eat the others' time; a step cut
+# short still shows every failure it had (SYNK_FAILURES_LOG, see tests/conftest.py).
+# GPU_S/GPU_N/GPU_K and SUITE_S/SUITE_N/SUITE_TEST_S: limits, pytest-xdist workers, -k filter.
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 STEPS=${1:-env,gpu,bench,demo,democpu}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -19,11 +21,22 @@ if step env; then
     which mpirun; } > "$OUT/env.txt" 2>&1
   tail -5 "$OUT/env.txt"
 fi
+# pytest under a step's limit: SIGINT first (pytest then prints its summary), SIGKILL 20 s later;
+# every failure's traceback is also written to $2 the moment it happens (tests/conftest.py).
+limited() { local limit=$1 log=$2; shift 2; : > "$log"
+  SYNK_FAILURES_LOG=$log timeout -s INT -k 20 "$limit" python3 -m pytest -p no:cacheprovider "$@"; }
+failures() { [ -s "$1" ] || return 0; echo "-- failures ($(grep -c '^==== FAILED' "$1"), in full in $1):"
+  grep '^==== FAILED' "$1"; head -c "${2:-6000}" "$1"; echo; }
+# pytest-xdist is in the GPU image; without it the steps run in one process
+NPROC=$(nproc); python3 -c "import xdist" 2>/dev/null || NPROC=0
+workers() { [ "$NPROC" -gt 0 ] && echo "-n $(( $1 < NPROC ? $1 : NPROC ))"; }
 if step gpu; then
   stamp gpu
-  timeout ${GPU_S:-240} python3 -m pytest -q -rs -p no:cacheprovider --timeout 150 --durations 15 -k "${GPU_K:-not nothing}" \
-    tests/test_gpu.py tests/test_nccl_logic.py > "$OUT/gpu-tests.log" 2>&1
-  echo "gpu tests exit $?"; tail -25 "$OUT/gpu-tests.log"
+  # the scenarios on the real GPU only (marked gpu: the fake-GPU ones run in the suite), in
+  # parallel: each starts CUDA and JAX in its own processes, which one GPU serves side by side
+  limited ${GPU_S:-150} "$OUT/gpu-failures.log" -q -rfEs --timeout 120 --durations 15 $(workers ${GPU_N:-4}) \
+    -m gpu -k "${GPU_K:-not nothing}" tests/test_gpu.py > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests exit $?"; tail -25 "$OUT/gpu-tests.log"; failures "$OUT/gpu-failures.log"
 fi
 if step bench; then
   stamp bench
@@ -44,9 +57,11 @@ if step democpu; then
 fi
 if step suite; then
   stamp suite
-  timeout ${SUITE_S:-240} python3 -m pytest -q -rs -p no:cacheprovider -n ${SUITE_N:-6} --timeout 200 tests \
-    > "$OUT/full-suite.log" 2>&1
-  echo "suite exit $?"; tail -40 "$OUT/full-suite.log"
+  # per test --timeout well under the step's limit: a hung test fails with its stacks, not the step
+  limited ${SUITE_S:-300} "$OUT/suite-failures.log" -q -rfE --timeout ${SUITE_TEST_S:-150} --durations 25 \
+    $(workers ${SUITE_N:-14}) -m "not long" tests > "$OUT/full-suite.log" 2>&1
+  echo "suite exit $?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/full-suite.log" | tail -40
+  failures "$OUT/suite-failures.log" 8000
 fi
 stamp end
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/steps.txt" 2>&1

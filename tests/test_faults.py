@@ -226,7 +226,7 @@ _SCRIPT = textwrap.dedent("""
     import pytensor.tensor as pt
     import synkhronos as synk
     from synkhronos import runtime
-    synk.fork(3)
+    synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), mode="FAST_COMPILE")
     f(np.ones(6))
@@ -297,7 +297,7 @@ _SIGINT_SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor.tensor as pt
     import synkhronos as synk
-    synk.fork(2)
+    synk.fork(2, device="cpu")
     x = pt.dmatrix("x")
     y = x
     for _ in range(30):

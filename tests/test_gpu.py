@@ -77,12 +77,13 @@ def scenario(name: str, n: int, fake: bool = False, timeout: float = 280) -> dic
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("name", ["outputs", "shareds"])
-def test_gpu_scenario(name, n):
+def test_gpu_scenario(n):
     """1 process: a real one-rank NCCL communicator through every collective and output
     op; more processes than GPUs share them over the CPU collectives. Results equal
-    as_pytensor on the same device; shared variables stay on the device."""
-    facts = scenario(name, n)
+    as_pytensor on the same device, in the graph's dtypes (float16 to int64, every op
+    and path); shared variables stay on the device. The scenarios outputs, shareds and
+    dtypes share one fork: the GPU starts once in each process."""
+    facts = scenario("contract", n)
     assert facts["nccl"] == (n <= gpu.count_gpus())
 
 
@@ -109,11 +110,24 @@ def test_gpu_worker_killed_during_calls(n):
 
 @needs_jax
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("name", ["outputs", "shareds", "refork", "killed"])
-def test_gpu_scenario_on_fake_gpu(name, n):
-    facts = scenario(name, n, fake=True)
-    if "nccl" in facts:
-        assert facts["nccl"] == (n == 1)
+def test_gpu_scenario_on_fake_gpu(n):
+    """outputs, shareds and dtypes in one fork: every op and collective keeps the graph's
+    dtype (a float32 avg came back float64 before issue 45's fix)."""
+    facts = scenario("contract", n, fake=True)
+    assert facts["nccl"] == (n == 1)
+
+
+@needs_jax
+@pytest.mark.parametrize("n", [2])  # forks one process twice, then two are refused: n=1 and more
+def test_fork_again_after_close_on_fake_gpu(n):
+    scenario("refork", n, fake=True)
+
+
+@needs_jax
+@pytest.mark.parametrize("n", [2, 3])
+def test_worker_killed_during_calls_on_fake_gpu(n):
+    facts = scenario("killed", n, fake=True)
+    assert facts["noticed_after_s"] < 10
 
 
 @needs_jax

@@ -74,25 +74,49 @@ def test_killed_multiverso_run_is_reclaimed():
 
 
 def test_killed_fork_is_reclaimed(tmp_path):
-    """The same for synk.fork(): a script's master and workers SIGKILLed at once."""
-    script = tmp_path / "killed.py"
-    script.write_text(
-        "import os, signal, synkhronos as synk\n"
-        "synk.fork(2, device='cpu')\n"
-        "print('PREFIX', synk.runtime.session().proc.prefix, flush=True)\n"
-        "os.killpg(os.getpgid(0), signal.SIGKILL)\n")
+    """The same for synk.fork(): a script's master and workers SIGKILLed at once.
+
+    Every fork's start reclaims the stale names of the whole machine, so under
+    pytest-xdist another test's fork could take them before this test looks:
+    the test holds the killed group's lock file (as a live process of the group
+    would) until it has seen what was left."""
+    import fcntl
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                         start_new_session=True)
-    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
-    prefix = re.search(r"PREFIX (\S+)", out.stdout).group(1)
-    time.sleep(0.5)  # the workers die of the same signal
-    left = [n for n in os.listdir("/dev/shm") if prefix in n]
-    assert prefix + "lock" in left
-    removed = group.unlink_stale()
-    assert set(left) <= set(removed)
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal, sys, synkhronos as synk\n"
+        "synk.fork(2, device='cpu')\n"
+        "print('PREFIX', synk.runtime.session().proc.prefix, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "os.killpg(os.getpgid(0), signal.SIGKILL)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    held = None
+    try:
+        line = proc.stdout.readline()
+        found = re.fullmatch(r"PREFIX (synk\.\d+\.[0-9a-f]+\.)\n", line)
+        assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
+        prefix = found.group(1)
+        held = os.open(f"/dev/shm/{prefix}lock", os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_SH)
+        proc.stdin.write("kill\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, err[-3000:]
+        left = [n for n in os.listdir("/dev/shm") if prefix in n]
+        assert prefix + "lock" in left and len(left) > 1, left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        if held is not None:
+            os.close(held)
+    deadline = time.monotonic() + 10  # until the workers, killed with the master, are gone
+    while [n for n in os.listdir("/dev/shm") if prefix in n] and time.monotonic() < deadline:
+        group.unlink_stale()
+        time.sleep(0.05)
     assert not [n for n in os.listdir("/dev/shm") if prefix in n]
 
 

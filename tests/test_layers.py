@@ -39,6 +39,7 @@ LAYERS = {
     "synkhronos.collectives.ops": 0,
     "synkhronos.xla_rewrites": 0,
     "synkhronos.row_split": 0,
+    "synkhronos.jax_dtypes": 0,
     # 1: this process's state (the only module with module-level mutable state)
     "synkhronos.context": 1,
     # 2: operating-system resources

@@ -257,7 +257,7 @@ _SIGINT_SCRIPT = textwrap.dedent("""
                     np.linalg.svd(np.ones((60, 60)))  # short native steps, as a real graph's ops
             outputs[0][0] = inputs[0].copy()
 
-    synk.fork(2)
+    synk.fork(2, device="cpu")
     x = pt.dvector("x")
     w = pytensor.shared(np.zeros(3), name="w")
     step = synk.function([x], updates=[(w, w + Slow()(x).sum())], mode="FAST_COMPILE")
@@ -436,7 +436,7 @@ _CHILD_SCRIPT = textwrap.dedent("""
     import pytensor, pytensor.tensor as pt
     import synkhronos as synk
     from synkhronos import runtime
-    synk.fork(3)
+    synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), reduce_ops="sum", mode="FAST_COMPILE")
     s = pytensor.shared(np.ones(3), name="s")
@@ -494,7 +494,7 @@ _GROUP_SCRIPT = textwrap.dedent("""
     handled = []
     if sys.argv[2] == "handler":  # the user's own handler: the master decides
         signal.signal(signal.SIGTERM, lambda *a: handled.append(1))
-    synk.fork(3)
+    synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), reduce_ops="sum", mode="FAST_COMPILE")
     y = x
@@ -527,7 +527,11 @@ def _start(tmp_path, state, mode="default", wrapper=()):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     pids, prefix = read_pids_and_prefix(proc.stdout)
-    assert len(pids) == 2 and prefix, proc.stderr.read()
+    if len(pids) != 2 or not prefix:  # reaped here: a leak report would hide what happened
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"the script did not start its fork (exit {proc.returncode}): {err[-3000:]}")
     return proc, pids, prefix
 
 
@@ -576,8 +580,12 @@ def test_signal_to_the_master_alone_leaves_nothing(tmp_path, sig):
 
 
 def test_timeout_command_leaves_nothing(tmp_path):
-    # coreutils timeout sends SIGTERM to the script, then to its whole process group
-    proc, pids, prefix = _start(tmp_path, "busy", wrapper=("timeout", "-s", "TERM", "8"))
+    # coreutils timeout sends SIGTERM to the script, then to its whole process group. Its
+    # time runs out when its SIGALRM comes, sent here once the fork is up: a fixed 8 s ran
+    # out before the start on a loaded machine (6 s on 2 busy cores; pytest -n 14 on a GPU box)
+    proc, pids, prefix = _start(tmp_path, "busy", wrapper=("timeout", "-s", "TERM", "120"))
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGALRM)
     proc.communicate(timeout=60)
     assert proc.returncode == 124
     assert _gone(pids, prefix) == ([], [])
