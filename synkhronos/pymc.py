@@ -110,7 +110,8 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
             their log-likelihood with as many rows.
         mode: the PyTensor mode each process compiles its share with; ``"auto"``
             (default) is :func:`default_mode`: JAX where it is installed (one XLA
-            thread per process), else PyTensor's default.
+            thread per process) and renders every op of the share, else PyTensor's
+            default.
         check: prove that each observed term is a sum over rows: from the graph
             (nothing reduces, slices or reshapes along the rows, nothing depends on
             their number), and by value and gradient on a split of the data, again
@@ -494,11 +495,10 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     total = pt.add(*[t.sum() for t in local_terms])
     total.name = "observed_logp"
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
-    if mode == "auto":
-        mode = default_mode()
+    inputs = row_in + glob_in + rv_in
+    inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
+    mode = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
-        inputs = row_in + glob_in + rv_in
-        inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
         outs = JaxValueAndGrad(inputs, total, [inputs.index(v) for v in continuous])(*inputs)
         total, grads = outs[0], outs[1:]
         total.name = "observed_logp"
@@ -529,6 +529,22 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     op.fn = _Following(op.fn, split)
     split.term = op(*glob, *values)[0] if (glob or values) else op()[0]
     return split
+
+
+def _jax_if_it_renders(mode, inputs, total, wrt):
+    """``mode``, ``"auto"`` resolved: JAX where it is installed and PyTensor's JAX backend
+    renders every op of the share, else PyTensor's default. ``mode="JAX"`` with an op that
+    has no JAX rendering is a ValueError that names it."""
+    if mode not in ("auto", "JAX") or (mode == "auto" and default_mode() != "JAX"):
+        return None if mode == "auto" else mode
+    try:
+        JaxValueAndGrad(inputs, total, wrt).jax_function()
+    except NotImplementedError as err:
+        if mode == "auto":  # e.g. erfcx (a censored Normal) in PyTensor 2's JAX backend
+            return None
+        raise ValueError(f"mode='JAX': PyTensor's JAX backend cannot render the observed terms ({err}); "
+                         "give mode=None (PyTensor's default backend) or install what the message names") from err
+    return "JAX"
 
 
 class _Following:
