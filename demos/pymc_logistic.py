@@ -10,6 +10,7 @@ Usage: ``python demos/pymc_logistic.py [--rows N] [--processes N] [--draws N] [-
 """
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -60,7 +61,10 @@ print(f"log-density {got:.6f} (PyMC {ref:.6f}); gradient equal: {same}")
 
 with dp:
     t0 = time.perf_counter()
-    map_ = pm.find_MAP(progressbar=False)
+    # PyMC 6 warns of find_MAP's coming defaults unless they are named (PyMC 5 has neither)
+    new_defaults = {"return_inferencedata": False, "jitter": False} \
+        if "jitter" in inspect.signature(pm.find_MAP).parameters else {}
+    map_ = pm.find_MAP(progressbar=False, **new_defaults)
     print(f"find_MAP: {time.perf_counter() - t0:.2f} s; b = {np.round(map_['b'], 2)}")
     t0 = time.perf_counter()
     approx = pm.fit(args.advi_steps, method="advi", random_seed=1, progressbar=False)
