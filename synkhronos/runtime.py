@@ -147,6 +147,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     log.debug("forked %d workers: %s", len(pids), pids)
     try:
         if proc.launched:  # MPI starts now, after the fork; the workers wait for the node table
+            s.begin_wait()  # fork(timeout=...) counts from here while the nodes connect
             nodes.connect(proc, s.check)
             s.on_step = functools.partial(nodes.begin_step, proc)
             s.on_break = functools.partial(nodes.broke, proc)

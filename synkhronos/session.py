@@ -105,7 +105,9 @@ class Session:
         self.proc.control.set_abort(True)
         self._needs_reset = True
 
-    def _begin_wait(self) -> None:
+    def begin_wait(self) -> None:
+        """A wait for the workers (or the other nodes) starts now: its timeout and
+        slow-wait warnings count from here."""
         self._wait_start = time.monotonic()
         self._next_warning = self._wait_start + WAIT_WARNING_INTERVAL
 
@@ -151,7 +153,7 @@ class Session:
         ctl = self.proc.control
         if ctl.pending():
             self.abort()
-            self._begin_wait()
+            self.begin_wait()
             self.interrupt_workers()
             try:
                 errors = ctl.collect(self._poll_settling)
@@ -262,7 +264,7 @@ class Session:
         except BaseException:  # nothing was sent (a full /dev/shm): the next command tells them
             self.dropped[:0] = dropped
             raise
-        self._begin_wait()
+        self.begin_wait()
         try:
             result = None if local is None else local(self.proc, payload)
         except WorkerDiedError:
@@ -411,6 +413,8 @@ class _TimedOut(BaseException):
 
 class _CloseRequested(BaseException):
     """Raised between wait slices once close() was called during the command."""
+
+    notice = "synk.close() was called there during a command (from another thread or a signal handler)"
 
 
 class _GraceOver(BaseException):
