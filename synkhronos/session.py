@@ -355,11 +355,14 @@ class Session:
                  f"worker ranks {busy} are still busy with it: the next command first waits for "
                  "them (they were told to stop), synk.close() ends them")
         if isinstance(stop, _TimedOut) and stop.exchange is not None:
+            # an MPI exchange, once started, cannot be taken back: the nodes' communicator is gone
             return SynkTimeoutError(
                 f"the other nodes did not reach this node's {what} command (its exchange "
                 f"'{stop.exchange}' among the node masters) within timeout={self.timeout} s; this "
-                f"node's processes were waiting for them. The command was abandoned, the other "
-                f"nodes were told, and {state}", [], self.timeout, usable=back)
+                f"node's processes were waiting for them. The command was abandoned and the other "
+                f"nodes were told; the exchange among the nodes cannot be taken back, so this fork "
+                f"cannot be used across nodes any more: call synk.close() and synk.fork() again, "
+                f"on every node", [], self.timeout, usable=False)
         if isinstance(stop, _TimedOut):
             return SynkTimeoutError(
                 f"worker ranks {stop.ranks} did not finish the {what} command within "
@@ -409,6 +412,13 @@ class _TimedOut(BaseException):
         super().__init__(ranks)
         self.ranks = list(ranks)
         self.exchange = exchange  # across nodes: the exchange this node master waited in
+
+    @property
+    def notice(self) -> str:
+        """What the other nodes are told (see collectives/mpi.py)."""
+        if self.exchange is not None:
+            return f"its fork(timeout=...) passed while it waited for the other nodes in '{self.exchange}'"
+        return f"its fork(timeout=...) passed while it waited for its worker ranks {self.ranks}"
 
 
 class _CloseRequested(BaseException):

@@ -444,7 +444,7 @@ def get_value(rank, shared_vars):
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
     got = _send(s, CollectiveSpec("get_value", sids, rank=rank))
-    if any(g is None for g in got):  # across nodes, a process of a node that has joined
+    if len(got) != len(vars_) or any(g is None for g in got):  # across nodes, a node that has joined
         nodes.joined_rank(s.proc, rank, "get_value")
     return _ret(got, single)
 
