@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import re
 import warnings
@@ -950,7 +951,7 @@ class Function:
                     return self._call_planned(plan, args)
             return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
         except Exception as err:
-            if before is not None:
+            if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
                 nodes.failed_step(s.proc, before, f"call {self.name}", err)
             raise
 

@@ -450,11 +450,11 @@ def stepped(what: str):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             s = context.current()
-            before = None if s is None or os.getpid() != s.pid else steps_begun(s.proc)
+            before = None if s is None else steps_begun(s.proc)
             try:
                 return fn(*args, **kwargs)
             except Exception as err:
-                if before is not None:
+                if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
                     failed_step(s.proc, before, what, err)
                 raise
         return wrapper

@@ -729,18 +729,20 @@ def scenario_caught(v, node, node_sizes):
     data, per_node = all_rows(node_sizes)
     mine = per_node[node]
     size = sum(node_sizes)
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    f2 = synk.function([x], [(x.sum(axis=0), "sum"), (x.max(axis=0), "max")], mode=MODE, name="f2")
+    h = synk.function([x], (x.sum(axis=0), None), mode=MODE, name="h")
+    synk.function([], (w.sum(), "sum"), mode=MODE, name="k")
     if node == 1:  # (6) a build that fails after its id was taken, caught
         try:
             synk.function([x], x.sum(), mode="NoSuchMode")
             v.expect(False, "the bad build raised nothing")
         except Exception:  # noqa: BLE001
             pass
-    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
-    f2 = synk.function([x], [(x.sum(axis=0), "sum"), (x.max(axis=0), "max")], mode=MODE, name="f2")
-    h = synk.function([x], (x.sum(axis=0), None), mode=MODE, name="h")
-    synk.function([], (w.sum(), "sum"), mode=MODE, name="k")
+    g = synk.function([x], (x.min(axis=0), "min"), mode=MODE, name="g")
     synk.distribute()
-    _step_ok(v, "(6) the first call after node 1's failed build", lambda: f(mine), data.sum(0))
+    _step_ok(v, "(6) the first call of a function built after node 1's failed build", lambda: g(mine),
+             data.min(0))
     # (1) a bad batch on node 1, caught: every node raises in that step
     text = raises_soon(v, (lambda: f(mine, batch=[0, 99])) if node == 1 else (lambda: f(mine)),
                        "(1) a call that failed a check on node 1")
