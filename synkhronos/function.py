@@ -952,7 +952,7 @@ class Function:
             return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
         except Exception as err:
             if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
-                nodes.failed_step(s.proc, before, f"call {self.name}", err)
+                nodes.failed_step(s, before, f"call {self.name}", err)
             raise
 
     def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable):

@@ -430,14 +430,15 @@ def steps_begun(proc):
     return None if inter is None else inter.begun
 
 
-def failed_step(proc, before, what: str, err: BaseException) -> None:
-    """A public call or collective raised ``err`` in this node master: if its step never
-    reached the others (it failed before its first exchange, maybe before it was even
-    numbered), tell them in that step, so that every node raises there and the next
-    step agrees (:meth:`.collectives.mpi.MpiCommunicator.fail_step`). ``before``:
-    :func:`steps_begun` when the call started."""
-    inter = _inter(proc)
-    if inter is None or before is None or not isinstance(err, Exception):
+def failed_step(s, before, what: str, err: BaseException) -> None:
+    """A public call or collective raised ``err`` in this node master (session ``s``): if
+    its step never reached the others (it failed before its first exchange, maybe before
+    it was even numbered), tell them in that step, so that every node raises there and
+    the next step agrees (:meth:`.collectives.mpi.MpiCommunicator.fail_step`).
+    ``before``: :func:`steps_begun` when the call started. Not for a call refused
+    inside a running command (a signal handler's): that command's step is not its own."""
+    inter = _inter(s.proc)
+    if inter is None or before is None or not isinstance(err, Exception) or s.in_flight is not None:
         return
     inter.pre_begun = False
     inter.fail_step(what, f"{type(err).__name__}: {err}"[:200], inter.begun != before)
@@ -455,7 +456,7 @@ def stepped(what: str):
                 return fn(*args, **kwargs)
             except Exception as err:
                 if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
-                    failed_step(s.proc, before, what, err)
+                    failed_step(s, before, what, err)
                 raise
         return wrapper
     return wrap
