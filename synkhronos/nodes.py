@@ -552,13 +552,6 @@ def broke(proc, err: BaseException) -> None:
         inter.leave(f"{type(err).__name__}: {err}")
 
 
-def failed_alone(proc, what: str, err: BaseException) -> None:
-    """A step failed in this node master before it reached the others (a bad value of
-    node 0's): tell them, so that they raise NodeFailedError naming it instead of
-    waiting for this node; the communicator among the nodes is abandoned."""
-    _abandon(proc, lambda node: f"{what} failed on node {node}: {type(err).__name__}: {err}")
-
-
 def _abandon(proc, reason) -> None:
     """Abandon the communicator among the node masters, telling the others ``reason(node)``."""
     inter = _inter(proc)
