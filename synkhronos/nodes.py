@@ -37,7 +37,7 @@ from . import context, group
 from .group import LAUNCHER_VARS, launched
 from .batching import split
 from .errors import SynkError, SynkTimeoutError
-from .session import _TimedOut
+from .session import is_timeout
 from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
@@ -136,7 +136,9 @@ def connect(proc, check) -> None:
             "closed; synk.fork() again waits for them again", [], timeout) from None
     try:
         inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
-    except _TimedOut:
+    except BaseException as err:
+        if not is_timeout(err):
+            raise
         raise SynkTimeoutError(
             f"fork(): the other nodes did not join this one within timeout={timeout} s (MPI started, "
             "but some copies of the script have not reached synk.fork()'s exchange among the nodes: "
@@ -320,8 +322,7 @@ def join() -> int:
     finally:
         s.in_flight = None
         inter.check = saved
-        if s.close_requested and context.current() is s:
-            s._close()
+        s.close_if_requested()
 
 
 class _CloseDuringJoin(BaseException):

@@ -241,8 +241,13 @@ class Session:
             self.in_flight = None
             if self.broken is not None:
                 self._tell_break()
-            if self.close_requested and context.current() is self:
-                self._close()  # asked for by a signal handler (or Op) during this command
+            self.close_if_requested()
+
+    def close_if_requested(self) -> None:
+        """At the end of a command (or of join()): close the fork if close() was asked
+        for meanwhile (by a signal handler, an Op or another thread)."""
+        if self.close_requested and context.current() is self:
+            self._close()
 
     def _run(self, cmd: Command, payload, local, body):
         ctl = self.proc.control
@@ -429,6 +434,12 @@ class _CloseRequested(BaseException):
 
 class _GraceOver(BaseException):
     """The workers did not come back within INTERRUPT_GRACE of an abandoned command."""
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is the private exception of a wait that outlasted fork(timeout=...)
+    (to be turned into a SynkTimeoutError saying what timed out)."""
+    return isinstance(err, _TimedOut)
 
 
 def _is_stop(err: BaseException) -> bool:
