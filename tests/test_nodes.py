@@ -407,7 +407,7 @@ def test_nodes_switched_off_under_mpirun(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-# -- issue 46: steps that stay true after a user's own error, a join or a timeout ------------
+# -- steps that stay true after a user's own error, a join or a timeout -----------------------
 
 
 @needs_mpi

@@ -32,6 +32,14 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``join_close``: node 1 joins, node 0 calls twice, then closes without joining.
 - ``random:<seed>:<count>``: random sequences of steps drawn alike on every
   node; node 1 perturbs one step of most of them (scenario_random).
+- ``caught``: node 1's own errors, caught by its script (a bad batch, a bad op,
+  a failed build), one op-None call more, two output groups against one: every
+  node raises in that step and the next one agrees; join() after op-None calls.
+- ``joined_collectives``: every shared-variable collective while a node has joined.
+- ``fork_retry``: node 0's fork(timeout=0.5) times out while node 1 is late to
+  connect, then fork() again; then node 0 is late and node 1's fork(timeout=60) waits.
+- ``timeout_usable``: fork(timeout=2), node 1 late for a call: what the error says holds.
+- ``close_in_join``: a signal handler calls close() while node 1 waits in join().
 """
 
 from __future__ import annotations
@@ -704,7 +712,7 @@ def scenario_join_close(v, node, node_sizes):
         v.expect(np.allclose(f(b), b.sum(0)), f"node 0 alone, step {t}")
 
 
-# -- issue 46: steps that stay true after a user's own error, a join or a timeout ----------
+# -- steps that stay true after a user's own error, a join or a timeout ----------------------
 
 
 def _step_ok(v, what, call, want):
