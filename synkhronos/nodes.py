@@ -442,7 +442,14 @@ def failed_step(s, before, what: str, err: BaseException) -> None:
     if inter is None or before is None or not isinstance(err, Exception) or s.in_flight is not None:
         return
     inter.pre_begun = False
-    inter.fail_step(what, f"{type(err).__name__}: {err}"[:200], inter.begun != before)
+    s.begin_wait()  # (fork(timeout=...) bounds this wait too, counted from now)
+    try:
+        inter.fail_step(what, f"{type(err).__name__}: {err}"[:200], inter.begun != before)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - a timeout or close() meanwhile: the others were told; ours is the error
+        pass
+    s.close_if_requested()
 
 
 def stepped(what: str):
