@@ -443,12 +443,15 @@ def failed_step(s, before, what: str, err: BaseException) -> None:
         return
     inter.pre_begun = False
     s.begin_wait()  # (fork(timeout=...) bounds this wait too, counted from now)
+    s.in_flight = threading.get_ident()  # a command for close(): called meanwhile, it ends the wait first
     try:
         inter.fail_step(what, f"{type(err).__name__}: {err}"[:200], inter.begun != before)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException:  # noqa: BLE001 - a timeout or close() meanwhile: the others were told; ours is the error
         pass
+    finally:
+        s.in_flight = None
     s.close_if_requested()
 
 
