@@ -431,7 +431,8 @@ class MpiCommunicator(Communicator):
             self._same_step(what, heads)
             self._no_failure(what, metas)
         except (StepMismatchError, PeerFailed, TypeError) as err:
-            self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
+            if self.begun:  # (a communicator whose user numbers no steps makes each exchange a step)
+                self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
             raise
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
