@@ -278,9 +278,12 @@ def join() -> int:
     were passed, an ``avg`` over their weights, gathers without its rows), until
     they call ``join()`` too. Then ``join()`` returns on every node and the
     nodes step together again. While a node is joined its shared variables
-    take no part: a collective that reads values from it (a ``broadcast`` or
-    ``scatter`` from node 0 when node 0 joined) raises ``ValueError`` on every
-    node, and variables the others updated differ on it afterwards
+    take no part: a collective that reads values from it (a ``broadcast``,
+    ``scatter`` or ``set_value`` from node 0 when node 0 joined), a ``scatter``
+    (its rows would be lost) and a ``set_value``/``get_value`` of one of its
+    ranks raise ``ValueError`` on every node taking part; ``gather``,
+    ``all_gather``, ``get_lengths`` and ``get_shapes`` leave it out; and
+    variables the others updated differ on it afterwards
     (``synk.broadcast`` them from the node ``join()`` returns, if they must
     agree). Without ``join()``, a node that makes a step the others do not
     gets :class:`~synkhronos.StepMismatchError` naming theirs.
@@ -295,7 +298,9 @@ def join() -> int:
         RuntimeError: before :func:`synkhronos.fork`.
         NodeFailedError: another node failed or left while this one waited.
         SynkError: the other nodes closed without joining (this node's
-            ``synk.close()`` then closes its own fork only).
+            ``synk.close()`` then closes its own fork only); or ``synk.close()``
+            was called meanwhile (a signal handler, another thread): the fork
+            is then closed.
     """
     s = context.session()
     s.usable()
