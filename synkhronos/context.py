@@ -35,6 +35,7 @@ class Process:
         self.control = None   # control.ControlBlock
         self.comm = None
         self.functions = {}   # function id -> local executor
+        self.function_digests = {}  # across nodes: digest of a function -> functions built with it, less one
         self.shareds = {}     # shared-variable id -> this process's variable
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
@@ -252,6 +253,10 @@ mpi_start = {"thread": None, "ours": None, "error": None}
 #: communicator was freed: MPI completes them later (MPI_Finalize waits for them),
 #: so their buffers must live as long as the process (collectives/mpi.py).
 mpi_leaving: list = []
+#: The duplicates of MPI_COMM_WORLD (and their requests) that a fork() gave up making (its
+#: timeout passed): the other nodes' next try meets these, so the next one here waits for
+#: them instead of starting others (nodes.py, collectives/mpi.py).
+mpi_pending_dup = None
 
 #: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.
 bound_gpu: str | None = None

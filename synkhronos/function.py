@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import re
 import warnings
@@ -13,7 +14,7 @@ import pytensor
 from pytensor.graph.basic import Variable
 from pytensor.scalar import upcast
 
-from . import context
+from . import context, nodes
 from .arrays import concat
 from .batching import batch_length, check_batch, split, sub_batch
 from .collectives.ops import OUTPUT_OPS, Reducer, cast_to, check_op, combine, result_dtype
@@ -23,7 +24,7 @@ from .data import Data, attach, fit_scratch
 from .data import data as make_data
 from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
 from .devices.gpu_stack import jax_linker
-from .distribute import distribute
+from .distribute import distribute, graph_digest
 from .kept import KeptCall
 from .errors import PeerFailed, SynkError, as_interrupt, own_share_failed, short_repr, user_stacklevel
 from .jax_dtypes import typed_jax_mode
@@ -548,6 +549,13 @@ def _reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
     root = proc.master_rank
     results = [None] * n_outputs
     failure = None
+    if proc.is_master and all(op is None for op, _, _ in groups):
+        # nothing to reduce: across nodes the node masters still meet once, so that this call
+        # is a step of its own there (a node's extra call, or its failure, is seen; join()
+        # knows which node called last)
+        inter = getattr(proc.comm, "inter", None)
+        if inter is not None:
+            inter.barrier(failed)
     for op, comm, idx in groups:
         if op is None:
             if proc.is_master and outs is not None:
@@ -937,11 +945,19 @@ class Function:
                 in every process of every node.
         """
         plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
-        if plannable and self._planned and self._owner is context.current():
-            plan = self._planned.get(self._plan_key(args))
-            if plan is not None:
-                return self._call_planned(plan, args)
-        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
+        s = context.current()
+        # across nodes: a call that fails here before its step reached the others still takes it
+        before = None if s is None or s is not self._owner else nodes.steps_begun(s.proc)
+        try:
+            if plannable and self._planned and self._owner is s:
+                plan = self._planned.get(self._plan_key(args))
+                if plan is not None:
+                    return self._call_planned(plan, args)
+            return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
+        except Exception as err:
+            if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
+                nodes.failed_step(s, before, f"call {self.name}", err)
+            raise
 
     def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable):
         """A call, checked and prepared from scratch (and planned for the next
@@ -1290,6 +1306,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     fn = Function(spec, local)
     fn._owner = s
     fn._planned = s.proc.kept.calls_of(fid)
+    local.node_identity = nodes.function_identity(s.proc, spec, lambda: graph_digest(local))  # (None on one node)
     s.proc.functions[fid] = local
     return fn
 

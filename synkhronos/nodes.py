@@ -26,8 +26,10 @@ import functools
 import os
 import pickle
 import sys
+import threading
 import time
 import warnings
+import zlib
 
 import numpy as np
 
@@ -35,6 +37,7 @@ from . import context, group
 from .group import LAUNCHER_VARS, launched
 from .batching import split
 from .errors import SynkError, SynkTimeoutError
+from .session import is_timeout
 from .collectives import BACKENDS
 from .collectives.hier import NodeCommunicator
 
@@ -102,7 +105,7 @@ def _finalize(MPI) -> None:
     abandoned, which Finalize could wait for forever: then the job is aborted."""
     if MPI.Is_finalized():
         return
-    if context.nodes_broken:
+    if context.nodes_broken or context.mpi_pending_dup is not None:
         # the other nodes got this node's failure notice (or sent theirs): give
         # them time to raise and close their forks before the job is stopped
         time.sleep(ABORT_GRACE)
@@ -131,7 +134,16 @@ def connect(proc, check) -> None:
             "of the script under the launcher has called it, and some have not (still loading their "
             "data before synk.fork(), failed before it, or never call it). This node's fork was "
             "closed; synk.fork() again waits for them again", [], timeout) from None
-    inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
+    try:
+        inter = BACKENDS["mpi"](MPI.COMM_WORLD, master_rank=0, check=check)
+    except BaseException as err:
+        if not is_timeout(err):
+            raise
+        raise SynkTimeoutError(
+            f"fork(): the other nodes did not join this one within timeout={timeout} s (MPI started, "
+            "but some copies of the script have not reached synk.fork()'s exchange among the nodes: "
+            "still busy before it, or failed). This node's fork was closed; synk.fork() again "
+            "waits for them again (it meets what this try began)", [], timeout) from None
     try:
         with _between_commands(inter, proc.comm):  # the node table goes to the workers too
             proc.comm = NodeCommunicator(proc.comm, inter)
@@ -266,9 +278,12 @@ def join() -> int:
     were passed, an ``avg`` over their weights, gathers without its rows), until
     they call ``join()`` too. Then ``join()`` returns on every node and the
     nodes step together again. While a node is joined its shared variables
-    take no part: a collective that reads values from it (a ``broadcast`` or
-    ``scatter`` from node 0 when node 0 joined) raises ``ValueError`` on every
-    node, and variables the others updated differ on it afterwards
+    take no part: a collective that reads values from it (a ``broadcast``,
+    ``scatter`` or ``set_value`` from node 0 when node 0 joined), a ``scatter``
+    (its rows would be lost) and a ``set_value``/``get_value`` of one of its
+    ranks raise ``ValueError`` on every node taking part; ``gather``,
+    ``all_gather``, ``get_lengths`` and ``get_shapes`` leave it out; and
+    variables the others updated differ on it afterwards
     (``synk.broadcast`` them from the node ``join()`` returns, if they must
     agree). Without ``join()``, a node that makes a step the others do not
     gets :class:`~synkhronos.StepMismatchError` naming theirs.
@@ -283,15 +298,42 @@ def join() -> int:
         RuntimeError: before :func:`synkhronos.fork`.
         NodeFailedError: another node failed or left while this one waited.
         SynkError: the other nodes closed without joining (this node's
-            ``synk.close()`` then closes its own fork only).
+            ``synk.close()`` then closes its own fork only); or ``synk.close()``
+            was called meanwhile (a signal handler, another thread): the fork
+            is then closed.
     """
     s = context.session()
     s.usable()
     inter = _inter(s.proc)
     if inter is None:
         return 0
-    with _between_commands(inter):
+    saved = inter.check
+
+    def check():  # the node's workers, and close() from a signal handler or another thread
+        saved_poll()
+        if s.close_requested:
+            raise _CloseDuringJoin()
+
+    saved_poll = _liveness(saved)
+    inter.check = check
+    # a command as far as close() knows: called meanwhile (a signal handler), it ends join() first
+    s.in_flight = threading.get_ident()
+    try:
         return inter.join()
+    except _CloseDuringJoin:
+        raise SynkError("synk.close() was called (from another thread or a signal handler) during "
+                        "join(); this node stopped waiting for the others (they were told) and its "
+                        "fork is closed") from None
+    finally:
+        s.in_flight = None
+        inter.check = saved
+        s.close_if_requested()
+
+
+class _CloseDuringJoin(BaseException):
+    """close() was asked for while this node master waited in join()."""
+
+    notice = "synk.close() was called there during join() (from another thread or a signal handler)"
 
 
 def _inter(proc):
@@ -347,20 +389,103 @@ def begin_step(proc, cmd, wire) -> None:
     """The node master starts a command: what must be the same on every node (the kind
     of command, the function and output subset of a call, the kind, variables, op and
     rank of a collective) goes with every exchange among node masters until the next
-    (:meth:`.collectives.mpi.MpiCommunicator.begin`)."""
+    (:meth:`.collectives.mpi.MpiCommunicator.begin`). A command whose step began with
+    its values (:func:`from_first_node`) begins none of its own."""
     comm = proc.comm
     if isinstance(comm, NodeCommunicator) and comm.inter is not None:
+        inter = comm.inter
+        if inter.pre_begun:
+            inter.pre_begun = False
+            return
         kind = cmd.name.lower()
-        comm.inter.begin(step_key(kind, wire), (step_words, proc, kind, wire))
+        inter.begin(step_key(kind, wire, proc), (step_words, proc, kind, wire))
 
 
-def step_key(kind: str, wire) -> tuple:
-    """What of a command must be the same on every node (see :func:`begin_step`)."""
+def step_key(kind: str, wire, proc=None) -> tuple:
+    """What of a command must be the same on every node (see :func:`begin_step`). A call
+    names its function by what it is (:func:`function_identity`), never by this
+    process's id for it, which differs between nodes whenever one built (or failed to
+    build) a function the others did not."""
     if kind == "call" and isinstance(wire, tuple) and len(wire) == 8:
-        return ("call", wire[0], wire[5])  # the function, the output subset
+        lf = None if proc is None else proc.functions.get(wire[0])
+        ident = getattr(lf, "node_identity", None) or wire[0]
+        return ("call", ident, wire[5])  # the function, the output subset
     if kind == "collective" and isinstance(wire, tuple) and len(wire) == 9 and isinstance(wire[0], str):
         return (wire[0], tuple(wire[1]), wire[2], wire[3], wire[6], wire[7])  # kind, sids, op, rank, ...
     return (kind,)
+
+
+def function_identity(proc, spec, graph_digest) -> tuple | None:
+    """Across nodes: a function's identity, the same on every node that built it, whatever
+    else each built or failed to build: a digest of its compiled graph (``graph_digest()``),
+    output ops and broadcast inputs, and how many functions with that digest this fork
+    built before it. None on one node (nothing compares it)."""
+    if not isinstance(proc.comm, NodeCommunicator):
+        return None
+    digest = zlib.crc32(repr((graph_digest(), spec.output_modes or spec.output_ops,
+                              tuple(spec.bcast))).encode())
+    seen = proc.function_digests
+    seen[digest] = seen.get(digest, -1) + 1
+    return (digest, seen[digest])
+
+
+def steps_begun(proc):
+    """Across nodes, in a node master: how many steps it has begun (compare it after a
+    failure with :func:`failed_step`); None elsewhere."""
+    inter = _inter(proc)
+    return None if inter is None else inter.begun
+
+
+def failed_step(s, before, what: str, err: BaseException) -> None:
+    """A public call or collective raised ``err`` in this node master (session ``s``): if
+    its step never reached the others (it failed before its first exchange, maybe before
+    it was even numbered), tell them in that step, so that every node raises there and
+    the next step agrees (:meth:`.collectives.mpi.MpiCommunicator.fail_step`).
+    ``before``: :func:`steps_begun` when the call started. Not for a call refused
+    inside a running command (a signal handler's): that command's step is not its own."""
+    inter = _inter(s.proc)
+    if inter is None or before is None or not isinstance(err, Exception) or s.in_flight is not None:
+        return
+    inter.pre_begun = False
+    s.begin_wait()  # (fork(timeout=...) bounds this wait too, counted from now)
+    s.in_flight = threading.get_ident()  # a command for close(): called meanwhile, it ends the wait first
+    try:
+        inter.fail_step(what, f"{type(err).__name__}: {err}"[:200], inter.begun != before)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - a timeout or close() meanwhile: the others were told; ours is the error
+        pass
+    finally:
+        s.in_flight = None
+    s.close_if_requested()
+
+
+def stepped(what: str):
+    """Decorate a public collective: across nodes a failure of its own checks still takes
+    its step on every node (:func:`failed_step`)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            s = context.current()
+            before = None if s is None else steps_begun(s.proc)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:
+                if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
+                    failed_step(s, before, what, err)
+                raise
+        return wrapper
+    return wrap
+
+
+def batch_key(batch):
+    """What of a ``batch`` argument the nodes compare: itself when small, else a checksum."""
+    if batch is None or isinstance(batch, (int, np.integer, slice)):
+        return repr(batch)
+    arr = np.asarray(batch)
+    if arr.dtype.hasobject:
+        return repr(batch)[:200]
+    return (str(arr.dtype), arr.shape, zlib.crc32(np.ascontiguousarray(arr).tobytes()))
 
 
 def step_words(proc, kind: str, wire) -> str:
@@ -378,29 +503,60 @@ def step_words(proc, kind: str, wire) -> str:
     return f"{kind}()"
 
 
-def from_first_node(proc, make, what: str, sids, rank=None):
+def from_first_node(proc, make, what: str, sids, rank=None, batch=None, comm_size=None):
     """The values of a collective that takes values (scatter, set_value): node
     0's master computes them with ``make()`` and sends them to every other
     node's master, where ``make`` is not called (the script may pass None
     there). On one node: ``make()``. An error in ``make()`` on node 0 raises
-    there and makes every other node raise ``PeerFailed`` naming it."""
+    there and makes every other node raise ``PeerFailed`` naming it.
+
+    Across nodes this exchange is the first of the collective's step, whose key
+    holds ``batch`` too (so every node cuts the same rows, or every node raises
+    StepMismatchError); the command that follows takes no step of its own. While
+    a node has joined (``synk.join()``), a scatter (its rows would be lost) and a
+    set_value of a rank of that node raise ValueError on every node taking part."""
     inter = _inter(proc)
     if inter is None:
         return make()
     wire = (what, sids, None, rank, None, None, True, 1, False)
-    inter.begin(("values",) + step_key("collective", wire), (step_words, proc, "collective", wire))
+    inter.begin(("values", batch_key(batch)) + step_key("collective", wire),
+                (step_words, proc, "collective", wire))
     with _between_commands(inter):
         if inter.rank != 0:
-            return inter.broadcast(None, 0)
-        try:
-            arrays = [np.asarray(a) for a in make()]
-        except Exception as err:
+            arrays = inter.broadcast(None, 0, what=what)
+        else:
             try:
-                inter.broadcast(None, 0, failed=f"{type(err).__name__}: {err}"[:200])
-            except Exception:  # noqa: BLE001 - the PeerFailed of our own flag: ours is the error
-                pass
-            raise
-        return inter.broadcast(arrays, 0)
+                arrays = [np.asarray(a) for a in make()]
+            except Exception as err:
+                try:
+                    inter.broadcast(None, 0, failed=f"{type(err).__name__}: {err}"[:200], what=what)
+                except Exception:  # noqa: BLE001 - the PeerFailed of our own flag: ours is the error
+                    pass
+                raise
+            arrays = inter.broadcast(arrays, 0, what=what)
+    joined = inter.joined  # (the same on every node: the exchange just made said so)
+    if joined and what == "scatter":
+        raise ValueError(f"scatter: node(s) {joined} have joined (synk.join()): their processes take "
+                         "no rows, which would be lost; scatter once every node takes part again "
+                         "(after join() returns), or set_value the rows of the others")
+    if joined and rank is not None:
+        node = proc.comm.where(rank)[0]
+        if node in joined:
+            raise ValueError(f"set_value: rank {rank} is a process of node {node}, which has joined "
+                             "(synk.join()): it takes no part until every node has joined")
+    inter.pre_begun = True  # the command's step is this one
+    return arrays
+
+
+def joined_rank(proc, rank: int, what: str) -> None:
+    """ValueError naming the join when global ``rank`` is a process of a node that has
+    joined (known from the exchange just made; the same on every node)."""
+    inter = _inter(proc)
+    if inter is not None and inter.joined:
+        node = proc.comm.where(rank)[0]
+        if node in inter.joined:
+            raise ValueError(f"{what}: rank {rank} is a process of node {node}, which has joined "
+                             "(synk.join()): it takes no part until every node has joined")
 
 
 def broke(proc, err: BaseException) -> None:
@@ -410,13 +566,6 @@ def broke(proc, err: BaseException) -> None:
     inter = _inter(proc)
     if inter is not None:
         inter.leave(f"{type(err).__name__}: {err}")
-
-
-def failed_alone(proc, what: str, err: BaseException) -> None:
-    """A step failed in this node master before it reached the others (a bad value of
-    node 0's): tell them, so that they raise NodeFailedError naming it instead of
-    waiting for this node; the communicator among the nodes is abandoned."""
-    _abandon(proc, lambda node: f"{what} failed on node {node}: {type(err).__name__}: {err}")
 
 
 def _abandon(proc, reason) -> None:

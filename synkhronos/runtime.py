@@ -145,6 +145,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         s.saved_affinity = pin(groups[master_rank])
     proc.comm.check = s.check
     log.debug("forked %d workers: %s", len(pids), pids)
+    s.begin_wait()  # fork(timeout=...) counts from here for the waits of the start (never from 0.0)
     try:
         if proc.launched:  # MPI starts now, after the fork; the workers wait for the node table
             nodes.connect(proc, s.check)

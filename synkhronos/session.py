@@ -105,7 +105,9 @@ class Session:
         self.proc.control.set_abort(True)
         self._needs_reset = True
 
-    def _begin_wait(self) -> None:
+    def begin_wait(self) -> None:
+        """A wait for the workers (or the other nodes) starts now: its timeout and
+        slow-wait warnings count from here."""
         self._wait_start = time.monotonic()
         self._next_warning = self._wait_start + WAIT_WARNING_INTERVAL
 
@@ -151,7 +153,7 @@ class Session:
         ctl = self.proc.control
         if ctl.pending():
             self.abort()
-            self._begin_wait()
+            self.begin_wait()
             self.interrupt_workers()
             try:
                 errors = ctl.collect(self._poll_settling)
@@ -239,8 +241,13 @@ class Session:
             self.in_flight = None
             if self.broken is not None:
                 self._tell_break()
-            if self.close_requested and context.current() is self:
-                self._close()  # asked for by a signal handler (or Op) during this command
+            self.close_if_requested()
+
+    def close_if_requested(self) -> None:
+        """At the end of a command (or of join()): close the fork if close() was asked
+        for meanwhile (by a signal handler, an Op or another thread)."""
+        if self.close_requested and context.current() is self:
+            self._close()
 
     def _run(self, cmd: Command, payload, local, body):
         ctl = self.proc.control
@@ -262,7 +269,7 @@ class Session:
         except BaseException:  # nothing was sent (a full /dev/shm): the next command tells them
             self.dropped[:0] = dropped
             raise
-        self._begin_wait()
+        self.begin_wait()
         try:
             result = None if local is None else local(self.proc, payload)
         except WorkerDiedError:
@@ -353,11 +360,14 @@ class Session:
                  f"worker ranks {busy} are still busy with it: the next command first waits for "
                  "them (they were told to stop), synk.close() ends them")
         if isinstance(stop, _TimedOut) and stop.exchange is not None:
+            # an MPI exchange, once started, cannot be taken back: the nodes' communicator is gone
             return SynkTimeoutError(
                 f"the other nodes did not reach this node's {what} command (its exchange "
                 f"'{stop.exchange}' among the node masters) within timeout={self.timeout} s; this "
-                f"node's processes were waiting for them. The command was abandoned, the other "
-                f"nodes were told, and {state}", [], self.timeout, usable=back)
+                f"node's processes were waiting for them. The command was abandoned and the other "
+                f"nodes were told; the exchange among the nodes cannot be taken back, so this fork "
+                f"cannot be used across nodes any more: call synk.close() and synk.fork() again, "
+                f"on every node", [], self.timeout, usable=False)
         if isinstance(stop, _TimedOut):
             return SynkTimeoutError(
                 f"worker ranks {stop.ranks} did not finish the {what} command within "
@@ -408,13 +418,28 @@ class _TimedOut(BaseException):
         self.ranks = list(ranks)
         self.exchange = exchange  # across nodes: the exchange this node master waited in
 
+    @property
+    def notice(self) -> str:
+        """What the other nodes are told (see collectives/mpi.py)."""
+        if self.exchange is not None:
+            return f"its fork(timeout=...) passed while it waited for the other nodes in '{self.exchange}'"
+        return f"its fork(timeout=...) passed while it waited for its worker ranks {self.ranks}"
+
 
 class _CloseRequested(BaseException):
     """Raised between wait slices once close() was called during the command."""
 
+    notice = "synk.close() was called there during a command (from another thread or a signal handler)"
+
 
 class _GraceOver(BaseException):
     """The workers did not come back within INTERRUPT_GRACE of an abandoned command."""
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is the private exception of a wait that outlasted fork(timeout=...)
+    (to be turned into a SynkTimeoutError saying what timed out)."""
+    return isinstance(err, _TimedOut)
 
 
 def _is_stop(err: BaseException) -> bool:

@@ -150,6 +150,7 @@ def _ret(results, single):
     return results[0] if single else tuple(results)
 
 
+@nodes.stepped("broadcast")
 def broadcast(shared_vars, values=None, nccl=True):
     """Give every process the master's value of each shared variable.
 
@@ -181,17 +182,14 @@ def _broadcast(shared_vars, values, nccl) -> None:
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None and nodes.world().node == 0:  # across nodes node 0's values are sent
-        try:
-            checked = _values_for(vars_, values, "broadcast", single)
-        except Exception as err:
-            nodes.failed_alone(s.proc, "broadcast", err)  # the other nodes are waiting in it
-            raise
-        for var, val in zip(vars_, checked):
+        # (a bad value raises here; the step still reaches the others: see nodes.stepped)
+        for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
     _send(s, CollectiveSpec("broadcast", sids, cpu=cpu),
           plan_key=None if values is not None else ("broadcast", resolve_key(shared_vars), None, nccl))
 
 
+@nodes.stepped("scatter")
 @context.serialized
 def scatter(shared_vars, values, batch=None):
     """Split each value along axis 0 and give each process its part.
@@ -218,7 +216,7 @@ def scatter(shared_vars, values, batch=None):
     s, vars_, sids, single = _resolve(shared_vars)
     # across nodes: node 0's values (the others may pass None)
     arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "scatter", single), "scatter",
-                                   sids)
+                                   sids, batch=batch)
     batches = []
     for var, arr in zip(vars_, arrays):
         if arr.ndim == 0:
@@ -231,6 +229,7 @@ def scatter(shared_vars, values, batch=None):
         _unstage(s, "scatter", len(arrays))
 
 
+@nodes.stepped("gather")
 def gather(shared_vars, nd_up=1, nccl=True):
     """Collect every process's value in the master, in rank order.
 
@@ -267,6 +266,7 @@ def _gather(shared_vars, nd_up, nccl):
     return _ret(joined, single)
 
 
+@nodes.stepped("all_gather")
 @context.serialized
 def all_gather(shared_vars, nccl=True):
     """Concatenate every process's value along axis 0 and store it in every process.
@@ -293,6 +293,7 @@ def all_gather(shared_vars, nccl=True):
     return _ret(_send(s, CollectiveSpec("all_gather", sids, cpu=cpu)), single)
 
 
+@nodes.stepped("reduce")
 def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """Combine every process's value with ``op`` into the master.
 
@@ -335,6 +336,7 @@ def _reduce(shared_vars, op, in_place, nccl):
     return None if in_place else _ret(res, single)
 
 
+@nodes.stepped("all_reduce")
 def all_reduce(shared_vars, op="avg", nccl=True):
     """Combine every process's value with ``op`` and store the result everywhere.
 
@@ -387,6 +389,7 @@ def _check_rank(s, rank):
     return int(rank)
 
 
+@nodes.stepped("set_value")
 @context.serialized
 def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
@@ -410,7 +413,7 @@ def set_value(rank, shared_vars, values, batch=None):
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
     arrays = nodes.from_first_node(s.proc, lambda: _values_for(vars_, values, "set_value", single),
-                                   "set_value", sids, rank)
+                                   "set_value", sids, rank, batch=batch)
     batches = [check_batch(batch, len(a)) if batch is not None else None for a in arrays]
     if batch is not None and any(a.ndim == 0 for a in arrays):
         raise ValueError("set_value: batch needs values with at least one dimension")
@@ -421,6 +424,7 @@ def set_value(rank, shared_vars, values, batch=None):
         _unstage(s, "set_value", len(arrays))
 
 
+@nodes.stepped("get_value")
 @context.serialized
 def get_value(rank, shared_vars):
     """The value(s) of shared variables in process ``rank``.
@@ -439,9 +443,13 @@ def get_value(rank, shared_vars):
     """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
-    return _ret(_send(s, CollectiveSpec("get_value", sids, rank=rank)), single)
+    got = _send(s, CollectiveSpec("get_value", sids, rank=rank))
+    if len(got) != len(vars_) or any(g is None for g in got):  # across nodes, a node that has joined
+        nodes.joined_rank(s.proc, rank, "get_value")
+    return _ret(got, single)
 
 
+@nodes.stepped("get_lengths")
 @context.serialized
 def get_lengths(shared_vars):
     """Length along axis 0 of each variable in every process.
@@ -465,6 +473,7 @@ def get_lengths(shared_vars):
     return _ret([np.array([sh[0] for sh in per]) for per in shapes], single)
 
 
+@nodes.stepped("get_shapes")
 @context.serialized
 def get_shapes(shared_vars):
     """Shape of each variable in every process.
@@ -806,13 +815,14 @@ def _run_host(proc, spec: CollectiveSpec):
     elif kind in ("scatter", "set_value"):
         _host_scatter(proc, spec, vars_)
     elif kind == "gather":
+        # (across nodes, a node that has joined gives no parts: it is left out, as in a call)
         return comm.gather(_resident(proc, spec.sids, vars_), root=root,
-                           join=lambda i, parts: join(parts, spec.nd_up, vars_[i]))
+                           join=lambda i, parts: join([p for p in parts if p is not None], spec.nd_up, vars_[i]))
     elif kind == "all_gather":
         got = comm.all_gather(_resident(proc, spec.sids, vars_))  # read in place, not via the slot
         out = []
         for v, parts in zip(vars_, got):
-            joined = np.concatenate(parts, axis=0)
+            joined = np.concatenate([p for p in parts if p is not None], axis=0)
             _assign(v, joined)
             out.append(joined)
         # the caller's arrays are new memory, never the variables' own values
@@ -839,7 +849,7 @@ def _run_host(proc, spec: CollectiveSpec):
         shapes = [np.array(v.get_value(borrow=True).shape, dtype=np.int64) for v in vars_]
         got = comm.gather(shapes, root=root)
         if got is not None:
-            return [[tuple(int(d) for d in sh) for sh in per] for per in got]
+            return [[tuple(int(d) for d in sh) for sh in per if sh is not None] for per in got]
     else:
         raise ValueError(f"unknown collective {kind!r}")
     return None

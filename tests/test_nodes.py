@@ -116,7 +116,8 @@ def test_random_divergence(tmp_path, n, sizes, seed):
 @needs_mpi
 def test_bad_broadcast_value_on_node_zero(tmp_path):
     """A value of the wrong ndim given to broadcast() on node 0 (None elsewhere): node 0
-    raises it, node 1 NodeFailedError naming it within seconds (it waited for ever)."""
+    raises it, node 1 PeerFailed naming it within seconds (it waited for ever), in the
+    same step: the next broadcast works on both."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "bad_broadcast", "1,2")
     assert verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
     _no_shm_left(tmp_path, 2)
@@ -404,3 +405,66 @@ def test_nodes_switched_off_under_mpirun(tmp_path):
                            "-x", "SYNKHRONOS_NODES", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+# -- steps that stay true after a user's own error, a join or a timeout -----------------------
+
+
+@needs_mpi
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(3, "2,1", marks=pytest.mark.long)],
+                         ids=["np2", "np3"])
+def test_caught_errors_keep_the_steps(tmp_path, n, sizes):
+    """Node 1's call fails a local check (a bad batch) and a collective a bad op, caught by
+    its script; it built a function that failed to compile; it makes one op-None call more;
+    it calls a function of one output group where node 0 calls one of two: every node
+    raises on that step (node 0's call used to return its step plus node 1's next, or
+    raise for good afterwards), the next identical steps work, and join() names node 1
+    when its last calls had op None only."""
+    rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", "caught", sizes)
+    assert_all_ok(rc, output, verdicts, n)
+    _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+def test_collectives_while_a_node_has_joined(tmp_path):
+    """Node 1 joins: scatter refuses (it kept rows 0-3 of 8 and dropped the rest),
+    set_value/get_value of node 1's rank raise ValueError naming the join, gather,
+    all_gather, get_lengths and get_shapes leave node 1 out (they raised AttributeError,
+    TypeError, IndexError); node 0 joined: broadcast, scatter and set_value each name
+    their own operation."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "joined_collectives", "2,1")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_fork_timeout_then_fork_again(tmp_path):
+    """Node 1 is 3 s late to make the communicator among the nodes: node 0's
+    fork(timeout=0.5) raises SynkTimeoutError, its fork() again waits for node 1, whose
+    fork(timeout=60) goes through (it raised the private _TimedOut after 3 s, with a
+    "waited 3036 s" warning, and both retries hung), and both call together."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "fork_retry", "1,2")
+    assert_all_ok(rc, output, verdicts, 2)
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_timeout_says_what_to_do(tmp_path):
+    """fork(timeout=2), node 1 5 s late for a call: node 0's SynkTimeoutError said
+    "synkhronos is usable", then its next call raised that the communicator was
+    abandoned; now it says to close() and fork() again, which works on both nodes."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "timeout_usable", "1,2")
+    # (mpirun's status is not checked: an abandoned exchange makes MPI abort the job at exit)
+    assert sorted(verdicts) == [0, 1] and verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_close_from_a_signal_handler_during_join(tmp_path):
+    """A signal handler calls synk.close() while node 1 waits in join(): join() raises
+    SynkError saying so (it raised AttributeError on a freed communicator, or a worker
+    'died'), node 0's next call names node 1's close(), and both fork again."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "close_in_join", "1,2")
+    # (mpirun's status is not checked: an abandoned exchange makes MPI abort the job at exit)
+    assert sorted(verdicts) == [0, 1] and verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    _no_shm_left(tmp_path, 2)

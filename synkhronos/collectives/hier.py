@@ -40,6 +40,9 @@ __all__ = ["HierarchicalCommunicator", "NodeCommunicator", "MASTERS"]
 MASTERS = "masters"
 
 _YES, _NO = np.ones(1, dtype=np.int8), np.zeros(1, dtype=np.int8)
+#: A gather's part of a node that has joined: its head (the pickled None) and its bytes.
+_JOINED_HEAD = np.frombuffer(pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 def _own_failure(failed) -> None:
@@ -296,7 +299,10 @@ class HierarchicalCommunicator(Communicator):
                 got = self._inter.gather([head, blob], root_node, failed=bad)
             if got is None:
                 return None
-            return [a for node in range(self.nodes) for a in (got[0][node], got[1][node])]
+            # a node that has joined (synk.join()) gave nothing: a head saying so, which the
+            # node's processes receive as arrays (an all_gather shares this inside the node)
+            return [a for node in range(self.nodes) for a in
+                    ((got[0][node], got[1][node]) if got[0][node] is not None else (_JOINED_HEAD, _EMPTY))]
 
         if root is MASTERS:
             def verdict(packed, bad):
@@ -317,10 +323,10 @@ class HierarchicalCommunicator(Communicator):
     def _unpack(self, packed, join):
         per_node = []
         for node in range(self.nodes):
-            if packed[2 * node] is None:  # a node that has joined (synk.join()): nothing of its own
-                per_node.append(([], np.empty(0, dtype=np.uint8)))
+            lays = None if packed[2 * node] is None else pickle.loads(np.asarray(packed[2 * node]).tobytes())
+            if lays is None:  # a node that has joined (synk.join()): nothing of its own
+                per_node.append(([], _EMPTY))
                 continue
-            lays = pickle.loads(np.asarray(packed[2 * node]).tobytes())
             per_node.append((lays, np.asarray(packed[2 * node + 1])))
         counts = {len(lays) for lays, _ in per_node if lays}
         if len(counts) > 1:

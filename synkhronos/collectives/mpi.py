@@ -90,6 +90,9 @@ JOINED = -1
 #: The step checksum in the last header of a node that left after a failure (see
 #: MpiCommunicator.leave).
 LEFT = -2
+#: The step checksum of a node whose step failed in its own checks before it knew its
+#: key (see MpiCommunicator.fail_step): it matches any step of the same number.
+FAILED = -3
 #: Largest failure notice (bytes); longer reasons are cut.
 NOTICE_BYTES = 2048
 
@@ -216,6 +219,10 @@ class MpiCommunicator(Communicator):
         self._comm = None
         self._notices = None        # the failure channel between nodes (group.Notices)
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
+        self.begun = 0              # steps begun here (a caller compares it to see whether it began one)
+        self._exchanges = 0         # exchanges of headers in this step so far
+        self._failed = None         # why this step failed on every node (known from an exchange), if it did
+        self.pre_begun = False      # a step begun before its command (see nodes.from_first_node)
         self._words = "fork()"      # what this step is, in words
         self._crcs: dict = {}       # step key -> its checksum
         self.waiting = None         # what this node master waits for the other nodes in, if it does
@@ -224,10 +231,20 @@ class MpiCommunicator(Communicator):
         self._leaving = None        # this node's last header (leave()): (request, buffers)
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
-        # duplicates, without blocking: data on one, failure notices on the other
-        comm_dup, req = comm.Idup()
-        ctl_dup, req2 = comm.Idup()
-        self._wait([req, req2], "creating the MPI communicator", notices=False)
+        # duplicates, without blocking: data on one, failure notices on the other. MPI pairs
+        # collectives in the order they start: duplicates an earlier try gave up waiting for are
+        # the ones the other nodes' (next) try meets, so they are waited for again, never new ones
+        pending, context.mpi_pending_dup = context.mpi_pending_dup, None
+        if pending is not None and pending[0] is comm:
+            comm_dup, req, ctl_dup, req2 = pending[1:]
+        else:
+            comm_dup, req = comm.Idup()
+            ctl_dup, req2 = comm.Idup()
+        try:
+            self._wait([req, req2], "creating the MPI communicator", notices=False)
+        except BaseException:
+            context.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
+            raise
         for c in (comm_dup, ctl_dup):
             c.Set_errhandler(MPI.ERRORS_RETURN)  # MPI errors become exceptions, never an abort
         self._comm = comm_dup
@@ -299,7 +316,8 @@ class MpiCommunicator(Communicator):
             # a leave's exchange completes later (see _answer_leave): its buffers outlive this object
             (context.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))
             if not isinstance(exc, NodeFailedError):
-                self.abort(f"{type(exc).__name__}: {exc}")
+                # (a stop of this node's own, such as close() meanwhile, says what it was in words)
+                self.abort(getattr(exc, "notice", None) or f"{type(exc).__name__}: {exc}")
             raise
         finally:
             self.waiting = None
@@ -337,16 +355,42 @@ class MpiCommunicator(Communicator):
         its arguments that make it, as a tuple) name the step in that error: they
         travel only then."""
         crc = self._crcs.get(key)
-        if crc is None:
+        if crc is None and key is not None:
             crc = self._crcs[key] = zlib.crc32(repr(key).encode())
             if len(self._crcs) > 4096:
                 self._crcs.clear()
         self.step = (self.step[0] + 1, crc)
         self._words = words
+        self.begun += 1
+        self._exchanges = 0
+        self._failed = None
 
-    def _mismatch(self, what: str) -> StepMismatchError:
+    def fail_step(self, what: str, reason: str, begun: bool) -> None:
+        """This node's step failed here before its first exchange (a bad argument, a
+        failed check, an error of its own before the others heard of it): make that
+        exchange all the same, flagging the failure, so that every node raises
+        :class:`PeerFailed` (or :class:`StepMismatchError`) in this very step and the
+        next step agrees. ``begun``: whether the step was numbered already (else it is
+        numbered now, its checksum FAILED, which matches any step of its number).
+        Nothing travels once the step made an exchange (the others heard of it there)
+        or when no step can be made any more; errors here are dropped (the caller
+        raises its own)."""
+        if not begun:
+            self.begin(None, f"{what} (failed here: {reason})"[:STEP_TEXT])
+            self.step = (self.step[0], FAILED)
+        if self._exchanges or self._failed is not None or self._comm is None or self.broken is not None \
+                or self.ended is not None:
+            return
+        try:
+            self._agree(what, None, failed=f"{what} failed there: {reason}")
+        except (PeerFailed, StepMismatchError, NodeFailedError, TypeError, SynkError):
+            pass
+
+    def _mismatch(self, what: str, heads) -> StepMismatchError:
         """Every node found that the steps differ: one more exchange, of each node's
-        words for its step (every node makes it, then raises the same error)."""
+        words for its step (every node makes it, then raises the same error). Every
+        node then takes the largest step number of the nodes taking part, so the next
+        step agrees again (a node that made one step more, or fewer, is caught up)."""
         words = self._words if isinstance(self._words, str) else self._words[0](*self._words[1:])
         mine = np.zeros(STEP_TEXT, dtype=np.uint8)
         raw = f"{words} (step {self.step[0]})".encode()[:STEP_TEXT]
@@ -355,6 +399,9 @@ class MpiCommunicator(Communicator):
         self._wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
                    (mine, every))
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
+        numbers = [h[1] for h in heads if h[2] != JOINED]
+        if numbers:
+            self.step = (max(numbers), self.step[1])
         return StepMismatchError(what, texts)
 
     def _agree(self, what: str, arrays, weight=1.0, failed=False, inline=False, op=None, root=None):
@@ -367,6 +414,10 @@ class MpiCommunicator(Communicator):
         A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
         self._enter(what)
+        if self._failed is not None:
+            # every node learnt in one exchange of this step that it failed: none makes another,
+            # so every node makes the same number of exchanges in it, whatever each had left to do
+            raise PeerFailed(f"{what}: {self._failed}")
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
         # a failure may come with its reason (a string: what failed where), cut to fit
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
@@ -376,8 +427,13 @@ class MpiCommunicator(Communicator):
             payload = [_as_bytes(a).tobytes() for a in arrays]
         plan = (_WHAT_CODES.get(what, 0), _OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
-        self._same_step(what, heads)
-        self._no_failure(what, metas)
+        try:
+            self._same_step(what, heads)
+            self._no_failure(what, metas)
+        except (StepMismatchError, PeerFailed, TypeError) as err:
+            if self.begun:  # (a communicator whose user numbers no steps makes each exchange a step)
+                self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
+            raise
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
 
@@ -390,6 +446,7 @@ class MpiCommunicator(Communicator):
         room = HEADER_SLOT - _HEAD.size
         req, (slot, slots) = self._post_header(blob, mark, plan)
         self._wait([req], what, (slot, slots), header=True)
+        self._exchanges += 1
         heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
         lens = [h[0] for h in heads]
         marks = {h[2] for h in heads}
@@ -423,8 +480,10 @@ class MpiCommunicator(Communicator):
                 break
         else:
             return
-        if len({h[1:3] for h in heads if h[2] != JOINED}) > 1:  # (a joined node's head differs)
-            raise self._mismatch(what)
+        active = [h for h in heads if h[2] != JOINED]  # (a joined node's head differs)
+        # a node whose step failed before it knew its key (FAILED) matches any step of its number
+        if len({h[1] for h in active}) > 1 or len({h[2] for h in active if h[2] != FAILED}) > 1:
+            raise self._mismatch(what, heads)
 
     def _no_failure(self, what: str, metas) -> None:
         """PeerFailed (every node) when a node flagged a failure; TypeError for object arrays."""
@@ -506,9 +565,10 @@ class MpiCommunicator(Communicator):
 
     # -- collectives -------------------------------------------------------
 
-    def barrier(self) -> None:
-        """An exchange of headers (not MPI's barrier): nodes in different steps find out."""
-        self._agree("barrier", None)
+    def barrier(self, failed=False) -> None:
+        """An exchange of headers (not MPI's barrier): nodes in different steps find out;
+        ``failed`` (a reason, or True) makes every node raise :class:`PeerFailed`."""
+        self._agree("barrier", None, failed=failed)
 
     def _reduce(self, arrays, op, weight, failed, root, in_place=False, into=None):
         what = "all_reduce" if root is None else "reduce"
@@ -763,7 +823,7 @@ class MpiCommunicator(Communicator):
         """As :meth:`gather`, on every node."""
         return self._gather(arrays, None, failed, join, "all_gather")
 
-    def broadcast(self, arrays, root, failed=False, receive=None):
+    def broadcast(self, arrays, root, failed=False, receive=None, what="broadcast"):
         """Node ``root``'s arrays on every node (root gets its own back);
         ``receive(i, array)``, if given, places array ``i`` on the other nodes
         and returns what to give back for it.
@@ -776,17 +836,17 @@ class MpiCommunicator(Communicator):
         is_root = self.rank == root
         arrays_ = [np.asarray(a) for a in arrays] if is_root and arrays is not None else None
         metas = self._agree("broadcast", arrays_, 1.0, failed, root=root)
-        return self._broadcast_rest(arrays_, metas, root, receive)
+        return self._broadcast_rest(arrays_, metas, root, receive, what)
 
-    def _broadcast_rest(self, arrays_, metas, root, receive=None):
+    def _broadcast_rest(self, arrays_, metas, root, receive=None, what="broadcast"):
         """A broadcast once every node's header is known."""
         is_root = self.rank == root
         layout = metas[root][0]
         if layout is None:
             if root in self.joined:
-                raise ValueError(f"broadcast: root node {root} has joined (synk.join()): it has no "
+                raise ValueError(f"{what}: root node {root} has joined (synk.join()): it has no "
                                  "values to send")
-            raise ValueError(f"broadcast: root node {root} gave no arrays")
+            raise ValueError(f"{what}: root node {root} gave no arrays")
         MPI = self._MPI
         sizes = [math.prod(s) * np.dtype(d).itemsize for d, s in layout]
 

@@ -32,6 +32,14 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``join_close``: node 1 joins, node 0 calls twice, then closes without joining.
 - ``random:<seed>:<count>``: random sequences of steps drawn alike on every
   node; node 1 perturbs one step of most of them (scenario_random).
+- ``caught``: node 1's own errors, caught by its script (a bad batch, a bad op,
+  a failed build), one op-None call more, two output groups against one: every
+  node raises in that step and the next one agrees; join() after op-None calls.
+- ``joined_collectives``: every shared-variable collective while a node has joined.
+- ``fork_retry``: node 0's fork(timeout=0.5) times out while node 1 is late to
+  connect, then fork() again; then node 0 is late and node 1's fork(timeout=60) waits.
+- ``timeout_usable``: fork(timeout=2), node 1 late for a call: what the error says holds.
+- ``close_in_join``: a signal handler calls close() while node 1 waits in join().
 """
 
 from __future__ import annotations
@@ -584,8 +592,8 @@ def scenario_random(v, node, node_sizes, seed, count):
 
 def scenario_bad_broadcast(v, node, node_sizes):
     """Node 0 passes broadcast() a value of the wrong ndim (the others pass None): node 0
-    raises the ValueError, every other node NodeFailedError naming it within seconds
-    (they waited for ever)."""
+    raises the ValueError, every other node PeerFailed naming it within seconds (they
+    waited for ever), in the same step: the next broadcast works."""
     w = pytensor.shared(np.ones(3), name="w")
     synk.function([], w.sum(), mode=MODE)
     synk.distribute()
@@ -594,7 +602,11 @@ def scenario_bad_broadcast(v, node, node_sizes):
     if node == 0:
         v.expect(text.startswith("TypeError") or text.startswith("ValueError"), f"node 0's own error: {text}")
     else:
-        v.expect(text.startswith("NodeFailedError") and "broadcast failed on node 0" in text, text)
+        # in the same step (it waited for ever, then was told through the abandoned communicator)
+        v.expect(text.startswith("PeerFailed") and "node(s) [0]" in text and "broadcast failed there" in text, text)
+    # the step was taken on every node: the next one agrees
+    synk.broadcast(w, np.full(3, 2.0) if node == 0 else None)
+    v.expect(np.allclose(synk.get_value(sum(node_sizes) - 1, w), 2.0), "the broadcast after the failed one")
 
 
 def scenario_timeout(v, node, node_sizes):
@@ -700,10 +712,257 @@ def scenario_join_close(v, node, node_sizes):
         v.expect(np.allclose(f(b), b.sum(0)), f"node 0 alone, step {t}")
 
 
+# -- steps that stay true after a user's own error, a join or a timeout ----------------------
+
+
+def _step_ok(v, what, call, want):
+    """``call()`` returns ``want`` (checked against numpy)."""
+    try:
+        got = call()
+    except Exception as err:  # noqa: BLE001
+        v.expect(False, f"{what}: raised {type(err).__name__}: {err}")
+        return
+    v.expect(np.allclose(got, want), f"{what}: {got} != {want}")
+
+
+def scenario_caught(v, node, node_sizes):
+    """Node 1 fails a local check and its script catches it (finding 1), builds a
+    function that fails to compile (6), makes one more op-None call (4), calls a
+    function of one output group where node 0 calls one of two (5): every node
+    raises on that step, never returns a wrong value, and the next identical step
+    works. Then node 1's last calls before join() have op None only (3): join()
+    names node 1 on every node."""
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.full(3, node + 1.0), name="w")
+    data, per_node = all_rows(node_sizes)
+    mine = per_node[node]
+    size = sum(node_sizes)
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    f2 = synk.function([x], [(x.sum(axis=0), "sum"), (x.max(axis=0), "max")], mode=MODE, name="f2")
+    h = synk.function([x], (x.sum(axis=0), None), mode=MODE, name="h")
+    synk.function([], (w.sum(), "sum"), mode=MODE, name="k")
+    if node == 1:  # (6) a build that fails after its id was taken, caught
+        try:
+            synk.function([x], x.sum(), mode="NoSuchMode")
+            v.expect(False, "the bad build raised nothing")
+        except Exception:  # noqa: BLE001
+            pass
+    g = synk.function([x], (x.min(axis=0), "min"), mode=MODE, name="g")
+    synk.distribute()
+    _step_ok(v, "(6) the first call of a function built after node 1's failed build", lambda: g(mine),
+             data.min(0))
+    # (1) a bad batch on node 1, caught: every node raises in that step
+    text = raises_soon(v, (lambda: f(mine, batch=[0, 99])) if node == 1 else (lambda: f(mine)),
+                       "(1) a call that failed a check on node 1")
+    v.expect(text.startswith("IndexError") if node == 1 else "node(s) [1]" in text, f"(1): {text}")
+    for t in range(2):
+        _step_ok(v, f"(1) call {t} after the caught error", lambda: f(mine), data.sum(0))
+    # (1) the same for a collective: a bad op on node 1
+    text = raises_soon(v, (lambda: synk.all_reduce(w, "no such op")) if node == 1
+                       else (lambda: synk.all_reduce(w, "sum")), "(1) a collective that failed on node 1")
+    v.expect(text.startswith("ValueError") if node == 1 else "node(s) [1]" in text, f"(1) all_reduce: {text}")
+    wsum = sum(node_sizes[k] * (k + 1.0) for k in range(len(node_sizes)))
+    _step_ok(v, "(1) reduce after the failed collective", lambda: synk.reduce(w, "sum", in_place=False), wsum)
+    # (4) one op-None call more on node 1
+    if node == 1:
+        text = raises_soon(v, lambda: h(mine), "(4) node 1's extra op-None call")
+        v.expect(text.startswith("StepMismatchError"), f"(4) node 1: {text}")
+    else:
+        text = raises_soon(v, lambda: f(mine), "(4) the call node 1's extra call met")
+        v.expect(text.startswith("StepMismatchError"), f"(4): {text}")
+    for t in range(2):
+        _step_ok(v, f"(4) call {t} after the extra op-None call", lambda: f(mine), data.sum(0))
+    # (5) two output groups against one
+    text = raises_soon(v, (lambda: f(mine)) if node == 1 else (lambda: f2(mine)), "(5) f2 against f")
+    v.expect(text.startswith("StepMismatchError") and "ranks [" not in text.split("|")[0], f"(5): {text}")
+    for t in range(2):
+        _step_ok(v, f"(5) call {t} after f2 against f", lambda: f(mine), data.sum(0))
+    _step_ok(v, "(5) f2 after f2 against f", lambda: f2(mine)[1], data.max(0))
+    # (3) node 1's last calls have op None only: join() names node 1
+    _step_ok(v, "(3) the call before", lambda: f(mine), data.sum(0))
+    if node == 1:
+        for t in range(2):
+            own = mine[slice(*split(len(mine), node_sizes[node], 0))]  # op None: the master's rows
+            _step_ok(v, f"(3) node 1's op-None call {t}", lambda: h(mine), own.sum(0))
+    last = synk.join()
+    v.expect(last == 1, f"(3) join() returned {last}, node 1 joined last")
+    _step_ok(v, "the call after join()", lambda: f(mine), data.sum(0))
+
+
+def scenario_joined_collectives(v, node, node_sizes):
+    """Node 1 joins at once; node 0 then runs every shared-variable collective (finding 2):
+    scatter refuses (it would drop node 1's rows), set_value and get_value of node 1's
+    rank raise ValueError naming the join, gather, all_gather, get_lengths and get_shapes
+    leave node 1 out; a broadcast, scatter and set_value of node 0's values while node 0
+    has joined name their own operation (finding 9). Then every node steps together."""
+    w = pytensor.shared(np.full(3, node + 1.0), name="w")
+    r = pytensor.shared(np.zeros((2, 2)), name="r")
+    synk.function([], [(w.sum(), "sum"), (r.sum(), "sum")], mode=MODE, name="k")
+    synk.distribute()
+    n0 = node_sizes[0]
+    other = n0  # node 1's first global rank
+    if node == 1:
+        v.expect(synk.join() == 0, "node 0 joined last")
+    else:
+        text = raises_soon(v, lambda: synk.scatter(r, np.ones((8, 2))), "scatter while node 1 joined")
+        v.expect(text.startswith("ValueError") and "join" in text and "node" in text, f"scatter: {text}")
+        text = raises_soon(v, lambda: synk.set_value(other, w, np.zeros(3)), "set_value of a joined rank")
+        v.expect(text.startswith("ValueError") and "join" in text, f"set_value: {text}")
+        text = raises_soon(v, lambda: synk.get_value(other, w), "get_value of a joined rank")
+        v.expect(text.startswith("ValueError") and "join" in text, f"get_value: {text}")
+        for name, call, want in (
+                ("gather", lambda: synk.gather(w), np.ones((n0, 3))),
+                ("all_gather", lambda: synk.all_gather(r), np.zeros((2 * n0, 2))),
+                ("get_lengths", lambda: synk.get_lengths(r), np.full(n0, 2 * n0)),
+                ("get_shapes", lambda: np.array(synk.get_shapes(w)), np.full((n0, 1), 3))):
+            try:
+                got = call()
+                v.expect(np.shape(got) == np.shape(want) and np.allclose(got, want), f"{name}: {got} != {want}")
+            except Exception as err:  # noqa: BLE001
+                v.expect(False, f"{name} while node 1 joined: {type(err).__name__}: {err}")
+        _step_ok(v, "set_value of node 0's own rank", lambda: (synk.set_value(0, w, np.full(3, 5.0)),
+                                                                synk.get_value(0, w))[1], np.full(3, 5.0))
+        v.expect(synk.join() == 0, "node 0 joined last")
+    # node 0 joins; node 1 reads values from it: each error names its own operation
+    if node == 0:
+        v.expect(synk.join() == 1, "node 1 joined last (second join)")
+    else:
+        for what, call in (("broadcast", lambda: synk.broadcast(w)),
+                           ("scatter", lambda: synk.scatter(r, None)),
+                           ("set_value", lambda: synk.set_value(other, w, None))):
+            text = raises_soon(v, call, f"{what} from node 0 that joined")
+            v.expect(text.startswith(f"ValueError: {what}") and "joined" in text, f"{what}: {text}")
+        v.expect(synk.join() == 1, "node 1 joined last (second join)")
+    got = synk.reduce(w, "sum", in_place=False)
+    v.expect(got is not None and np.isfinite(got).all(), f"a reduce after both joins: {got}")
+
+
+def scenario_fork_retry(v, node, sizes):
+    """Finding 7: node 1 is 3 s late to make the communicator among the nodes (after MPI
+    started); node 0's fork(timeout=0.5) raises SynkTimeoutError (never the private
+    _TimedOut), its retry fork() without a timeout waits for node 1 (fork(timeout=60)),
+    and both then call together; no "waited 3036 s" warning anywhere."""
+    import logging
+
+    warned = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            warned.append(record.getMessage())
+
+    logging.getLogger("synkhronos").addHandler(Catch())
+    if node == 1:
+        import synkhronos.nodes as sn
+
+        real = sn.BACKENDS["mpi"]
+
+        def late(*args, **kwargs):
+            time.sleep(3)
+            return real(*args, **kwargs)
+
+        sn.BACKENDS = dict(sn.BACKENDS, mpi=late)
+        t0 = time.perf_counter()
+        try:
+            synk.fork(sizes[1 % len(sizes)], device="cpu", timeout=60)
+        except BaseException as err:  # noqa: BLE001
+            v.expect(False, f"node 1's fork(timeout=60): {type(err).__name__}: {err}")
+            raise
+        sn.BACKENDS = dict(sn.BACKENDS, mpi=real)
+        v.expect(time.perf_counter() - t0 < 30, "node 1's fork took long")
+    else:
+        t0 = time.perf_counter()
+        try:
+            synk.fork(sizes[0], device="cpu", timeout=0.5)
+            v.expect(False, "node 0's fork(timeout=0.5) raised nothing")
+        except synk.SynkTimeoutError as err:
+            v.expect(time.perf_counter() - t0 < 2.5, f"raised after {time.perf_counter() - t0:.1f} s")
+            v.info["error"] = str(err)
+        except BaseException as err:  # noqa: BLE001
+            v.expect(False, f"node 0's fork(timeout=0.5): {type(err).__module__}.{type(err).__name__}: {err}")
+        v.expect(synk.context.current() is None, "the fork that timed out is closed")
+        synk.fork(sizes[0], device="cpu")
+    node_sizes = tuple(sizes[k % len(sizes)] for k in range(int(os.environ["OMPI_COMM_WORLD_SIZE"])))
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    data, per_node = all_rows(node_sizes)
+    _step_ok(v, "a call once both forked", lambda: f(per_node[node]), data.sum(0))
+    # node 0 is 4 s late to fork again: node 1's fork(timeout=60) waits for it (it raised the
+    # private _TimedOut after 3 s: the wait's start was never set)
+    synk.close()
+    if node == 0:
+        time.sleep(4)
+    try:
+        synk.fork(sizes[node % len(sizes)], device="cpu", timeout=60 if node == 1 else None)
+    except BaseException as err:  # noqa: BLE001
+        v.expect(False, f"fork() again: {type(err).__module__}.{type(err).__name__}: {err}")
+        raise
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
+    _step_ok(v, "a call once both forked again", lambda: f(per_node[node]), data.sum(0))
+    long_waits = [m for m in warned if "waited" in m]
+    v.expect(not long_waits, f"warnings of long waits: {long_waits}")
+    return synk.context.current().proc.prefix
+
+
+def scenario_timeout_usable(v, node, node_sizes):
+    """Finding 8: fork(timeout=2); node 1 is 5 s late for a call: node 0's SynkTimeoutError
+    either says synkhronos is usable and the next call works, or says to close() and fork()
+    again, and doing so works on every node."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    data, per_node = all_rows(node_sizes)
+    mine = per_node[node]
+    _step_ok(v, "before node 1 was late", lambda: f(mine), data.sum(0))
+    if node == 1:
+        time.sleep(5)
+        text = raises_soon(v, lambda: f(mine), "node 1's late call")
+    else:
+        text = raises_soon(v, lambda: f(mine), "a call node 1 is late for")
+        v.expect(text.startswith("SynkTimeoutError"), f"node 0: {text}")
+    if "is usable" in text:
+        _step_ok(v, "the call after an error that says usable", lambda: f(mine), data.sum(0))
+    else:
+        v.expect("synk.close()" in text and "synk.fork()" in text, f"says what to do: {text}")
+        synk.close()
+        synk.fork(node_sizes[node], device="cpu", timeout=20)
+        f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+        _step_ok(v, "a call after close() and fork()", lambda: f(mine), data.sum(0))
+
+
+def scenario_close_in_join(v, node, node_sizes):
+    """Finding 9: node 1 joins; a signal handler calls synk.close() while it waits in
+    join(): join() raises SynkError saying close() was called, the fork is closed,
+    nothing leaks; node 0's call raises naming node 1's close(), never a worker death;
+    both fork again and call together."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    data, per_node = all_rows(node_sizes)
+    mine = per_node[node]
+    _step_ok(v, "before", lambda: f(mine), data.sum(0))
+    if node == 1:
+        old = signal.signal(signal.SIGUSR1, lambda *_: synk.close())
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        threading_timer = __import__("threading").Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+        threading_timer.start()
+        text = raises_soon(v, synk.join, "join() closed by a signal handler")
+        signal.signal(signal.SIGUSR1, old)
+        v.expect(text.startswith("SynkError") and "close()" in text and "join" in text, f"node 1: {text}")
+        v.expect(synk.context.current() is None, "node 1's fork is closed")
+    else:
+        time.sleep(3)  # (a call before node 1's close() is served by its join(): node 0's rows only)
+        text = raises_soon(v, lambda: f(mine), "node 0's call after node 1 closed in join()")
+        v.expect("died" not in text and "close" in text and "node 1" in text, f"node 0: {text}")
+        synk.close()
+    synk.fork(node_sizes[node], device="cpu")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    _step_ok(v, "a call after both forked again", lambda: f(mine), data.sum(0))
+
+
 #: The scenarios that take (verdict, node, node sizes), by name.
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
-             "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave}
+             "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
+             "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
+             "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join}
 
 
 def main() -> int:
@@ -724,12 +983,12 @@ def main() -> int:
             synk.fork(sizes[0], device="cpu")  # waits for MPI to start: mpirun stops it
             v.write()
             return 0
-        if scenario == "late_start":
-            prefixes.append(scenario_late_start(v, node, sizes))
+        if scenario in ("late_start", "fork_retry"):
+            prefixes.append((scenario_late_start if scenario == "late_start" else scenario_fork_retry)(v, node, sizes))
             synk.close()
             (v.path.parent / f"shm.{node}.txt").write_text("\n".join(my_shm(prefixes)))
             return 0 if v.write() else 1
-        synk.fork(sizes[node % len(sizes)], device="cpu", timeout=3.0 if scenario == "timeout" else None)
+        synk.fork(sizes[node % len(sizes)], device="cpu", timeout={"timeout": 3.0, "timeout_usable": 2.0}.get(scenario))
         prefixes.append(synk.context.current().proc.prefix)
         v.info["affinity"] = sorted(os.sched_getaffinity(0))
         node_sizes = check_identity(v, node, sizes, synk.world())
