@@ -128,6 +128,48 @@ def test_sum_of_switch_less_log_equals_the_old_sum():
     assert np.isnan(new(np.array([0.5, np.nan]), np.array([1, 2])))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_bounded_link_checks_hold_exactly_where_the_old_ones_do(dtype):
+    """``sigmoid(x) >= 0``, ``sigmoid(x) <= 1``, ``exp(x) >= 0`` against ``~isnan(x)`` on random
+    and extreme values (infinities, NaN, overflows): the same truth everywhere; and no sigmoid
+    or exp left to compute."""
+    x = pt.vector("x", dtype=dtype)
+    outs = [pt.ge(pt.sigmoid(x), 0), pt.le(pt.sigmoid(x), 1), pt.ge(pt.exp(x), 0)]
+    fg = _rewritten([x], outs)
+    assert not _ops(fg) & {"Sigmoid", "Exp"}, _ops(fg)
+    old, new = pytensor.function([x], outs, mode=RAW), pytensor.function(fg.inputs, fg.outputs, mode=RAW)
+    for seed in range(5):
+        values, _ = _inputs(seed)
+        with np.errstate(all="ignore"):
+            values = values.astype(dtype)
+            for got, want in zip(new(values), old(values)):
+                np.testing.assert_array_equal(got, want)
+    # a bound it cannot prove is left alone
+    other = _rewritten([x], [pt.ge(pt.sigmoid(x), 0.5), pt.gt(pt.exp(x), 0)])
+    assert {"Sigmoid", "Exp"} <= _ops(other)
+
+
+def test_sum_of_guarded_equals_the_old_sum():
+    """``sum(switch(g, x, -inf))`` with one condition for all rows, as PyMC's parameter checks
+    become: ``switch(g, sum(x), -inf)``, the same where ``g`` holds and where it fails, with
+    infinite and NaN rows; then the log term is summed apart as before."""
+    x, y, s = pt.dvector("x"), pt.lvector("y"), pt.dscalar("s")
+    term = pt.switch(pt.lt(y, 0), -np.inf, x * y - pt.log1p(pt.exp(x)))
+    guarded = pt.switch(pt.all(pt.ge(pt.exp(s), 0)) & (s < 3), term, -np.inf).sum()
+    fg = _rewritten([x, y, s], [guarded])
+    old = pytensor.function([x, y, s], guarded, mode=RAW)
+    new = pytensor.function(fg.inputs, fg.outputs[0], mode=RAW)
+    assert fg.outputs[0].owner is not None and "Switch" in str(fg.outputs[0].owner.op)
+    for seed in range(10):
+        values, rng = _inputs(seed, n=500)
+        ys = rng.integers(-1 if seed % 3 == 0 else 0, 4, values.size)
+        for sv in (0.5, 5.0, np.nan, -np.inf):
+            with np.errstate(all="ignore"):
+                got, want = new(values, ys, sv), old(values, ys, sv)
+            assert (np.isnan(got) and np.isnan(want)) or got == want or np.isclose(got, want, rtol=1e-12), \
+                (seed, sv, got, want)
+
+
 @pytest.mark.parametrize("case", ["axis", "finite constant", "no log", "broadcast log", "plain switch"])
 def test_other_graphs_are_left_alone(case):
     x, y, m, r = pt.dvector("x"), pt.lvector("y"), pt.dmatrix("m"), pt.drow("r")
