@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytensor
@@ -12,7 +13,7 @@ from numpy.testing import assert_allclose
 from scipy import optimize
 
 import synkhronos as synk
-from conftest import MODE
+from conftest import MODE, run_python
 
 
 def _logistic(X, y, theta):
@@ -177,31 +178,47 @@ def test_pickle_in_the_same_process_only(fork):
     assert pickle.loads(pickle.dumps(op)) is op
 
 
-def test_jax_rendering_one_call_per_value_and_gradient(fork):
+def test_jax_rendering_one_call_per_value_and_gradient():
     """jax.value_and_grad of a graph holding the Op: PyTensor's JAX backend renders it as a
-    callback with a custom VJP, whose forward pass brings the gradient from the same call."""
-    jax = pytest.importorskip("jax")
-    fork(2)
-    from pytensor.graph.fg import FunctionGraph
-    from pytensor.link.jax.dispatch import jax_funcify
+    callback with a custom VJP, whose forward pass brings the gradient from the same call.
+    In a fresh Python: JAX started in the test process would keep later tests' forks from
+    binding GPUs or running JAX in their workers."""
+    pytest.importorskip("jax")
+    here = Path(__file__).resolve().parent
+    done = run_python("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import pytensor
+        import pytensor.tensor as pt
+        from numpy.testing import assert_allclose
+        import synkhronos as synk
+        synk.fork(2, device="cpu")
+        import jax
+        from pytensor.graph.fg import FunctionGraph
+        from pytensor.link.jax.dispatch import jax_funcify
+        from synkhronos.graph_op import register_jax
+        import test_as_op as T
 
-    from synkhronos.graph_op import register_jax
-
-    register_jax()
-    f, (X, y, theta) = _value_and_grad_function()
-    rng = np.random.default_rng(7)
-    Xv, yv = _data(rng, 33, 3)
-    op = f.as_op(given={X: synk.data(Xv), y: yv}, grads={0: [1]})
-    calls = _count_calls(op)
-    t = pt.dvector("t")  # no static shape: the gradient's shape comes from the input
-    cost = 3.0 * op(t)[0] + (t ** 2).sum()
-    jfn = jax_funcify(FunctionGraph([t], [cost], clone=True))
-    value, grad = jax.value_and_grad(lambda x: jfn(x)[0])(np.array([0.1, -0.2, 0.3]))
-    assert len(calls) == 1
-    ref_cost = 3.0 * _logistic(pt.constant(Xv), pt.constant(yv), t) + (t ** 2).sum()
-    ref = pytensor.function([t], [ref_cost, pytensor.grad(ref_cost, t)], mode=MODE)(np.array([0.1, -0.2, 0.3]))
-    assert_allclose(value, ref[0], rtol=1e-10)
-    assert_allclose(grad, ref[1], rtol=1e-10)
+        register_jax()
+        f, (X, y, theta) = T._value_and_grad_function()
+        rng = np.random.default_rng(7)
+        Xv, yv = T._data(rng, 33, 3)
+        op = f.as_op(given={X: synk.data(Xv), y: yv}, grads={0: [1]})
+        calls = T._count_calls(op)
+        t = pt.dvector("t")  # no static shape: the gradient's shape comes from the input
+        cost = 3.0 * op(t)[0] + (t ** 2).sum()
+        jfn = jax_funcify(FunctionGraph([t], [cost], clone=True))
+        value, grad = jax.value_and_grad(lambda x: jfn(x)[0])(np.array([0.1, -0.2, 0.3]))
+        assert len(calls) == 1, calls
+        ref_cost = 3.0 * T._logistic(pt.constant(Xv), pt.constant(yv), t) + (t ** 2).sum()
+        ref = pytensor.function([t], [ref_cost, pytensor.grad(ref_cost, t)], mode=T.MODE)(np.array([0.1, -0.2, 0.3]))
+        assert_allclose(value, ref[0], rtol=1e-10)
+        assert_allclose(grad, ref[1], rtol=1e-10)
+        synk.close()
+        print("OK")
+    """, [here, here.parent], timeout=240, JAX_PLATFORMS="cpu")
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def test_an_averaged_log_probability_warns(fork):

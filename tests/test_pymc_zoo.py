@@ -192,7 +192,7 @@ def test_zoo_in_jax_mode():
         import test_pymc_zoo as T
         spm = T._spm()
         with pytensor.config.change_flags(mode=T.MODE):
-            for name in Z.FINDINGS:
+            for name in Z.JAX_FINDINGS:
                 rng = np.random.default_rng(11)
                 model = Z.ZOO[name](rng, {ROWS})
                 dp = spm.data_parallel(model)  # "auto": JAX wherever PyTensor renders the share in JAX
