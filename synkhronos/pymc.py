@@ -249,18 +249,6 @@ def _guard(model):
     return guard
 
 
-def _ancestors(graphs) -> set:
-    seen, todo = set(), list(graphs)
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v.owner is not None:
-            todo.extend(v.owner.inputs)
-    return seen
-
-
 def _data_leaves(terms) -> list:
     """The data in the observed terms: shared tensors and constants of at least one axis."""
     out = []
@@ -497,9 +485,9 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
-    mode = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
+    mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
-        outs = JaxValueAndGrad(inputs, total, [inputs.index(v) for v in continuous])(*inputs)
+        outs = jax_op(*inputs)
         total, grads = outs[0], outs[1:]
         total.name = "observed_logp"
     else:
@@ -531,20 +519,21 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     return split
 
 
-def _jax_if_it_renders(mode, inputs, total, wrt):
-    """``mode``, ``"auto"`` resolved: JAX where it is installed and PyTensor's JAX backend
-    renders every op of the share, else PyTensor's default. ``mode="JAX"`` with an op that
-    has no JAX rendering is a ValueError that names it."""
+def _jax_if_it_renders(mode, inputs, total, wrt) -> tuple:
+    """``(mode, the share's JaxValueAndGrad or None)``, ``"auto"`` resolved: JAX where it is
+    installed and PyTensor's JAX backend renders every op of the share, else PyTensor's
+    default. ``mode="JAX"`` with an op that has no JAX rendering is a ValueError that names it."""
     if mode not in ("auto", "JAX") or (mode == "auto" and default_mode() != "JAX"):
-        return None if mode == "auto" else mode
+        return (None if mode == "auto" else mode), None
+    op = JaxValueAndGrad(inputs, total, wrt)
     try:
-        JaxValueAndGrad(inputs, total, wrt).jax_function()
+        op.jax_function()
     except NotImplementedError as err:
         if mode == "auto":  # e.g. erfcx (a censored Normal) in PyTensor 2's JAX backend
-            return None
+            return None, None
         raise ValueError(f"mode='JAX': PyTensor's JAX backend cannot render the observed terms ({err}); "
                          "give mode=None (PyTensor's default backend) or install what the message names") from err
-    return "JAX"
+    return "JAX", op
 
 
 class _Following:
