@@ -149,8 +149,10 @@ def jax_eval(model, rewrite=False) -> float:
             return inner(*x)[0]
     else:
         logp = get_jaxified_logp(model, negative_logp=False)
-    vg = jax.jit(jax.value_and_grad(lambda *x: logp(x)))
+    # the gradient with respect to every value variable, as numpyro's NUTS takes it (until
+    # 2026-11-27 this took the first only: StudentT's nu and sigma gradients were left out)
     x = [np.full(np.shape(model.initial_point()[v.name]), 0.05) for v in model.value_vars]
+    vg = jax.jit(jax.value_and_grad(lambda *x: logp(x), argnums=tuple(range(len(x)))))
     return time_eval(lambda xs: jax.block_until_ready(vg(*xs)), x)
 
 

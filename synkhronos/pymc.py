@@ -12,15 +12,17 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Apply, Variable
+from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.op import Op
 from pytensor.graph.replace import clone_replace, graph_replace
 from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
+from synkhronos.batching import split as split_evenly
 from synkhronos.graph_op import register_jax, register_numba
 from synkhronos.row_split import Coupling, hoist_data_only, split_rows
 from synkhronos.tuning import available_cores, xla_flags
-from synkhronos.xla_rewrites import render_for_xla
+from synkhronos.xla_rewrites import FeatureMajor, feature_major, prepare_for_xla, read_by_dots_only, render_for_xla
 
 try:
     import pymc as pm
@@ -55,6 +57,17 @@ class _Split:
     checker: object = None  # the numerical check of the split, run again after pm.set_data
     derived: list = dataclasses.field(default_factory=list)  # synk.data of per-row parts computed once
     derive: object = None   # computes them from the per-row data (rows' order), after every change
+    feature_major: frozenset = frozenset()  # positions in rows whose copy is laid out feature-major
+
+    def stored(self, i: int, value) -> np.ndarray:
+        """The value of ``rows[i]`` as its shared-memory copy holds it: the one rule, at the
+        split and after every ``pm.set_data``. Feature-major copies are laid out by the rows
+        each process of this node takes of a call's scattered inputs (``batching.split``
+        over the node's processes, in rank order, as every call splits them)."""
+        if i not in self.feature_major:
+            return value
+        n, size = len(value), synk.world().local_size
+        return feature_major(value, [split_evenly(n, size, r) for r in range(size)])
 
 
 class DataParallelModel:
@@ -485,12 +498,21 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
+    fm = set()
+    if _resolve_mode(mode) == "JAX" and continuous:
+        fm = _feature_major_rows(inputs, total, row_in[:len(row_leaves)])
+        stored = {row_in[i]: row_in[i].type(name=row_in[i].name) for i in fm}
+        total = graph_replace(total, {x: FeatureMajor()(d).T for x, d in stored.items()}, strict=False)
+        total.name = "observed_logp"
+        row_in, inputs = [stored.get(v, v) for v in row_in], [stored.get(v, v) for v in inputs]
     mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
         outs = jax_op(*inputs)
         total, grads = outs[0], outs[1:]
         total.name = "observed_logp"
     else:
+        if fm:  # pragma: no cover - _resolve_mode and _jax_if_it_renders decide alike
+            raise AssertionError("feature-major rows outside JAX mode")
         grads = pytensor.grad(total, continuous) if continuous else []
     for g, v in zip(grads, continuous):
         g.name = f"d_observed_logp/d_{v.name}"
@@ -502,21 +524,39 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     f = synk.function(row_in + glob_in + rv_in, [(total, "sum")] + [(g, "sum") for g in grads],
                       bcast_inputs=glob_in + rv_in, name="pymc_observed_logp", **kwargs)
     synk.distribute()
-    copies = {var: synk.data(_value(leaf), var=var, name=var.name) for leaf, var in zip(row_leaves, row_in)}
+    split = _Split(None, None, [], n_rows, [rv.name for rv in model.observed_RVs], derive=derive,
+                   feature_major=frozenset(fm))
+    copies = {var: synk.data(split.stored(i, _value(leaf)), var=var, name=var.name)
+              for i, (leaf, var) in enumerate(zip(row_leaves, row_in))}
     if derive is not None:
         computed = derive(*[_value(leaf) for leaf in row_leaves])
         copies.update({var: synk.data(v, var=var, name=var.name) for var, v in zip(derived_in, computed)})
     grad_of = iter(range(1, 1 + len(grads)))
     declared = [None] * len(glob_in) + [next(grad_of) if v in continuous else None for v in rv_in]
-    op = f.as_op(given=copies, grads={0: declared} if grads else None)
+    split.op = op = f.as_op(given=copies, grads={0: declared} if grads else None)
     if importlib.util.find_spec("numba") is not None:  # nutpie, and PyTensor 3's default backend
         register_numba()
-    rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
-    split = _Split(None, op, rows, n_rows, [rv.name for rv in model.observed_RVs],
-                   derived=[copies[v] for v in derived_in], derive=derive)
+    split.rows = [(leaf, copies[var], _value(leaf)) for leaf, var in zip(row_leaves, row_in)]
+    split.derived = [copies[v] for v in derived_in]
     op.fn = _Following(op.fn, split)
     split.term = op(*glob, *values)[0] if (glob or values) else op()[0]
     return split
+
+
+def _feature_major_rows(inputs, total, row_in) -> set:
+    """Positions in ``row_in`` of per-row matrices that the share, as XLA gets it, reads only
+    as the left side of a matrix product: stored feature-major (see :mod:`synkhronos.xla_rewrites`)."""
+    candidates = [i for i, v in enumerate(row_in) if v.type.ndim == 2 and v.type.dtype.startswith("float")]
+    if not candidates:
+        return set()
+    fg = FunctionGraph(inputs, [total], clone=True)
+    prepare_for_xla(fg)
+    return {i for i in candidates if read_by_dots_only(fg, fg.inputs[inputs.index(row_in[i])])}
+
+
+def _resolve_mode(mode):
+    """``"JAX"`` where the share may go to JAX (``_jax_if_it_renders`` has the last word)."""
+    return "JAX" if mode == "JAX" or (mode == "auto" and default_mode() == "JAX") else mode
 
 
 def _jax_if_it_renders(mode, inputs, total, wrt) -> tuple:
@@ -562,7 +602,7 @@ def _follow_data(split: _Split) -> None:
     for i, leaf in changed:
         _, data, _ = split.rows[i]
         value = _value(leaf)
-        data.set_value(value)
+        data.set_value(split.stored(i, value))
         split.rows[i] = (leaf, data, value)
     split.n_rows = next(iter(counts.values()))
     if split.derive is not None:  # their one rule: computed again from the rows whenever one changes

@@ -252,3 +252,67 @@ def test_jax_values_and_gradients_equal_the_old_graph():
         print("OK")
     """, [here, here.parent], timeout=240, JAX_PLATFORMS="cpu")
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_feature_major_layout_gives_back_each_process_rows():
+    """feature_major lays each process's rows out as their transpose's memory: FeatureMajor
+    of exactly those rows is X[lo:hi].T, for even and uneven splits, empty shares and
+    one process; bounds that do not cover the rows in order are refused."""
+    from synkhronos.batching import split
+    from synkhronos.xla_rewrites import FeatureMajor, feature_major
+
+    d = pt.dmatrix("d")
+    back = pytensor.function([d], FeatureMajor()(d).T, mode=RAW)
+    rng = np.random.default_rng(4)
+    for n, k, parts in [(1001, 10, 3), (200, 1, 2), (7, 4, 1), (2, 3, 3), (0, 5, 2), (64, 3, 5)]:
+        x = rng.standard_normal((n, k))
+        bounds = [split(n, parts, r) for r in range(parts)]
+        stored = feature_major(x, bounds)
+        assert stored.shape == x.shape and stored.flags.c_contiguous
+        for lo, hi in bounds:
+            np.testing.assert_array_equal(back(stored[lo:hi]), x[lo:hi])
+        assert sorted(stored.ravel()) == sorted(x.ravel())
+    x = rng.standard_normal((10, 2))
+    for bad in ([(0, 4), (5, 10)], [(0, 4), (4, 9)], [(1, 10)]):
+        with pytest.raises(ValueError, match="do not cover"):
+            feature_major(x, bad)
+    with pytest.raises(ValueError, match="takes a matrix"):
+        feature_major(np.zeros(3), [(0, 3)])
+
+
+def test_dot_on_feature_major_rows_equals_the_old_dot_in_jax():
+    """In JAX, as synkhronos.pymc renders a share whose per-row matrix arrives feature-major:
+    dot(X, w) on FeatureMajor storage is rewritten to dot(w.T, XT).T, and the value and
+    JAX's gradient equal those of the plain graph on the plain matrix, for vector and
+    matrix right sides, on random shapes."""
+    here = Path(__file__).resolve().parent
+    done = run_python("""
+        import jax, numpy as np, pytensor.tensor as pt
+        jax.config.update("jax_enable_x64", True)
+        from pytensor.graph.fg import FunctionGraph
+        from synkhronos.xla_rewrites import FeatureMajor, feature_major, render_for_xla
+
+        X, D, b, W = pt.dmatrix("X"), pt.dmatrix("D"), pt.dvector("b"), pt.dmatrix("W")
+        def total(M):
+            return pt.sum(pt.exp(M @ b) * 0.1) + pt.sum(pt.softplus(M @ W)) + pt.sum(M @ b[:, None] * 2)
+        plain = FunctionGraph([X, b, W], [total(X)], clone=True)
+        fm = FunctionGraph([D, b, W], [total(FeatureMajor()(D).T)], clone=True)
+        f_plain, f_fm = render_for_xla(plain), render_for_xla(fm)
+        names = {type(n.op).__name__ for n in fm.apply_nodes}
+        assert "FeatureMajor" in names, names
+        dots = [n for n in fm.apply_nodes if type(n.op).__name__ == "Dot"]
+        assert dots and all(getattr(n.inputs[1].owner, "op", None).__class__.__name__ == "FeatureMajor"
+                            for n in dots), [str(n) for n in dots]
+        vg_plain = jax.jit(jax.value_and_grad(lambda X, b, W: f_plain(X, b, W)[0], argnums=(1, 2)))
+        vg_fm = jax.jit(jax.value_and_grad(lambda D, b, W: f_fm(D, b, W)[0], argnums=(1, 2)))
+        rng = np.random.default_rng(2)
+        for n, k, m in [(1, 1, 1), (7, 3, 2), (300, 10, 4), (1001, 2, 3)]:
+            x = rng.standard_normal((n, k))
+            b_, W_ = rng.standard_normal(k) * 0.3, rng.standard_normal((k, m))
+            (v0, g0), (v1, g1) = vg_plain(x, b_, W_), vg_fm(feature_major(x, [(0, n)]), b_, W_)
+            assert np.isclose(v1, v0, rtol=1e-12), (n, k, v1, v0)
+            for a, c in zip(g1, g0):
+                assert np.allclose(a, c, rtol=1e-11, atol=1e-11), (n, k, a, c)
+        print("OK")
+    """, [here, here.parent], timeout=240, JAX_PLATFORMS="cpu")
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
