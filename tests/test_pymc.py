@@ -356,30 +356,46 @@ def test_set_data_to_another_row_count_is_followed(fork):
     _assert_same_density(model, dp, n_points=3, seed=1)
 
 
-def test_feature_major_rows_follow_set_data_to_another_row_count(fork):
-    """A per-row matrix read by a matrix product goes to the processes feature-major (in JAX
-    mode): laid out by each process's rows, on 3 processes at uneven row counts, and laid out
-    again for the new split after pm.set_data to another row count; the density stays PyMC's."""
+def feature_major_model(rng, n=31):
+    with pm.Model() as model:
+        X = pm.Data("X", rng.standard_normal((n, 4)))
+        y = pm.Data("y", rng.poisson(2.0, n))
+        b = pm.Normal("b", 0, 0.5, shape=4)
+        pm.Poisson("obs", pm.math.exp(X @ b), observed=y, shape=X.shape[0])
+    return model
+
+
+def test_feature_major_rows_follow_set_data_to_another_row_count():
+    """In JAX mode a per-row matrix read by a matrix product goes to the processes
+    feature-major, and each process's rows are padded to a 64-row block: on 3 processes at
+    uneven row counts the layout follows pm.set_data to other row counts (one row per
+    process, an empty share among them), and the density stays PyMC's."""
     pytest.importorskip("jax")
-    fork(3)
-    spm = _spm()
-    rng = np.random.default_rng(12)
-
-    def build(n=31):
-        with pm.Model() as model:
-            X = pm.Data("X", rng.standard_normal((n, 4)))
-            y = pm.Data("y", rng.poisson(2.0, n))
-            b = pm.Normal("b", 0, 0.5, shape=4)
-            pm.Poisson("obs", pm.math.exp(X @ b), observed=y, shape=X.shape[0])
-        return model
-
-    model = build()
-    dp = spm.data_parallel(model, mode="JAX")
-    assert dp.synk_split.feature_major == {0}, dp.synk_split.feature_major
-    _assert_same_density(model, dp, n_points=3)
-    for n in (44, 3, 2):  # uneven, one row per process, an empty share
-        new = {"X": rng.standard_normal((n, 4)), "y": rng.poisson(2.0, n)}
-        for m in (model, dp):
-            with m:
-                pm.set_data(new)
-        _assert_same_density(model, dp, n_points=3, seed=n)
+    _in_a_fresh_process("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import pymc as pm
+        import pytensor
+        import synkhronos as synk
+        synk.fork(3, device="cpu")
+        import test_pymc as T
+        from conftest import MODE
+        spm = T._spm()
+        rng = np.random.default_rng(12)
+        with pytensor.config.change_flags(mode=MODE):
+            model = T.feature_major_model(rng)
+            dp = spm.data_parallel(model, mode="JAX")
+            split = dp.synk_split
+            assert split.feature_major == {0} and split.padded, (split.feature_major, split.padded)
+            T._assert_same_density(model, dp, n_points=3)
+            for n in (44, 3, 2, 200):
+                new = {"X": rng.standard_normal((n, 4)), "y": rng.poisson(2.0, n)}
+                for m in (model, dp):
+                    with m:
+                        pm.set_data(new)
+                T._assert_same_density(model, dp, n_points=3, seed=n)
+                assert len(split.mask.data) == 3 * split.block(n) and split.mask.data.sum() == n
+        synk.close()
+        print("OK")
+    """)

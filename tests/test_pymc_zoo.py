@@ -239,3 +239,44 @@ def test_parts_of_the_data_computed_once_follow_set_data(zoo_fork):
         point = _at(model, a=0.3, b=-0.2)
         assert_allclose(compiled(point), model.compile_logp(mode=MODE)(point), rtol=1e-10)
         assert_same_density(model, dp, rng, n_points=2)
+
+
+#: Shapes through JAX mode's own layout on 3 processes (feature-major matrices, rows padded to
+#: 64-row blocks with a row mask, log terms summed apart): 1-, 4- and 8-byte data, matrix and
+#: vector products, multivariate rows, two observed variables, a log-sum-exp and StudentT.
+JAX_LAYOUT = ("logistic_regression", "categorical_softmax", "bool_data_observed", "float32_data",
+              "robust_regression_shape_from_data", "mvnormal_rows", "two_observed_same_rows",
+              "negative_binomial_glm", "mixture_of_dists")
+
+
+def test_zoo_in_jax_mode_on_three_processes():
+    """JAX mode's layout of each process's rows against PyMC, on 3 processes at row counts
+    that split unevenly (203 rows, then 65 after pm.set_data where the model takes it): the
+    padding copies must add nothing to value or gradient, a feature-major matrix must be
+    read back whole; in a fresh Python (JAX must start after fork())."""
+    pytest.importorskip("jax")
+    from test_pymc import _in_a_fresh_process
+
+    _in_a_fresh_process(f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import pytensor
+        import synkhronos as synk
+        synk.fork(3, device="cpu")
+        import pymc_zoo as Z
+        import test_pymc_zoo as T
+        spm = T._spm()
+        with pytensor.config.change_flags(mode=T.MODE):
+            for name in T.JAX_LAYOUT:
+                rng = np.random.default_rng(13)
+                model = Z.ZOO[name](rng, {ROWS})
+                dp = spm.data_parallel(model)
+                split = dp.synk_split
+                assert "JaxValueAndGrad" in str(split.op.fn.fn._spec.outputs[0].owner.op), name
+                assert split.padded and split.mask.data.sum() == {ROWS}, name
+                T.assert_same_density(model, dp, rng, n_points=3)
+                print(name, "ok", sorted(split.feature_major), flush=True)
+        synk.close()
+        print("OK")
+    """, timeout=900)

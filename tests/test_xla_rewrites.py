@@ -170,6 +170,74 @@ def test_sum_of_guarded_equals_the_old_sum():
                 (seed, sv, got, want)
 
 
+def test_sums_through_a_row_mask_equal_the_old_masked_sums():
+    """A share's padded rows masked out (``sum(switch(m, term, 0))``, synkhronos.pymc in JAX
+    mode): the guarded sum and the log term summed apart see through the mask, and give the
+    old masked sum where the check holds and fails, with rows out of the support, infinite
+    and NaN logits, masks of every kind (all rows, none, random); padded rows are copies
+    of real ones, as synkhronos.pymc lays them out."""
+    x, y, s, m = pt.dvector("x"), pt.lvector("y"), pt.dscalar("s"), pt.vector("m", dtype="bool")
+    term = pt.switch(pt.lt(y, 0), -np.inf, x * y - pt.log1p(pt.exp(x)))
+    guarded = pt.switch(pt.all(pt.ge(pt.exp(s), 0)) & (s < 3), term, -np.inf)
+    masked = [pt.switch(m, guarded, 0).sum(), pt.switch(m, term, 0).sum()]
+    fg = _rewritten([x, y, s, m], masked)
+    assert fg.outputs[0].owner is not None and "Switch" in str(fg.outputs[0].owner.op), "not guarded apart"
+    sums = [n for n in fg.apply_nodes if type(n.op).__name__ == "Sum"]
+    assert len(sums) == 4, f"the log terms are not summed apart: {len(sums)} sums"
+    old = pytensor.function([x, y, s, m], masked, mode=RAW)
+    new = pytensor.function(fg.inputs, fg.outputs, mode=RAW)
+    for seed in range(12):
+        values, rng = _inputs(seed, n=300)
+        ys = rng.integers(-1 if seed % 3 == 0 else 0, 4, values.size)
+        # a NaN logit on a row out of the support: NaN for -inf (sum_of_switch_less_log's note)
+        values = np.where((ys < 0) & np.isnan(values), 0.5, values)
+        mv = [np.ones(values.size, bool), rng.random(values.size) < 0.7, np.arange(values.size) < 5][seed % 3]
+        pad = ~mv
+        if mv.any():  # padded rows copy a real one
+            values, ys = values.copy(), ys.copy()
+            values[pad], ys[pad] = values[np.flatnonzero(mv)[0]], ys[np.flatnonzero(mv)[0]]
+        for sv in (0.5, 5.0, np.nan):
+            with np.errstate(all="ignore"):
+                for got, want in zip(new(values, ys, sv, mv), old(values, ys, sv, mv)):
+                    assert (np.isnan(got) and np.isnan(want)) or got == want or np.isclose(got, want, rtol=1e-12), \
+                        (seed, sv, got, want)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sum_of_log_terms_equals_the_old_sum(masked):
+    """``sum(c - k * log1p(u))`` (StudentT's term: a row-constant part, a row-constant factor,
+    a per-row log) and n-ary sums with a log: the log summed apart, the same sum to rounding,
+    and the same infinity or NaN where rows hold infinities or NaN; with and without a row mask."""
+    z, s, nu, m = pt.dvector("z"), pt.dscalar("s"), pt.dscalar("nu"), pt.vector("m", dtype="bool")
+    c = (pt.gammaln((nu + 1) / 2) - pt.gammaln(nu / 2) - 0.5 * pt.log(np.pi * nu) - pt.log(s)).dimshuffle("x")
+    k = (0.5 * (nu + 1)).dimshuffle("x")
+    terms = [c - k * pt.log1p(z ** 2 / (nu * s ** 2)),
+             z * s + pt.log(pt.abs(z)) - k * pt.log1p(pt.exp(z)) + c,
+             -pt.log1p(z ** 2) + z]
+    wrap = (lambda t: pt.switch(m, t, 0)) if masked else (lambda t: t)
+    outs = [wrap(t).sum() for t in terms]
+    fg = _rewritten([z, s, nu, m], outs)
+    sums = [n for n in fg.apply_nodes if type(n.op).__name__ == "Sum"]
+    assert len(sums) >= 6, f"the log terms are not summed apart: {len(sums)} sums"
+    old = pytensor.function([z, s, nu, m], outs, mode=RAW, on_unused_input="ignore")
+    new = pytensor.function(fg.inputs, fg.outputs, mode=RAW, on_unused_input="ignore")
+    for seed in range(12):
+        values, rng = _inputs(seed, n=300)
+        mv = [np.ones(values.size, bool), rng.random(values.size) < 0.7, np.zeros(values.size, bool)][seed % 3]
+        if seed % 2:  # finite rows only: the sums agree to rounding
+            values = values[np.isfinite(values)]
+            mv = mv[:values.size]
+        for sv, nv in ((1.3, 4.0), (0.2, 1.0), (5.0, 300.0), (np.inf, 2.0), (1.0, np.nan)):
+            with np.errstate(all="ignore"):
+                for i, (got, want) in enumerate(zip(new(values, sv, nv, mv), old(values, sv, nv, mv))):
+                    same = (np.isnan(got) and np.isnan(want)) or got == want
+                    # a factor that is not finite: NaN where the old sum is an infinity (or, with
+                    # no rows of the share's own, 0)
+                    k_inf = i < 2 and not np.isfinite(nv)
+                    same = same or (k_inf and np.isnan(got) and (not np.isfinite(want) or not mv.any()))
+                    assert same or np.isclose(got, want, rtol=1e-12, atol=1e-9), (seed, sv, nv, i, got, want)
+
+
 @pytest.mark.parametrize("case", ["axis", "finite constant", "no log", "broadcast log", "plain switch"])
 def test_other_graphs_are_left_alone(case):
     x, y, m, r = pt.dvector("x"), pt.lvector("y"), pt.dmatrix("m"), pt.drow("r")
