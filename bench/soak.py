@@ -23,7 +23,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos import runtime
+from synkhronos import _runtime as runtime
 
 
 def _rss_kib(pid):

@@ -1,15 +1,15 @@
 """synkhronos: data parallelism for PyTensor on one machine, and across machines under mpirun."""
 
 from .data import Data, data
-from .distribute import distribute
+from ._protocol.distribute import distribute
 from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkError, SynkTimeoutError,
                      WorkerDiedError, WorkerError)
-from .function import Function, function
+from ._function.master import Function, function
 from .gpu import get_n_gpu
-from .nodes import World, join, shard, world
-from .runtime import close, fork, master_free
-from .shareds import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
-                      get_value, reduce, scatter, set_value)
+from ._protocol.across_nodes import World, join, shard, world
+from ._runtime import close, fork, master_free
+from ._shareds.api import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes, get_value,
+                           reduce, scatter, set_value)
 
 __version__ = "0.1.0"
 

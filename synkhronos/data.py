@@ -7,9 +7,9 @@ import weakref
 
 import numpy as np
 
-from . import context
+from . import _state as context
 from .errors import short_repr
-from .shmem import Segment, Shrink
+from ._procs.shmem import Segment, Shrink
 
 __all__ = ["Data", "data"]
 

@@ -79,7 +79,7 @@ class _CountingNccl:
 
 def _fork(n):
     import synkhronos as synk
-    from synkhronos import gpu, runtime
+    from synkhronos import gpu, _runtime as runtime
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -99,7 +99,7 @@ def outputs(s, n: int) -> dict:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos.batching import split
+    from synkhronos._batching import split
 
     rng = np.random.default_rng(0)
     x = pt.dmatrix("x")
@@ -264,7 +264,7 @@ def _output_sweep(s, n, dtype) -> None:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos.batching import split
+    from synkhronos._batching import split
     from synkhronos.collectives.ops import result_dtype
 
     x = pt.matrix("x", dtype=dtype)
@@ -410,8 +410,8 @@ def jax_cpu(n: int) -> dict:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos import runtime
-    from synkhronos.batching import split
+    from synkhronos import _runtime as runtime
+    from synkhronos._batching import split
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -487,7 +487,7 @@ def killed(n: int) -> dict:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
 
     n = max(n, 2)  # a worker to kill
     s = _fork(n)

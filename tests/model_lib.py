@@ -57,7 +57,7 @@ from pytensor.raise_op import Assert
 
 import synkhronos as synk
 from conftest import MODE
-from synkhronos.batching import split
+from synkhronos._batching import split
 
 #: How often a step of each kind is drawn (relative weights).
 KINDS = {

@@ -15,8 +15,8 @@ from conftest import MODE, rows_of
 from numpy.testing import assert_allclose, assert_array_equal
 
 import synkhronos as synk
-from synkhronos import runtime
-from synkhronos.batching import split
+from synkhronos import _runtime as runtime
+from synkhronos._batching import split
 from synkhronos.collectives import shm
 
 OPS = ("avg", "sum", "prod", "max", "min")

@@ -18,7 +18,7 @@ from pytensor.graph.op import Op
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 import synkhronos as synk
-from synkhronos import runtime
+from synkhronos import _runtime as runtime
 
 MASTER_PID = os.getpid()
 FAST = dict(mode="FAST_COMPILE")

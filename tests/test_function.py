@@ -341,7 +341,7 @@ def test_function_attributes_and_build_inputs(forked):
 
 
 def test_function_built_after_distribute(forked):
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
 
     x = pt.dmatrix("x")
     f1 = synk.function([x], (x.sum(), "sum"), mode=MODE)

@@ -28,7 +28,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import context, devices, gpu, runtime
+from synkhronos import _state as context, devices, gpu, _runtime as runtime
 from synkhronos.devices import gpu_stack
 
 from conftest import run_python

@@ -15,8 +15,8 @@ from conftest import MODE
 from numpy.testing import assert_array_equal
 
 import synkhronos as synk
-from synkhronos import runtime
-from synkhronos.kept import Kept, Mode, Table
+from synkhronos import _runtime as runtime
+from synkhronos._kept.records import Kept, Mode, Table
 
 
 def test_a_full_table_drops_its_oldest_record_only():

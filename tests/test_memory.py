@@ -18,7 +18,8 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import runtime, shmem
+from synkhronos import _runtime as runtime
+from synkhronos._procs import shmem
 from conftest import MODE, SHM_DIR, worker_pids
 
 MiB = 1 << 20

@@ -29,7 +29,8 @@ except ImportError:  # older PyTensor (2.30) names it as_op
 
 import synkhronos as synk
 from conftest import MODE, shm_names, worker_pids
-from synkhronos import context, gpu, runtime, shareds
+from synkhronos import _state as context, gpu, _runtime as runtime
+from synkhronos._shareds import api as shareds
 
 ROOT = Path(__file__).resolve().parent.parent
 

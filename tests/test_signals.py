@@ -20,8 +20,9 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos import context, runtime, signals
-from synkhronos import session as session_module
+from synkhronos import _state as context, _runtime as runtime
+from synkhronos._procs import signals
+from synkhronos._protocol import session as session_module
 
 MASTER_PID = os.getpid()
 FAST = dict(mode="FAST_COMPILE")
@@ -656,7 +657,7 @@ def test_names_without_a_lock_file_are_left_alone(fork):
         fork(1)
         assert len(_names(prefix)) == 2
     finally:
-        from synkhronos.shmem import unlink_prefix
+        from synkhronos._procs.shmem import unlink_prefix
 
         unlink_prefix(prefix)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from synkhronos.tuning import cpu_has_avx512, xla_flags
+from synkhronos._procs.cores import cpu_has_avx512, xla_flags
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 16])

@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-from ..arrays import packed_views, round_up
-from ..kept import Table
+from .._arrays import packed_views, round_up
+from .._kept.records import Table
 from .ops import agreed_layout, cast_to, kept_reducer, result_dtype
 
 __all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes",

@@ -51,10 +51,10 @@ from typing import Callable
 
 import numpy as np
 
-from .. import context
-from ..control import WAIT_SLICE
+from .. import _state as context
+from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
-from ..group import Notices, mpi as _mpi, wait_until
+from .._procs.group import Notices, mpi as _mpi, wait_until
 from .base import Communicator
 from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from .. import context
+from .. import _state as context
 from ..errors import user_stacklevel
 from . import gpu_stack
 from .base import Device

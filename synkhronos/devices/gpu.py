@@ -14,11 +14,11 @@ import warnings
 
 import numpy as np
 
-from ..arrays import concat, is_device_array, join, to_jax, to_numpy
+from .._arrays import concat, is_device_array, join, to_jax, to_numpy
 from ..collectives import BACKENDS
 from ..collectives.nccl import new_unique_id
 from ..collectives.ops import cast_to
-from ..control import Command
+from .._protocol.control import Command
 from ..errors import user_stacklevel
 from . import gpu_stack
 from .base import Device

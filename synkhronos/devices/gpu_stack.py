@@ -16,8 +16,8 @@ import os
 import subprocess
 import sys
 
-from .. import context
-from ..tuning import restore_env
+from .. import _state as context
+from .._procs.cores import restore_env
 
 __all__ = []
 

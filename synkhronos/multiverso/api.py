@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .. import context
-from ..group import launched
+from .. import _state as context
+from .._procs.group import launched
 from ..errors import SynkError
 from .shm_tables import ShmStore
 from .spmd import ForkedWorld

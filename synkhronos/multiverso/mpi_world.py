@@ -34,9 +34,9 @@ import traceback
 
 import numpy as np
 
-from .. import group
+from .._procs import group
 from ..errors import SynkError, WorkerFailedError
-from ..group import wait_until
+from .._procs.group import wait_until
 from .spmd import (describe_table, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET, NOT_WAITING,
                    RUNNING, SHUTDOWN, World, deadlock_error, raised_error, stuck_too_long)
 

@@ -42,10 +42,10 @@ import traceback
 import numpy as np
 import posix_ipc
 
-from .. import group, shmem
-from ..arrays import round_up
+from .._procs import group, shmem
+from .._arrays import round_up
 from ..errors import RemoteTraceback, SynkError, WorkerFailedError, describe_exit
-from ..group import CHECK_EVERY, Children, Lease, block_on, take, wait_until
+from .._procs.group import CHECK_EVERY, Children, Lease, block_on, take, wait_until
 
 __all__ = ["World", "ForkedWorld"]
 

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import synkhronos.multiverso as mv  # noqa: E402
-from synkhronos import group  # noqa: E402
+from synkhronos._procs import group  # noqa: E402
 from synkhronos.errors import SynkError  # noqa: E402
 
 
@@ -324,7 +324,7 @@ def _term_worker_1(step):
     WorkerFailedError naming the signal within a second of it, whatever lock rank 1 held."""
     import threading
 
-    from synkhronos import context
+    from synkhronos import _state as context
 
     mv.barrier()
     sent = []
@@ -368,7 +368,7 @@ def fault_kill_all():
     is reclaimed by the next init() or synk.fork() (group.unlink_stale)."""
     mv.ArrayTableHandler(10)
     mv.barrier()
-    from synkhronos import context
+    from synkhronos import _state as context
 
     print(f"PREFIX {context.multiverso_server().world.prefix}", flush=True)
     mv.barrier()

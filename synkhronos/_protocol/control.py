@@ -15,11 +15,11 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from . import context
-from .errors import pack_exception
-from .group import block_on, take, wait_until
+from .. import _state as context
+from ..errors import pack_exception
+from .._procs.group import block_on, take, wait_until
 from .replies import ELSEWHERE, ReplyArea
-from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
+from .._procs.shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
 __all__ = []
 

@@ -14,8 +14,8 @@ import os
 import signal
 import threading
 
-from . import context
-from .errors import Interrupted, MasterGone
+from .. import _state as context
+from ..errors import Interrupted, MasterGone
 from .group import PARENT_DEATH_SIGNAL, die_of
 from .shmem import unlink_prefix
 

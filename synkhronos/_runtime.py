@@ -14,16 +14,19 @@ import warnings
 
 import numpy as np
 
-from . import context, devices, group, nodes, shareds, signals
-from .context import Process, session  # session: runtime.session() is the running fork
-from .control import Command, ControlBlock
+from . import _state as context, devices
+from ._procs import group, signals
+from ._protocol import across_nodes as nodes
+from ._shareds import api as shareds
+from ._state import Process, session  # session: runtime.session() is the running fork
+from ._protocol.control import Command, ControlBlock
 from .errors import user_stacklevel
-from .session import Session
-from .group import Lease
-from .shmem import disown, unlink_prefix
+from ._protocol.session import Session
+from ._procs.group import Lease
+from ._procs.shmem import disown, unlink_prefix
 from .devices.gpu_stack import jax_backends_up
-from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
-from .worker.loop import serve, serve_profiled
+from ._procs.cores import available_cores, core_groups, keep_freed_memory, limit_threads, pin
+from ._protocol.worker_loop import serve, serve_profiled
 
 __all__ = ["fork", "close", "master_free"]
 

@@ -9,8 +9,9 @@ import pickle
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context, nodes
-from .context import interruptible
+from .. import _state as context
+from . import across_nodes as nodes
+from .._state import interruptible
 from .control import Command
 
 __all__ = ["distribute"]

@@ -29,8 +29,8 @@ import warnings
 import numpy as np
 import posix_ipc
 
-from . import context
-from .errors import WorkerDiedError
+from .. import _state as context
+from ..errors import WorkerDiedError
 from .shmem import SHM_DIR, LOCK_NAME, known_prefixes, new_prefix, unlink_prefix
 
 __all__ = []

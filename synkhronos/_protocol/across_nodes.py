@@ -33,13 +33,14 @@ import zlib
 
 import numpy as np
 
-from . import context, group
-from .group import LAUNCHER_VARS, launched
-from .batching import split
-from .errors import SynkError, SynkTimeoutError
+from .. import _state as context
+from .._procs import group
+from .._procs.group import LAUNCHER_VARS, launched
+from .._batching import split
+from ..errors import SynkError, SynkTimeoutError
 from .session import is_timeout
-from .collectives import BACKENDS
-from .collectives.hier import NodeCommunicator
+from ..collectives import BACKENDS
+from ..collectives.hier import NodeCommunicator
 
 __all__ = ["World", "world", "shard", "launched", "join", "connect", "connect_worker", "check_same_functions",
            "from_first_node", "share_host_cores", "warn_if_mpi_started", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]

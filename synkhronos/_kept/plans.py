@@ -49,12 +49,12 @@ from __future__ import annotations
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context
-from .arrays import join
-from .collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
-from .collectives.ops import cast_to, kept_reducer
-from .control import Command
-from .kept import Mode, Published
+from .. import _state as context
+from .._arrays import join
+from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
+from ..collectives.ops import cast_to, kept_reducer
+from .._protocol.control import Command
+from .records import Mode, Published
 
 __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
            "keep_worker_plan", "publish_homes"]

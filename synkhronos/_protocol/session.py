@@ -10,11 +10,12 @@ import threading
 import time
 from typing import Callable
 
-from . import context, signals
-from .group import Children
+from .. import _state as context
+from .._procs import signals
+from .._procs.group import Children
 from .control import Command
-from .errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
-                     is_own_share_failure, unpack_exception)
+from ..errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
+                      is_own_share_failure, unpack_exception)
 
 __all__ = ["Session"]
 

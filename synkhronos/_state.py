@@ -16,7 +16,7 @@ import os
 import threading
 
 from .errors import Aborted, Interrupted, MasterGone
-from .kept import Kept
+from ._kept.records import Kept
 
 __all__ = []
 

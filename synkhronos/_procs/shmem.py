@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import posix_ipc
 
-from . import context
+from .. import _state as context
 
 __all__ = []
 

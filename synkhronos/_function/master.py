@@ -14,21 +14,22 @@ import pytensor
 from pytensor.graph.basic import Variable
 from pytensor.scalar import upcast
 
-from . import context, nodes
-from .arrays import concat
-from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.ops import OUTPUT_OPS, Reducer, cast_to, check_op, combine, result_dtype
-from .context import interruptible
-from .control import Command
-from .data import Data, attach, fit_scratch
-from .data import data as make_data
-from .data import check_alive as check_data_alive, label as data_label, ref as data_ref
-from .devices.gpu_stack import jax_linker
-from .distribute import distribute, graph_digest
-from .kept import KeptCall
-from .errors import PeerFailed, SynkError, as_interrupt, own_share_failed, short_repr, user_stacklevel
-from .jax_dtypes import typed_jax_mode
-from .shmem import oversized
+from .. import _state as context
+from .._protocol import across_nodes as nodes
+from .._arrays import concat
+from .._batching import batch_length, check_batch, split, sub_batch
+from ..collectives.ops import OUTPUT_OPS, Reducer, cast_to, check_op, combine, result_dtype
+from .._state import interruptible
+from .._protocol.control import Command
+from ..data import Data, attach, fit_scratch
+from ..data import data as make_data
+from ..data import check_alive as check_data_alive, label as data_label, ref as data_ref
+from ..devices.gpu_stack import jax_linker
+from .._protocol.distribute import distribute, graph_digest
+from .._kept.records import KeptCall
+from ..errors import PeerFailed, SynkError, as_interrupt, own_share_failed, short_repr, user_stacklevel
+from ..jax_dtypes import typed_jax_mode
+from .._procs.shmem import oversized
 
 __all__ = ["Function", "function"]
 
@@ -775,7 +776,7 @@ class Function:
             TypeError, ValueError, IndexError: a bad input, value or gradient
                 declaration, named in the message.
         """
-        from .graph_op import build_op, position
+        from ..graph_op import build_op, position
 
         spec = self._spec
         if given is not None and not isinstance(given, dict):

@@ -15,19 +15,21 @@ from typing import Any
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context, nodes
-from .context import command_lock
-from .arrays import byte_bounds, join, overlaps
-from .batching import batch_length, check_batch, split, sub_batch
-from .collectives.inline import fold_into, raise_mismatch, reduced, reducers_for, same_layout
-from .collectives.ops import cast_to, parse_op
-from .control import Command
-from .errors import short_repr
-from .shmem import SHRINK_BYTES
-from .data import Data, attach, fit_scratch, forget, ref, release_scratch
-from .distribute import distribute
-from .kept import InlineBody, Resolved
-from .plans import PLANNED_KINDS, keep_plan, keep_worker_plan, planned, planned_gather, planned_reduce, resolve_key
+from .. import _state as context
+from .._protocol import across_nodes as nodes
+from .._state import command_lock
+from .._arrays import byte_bounds, join, overlaps
+from .._batching import batch_length, check_batch, split, sub_batch
+from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for, same_layout
+from ..collectives.ops import cast_to, parse_op
+from .._protocol.control import Command
+from ..errors import short_repr
+from .._procs.shmem import SHRINK_BYTES
+from ..data import Data, attach, fit_scratch, forget, ref, release_scratch
+from .._protocol.distribute import distribute
+from .._kept.records import InlineBody, Resolved
+from .._kept.plans import (PLANNED_KINDS, keep_plan, keep_worker_plan, planned, planned_gather,
+                           planned_reduce, resolve_key)
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]

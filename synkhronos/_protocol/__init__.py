@@ -1,0 +1,1 @@
+"""synkhronos._protocol."""
