@@ -15,14 +15,15 @@ import warnings
 import numpy as np
 
 from . import _state as context, devices
-from ._procs import group, signals
+from ._procs import signals
+from ._procs.children import Children, die_of, set_parent_death_signal
 from ._protocol import across_nodes as nodes
 from ._shareds import api as shareds
 from ._state import Process, session  # session: runtime.session() is the running fork
 from ._protocol.control import Command, ControlBlock
 from .errors import user_stacklevel
 from ._protocol.session import Session
-from ._procs.group import Lease
+from ._procs.lease import Lease
 from ._procs.shmem import disown, unlink_prefix
 from .devices.gpu_stack import jax_backends_up
 from ._procs.cores import available_cores, core_groups, keep_freed_memory, limit_threads, pin
@@ -209,7 +210,7 @@ def _spawn_workers(proc: Process, groups, threads: int) -> dict:
             pin(groups[rank])
         _become_worker(proc, rank, threads)
 
-    children = group.Children()
+    children = Children()
     children.spawn([r for r in range(proc.size) if r != proc.master_rank], in_child)
     for rank, pid in children.pids.items():
         if groups is not None:  # here too: fork() returns with every worker pinned, not only soon after
@@ -276,7 +277,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
     code = 0
     try:
         signals.worker_signals()
-        group.set_parent_death_signal()
+        set_parent_death_signal()
         atexit._clear()
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
@@ -306,7 +307,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         terminate_signal = context.signal_state.terminate_signal
         if terminate_signal is not None:  # die of the signal, so the master can name it
             try:
-                group.die_of(terminate_signal)
+                die_of(terminate_signal)
             except BaseException:
                 pass
         os._exit(code)

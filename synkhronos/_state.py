@@ -245,7 +245,7 @@ nodes_broken = False
 #: MPI's finalisation is registered to run at exit (nodes.py, once MPI started here).
 mpi_finalize_registered = False
 
-#: The start of MPI (group.mpi): MPI_Init's thread while it runs, whether MPI was
+#: The start of MPI (launch.mpi): MPI_Init's thread while it runs, whether MPI was
 #: initialised here, and what MPI_Init raised.
 mpi_start = {"thread": None, "ours": None, "error": None}
 

@@ -47,7 +47,10 @@ LAYERS = {
     "synkhronos._protocol.replies": 2,
     "synkhronos.collectives.inline": 2,
     # 3: the process group (fork, reap, liveness, waiting, launchers and MPI)
-    "synkhronos._procs.group": 3,
+    "synkhronos._procs.waits": 2,
+    "synkhronos._procs.children": 3,
+    "synkhronos._procs.lease": 3,
+    "synkhronos._procs.launch": 3,
     # 4: the control plane; the communicator interface
     "synkhronos._protocol.control": 4,
     "synkhronos.collectives.base": 4,

@@ -301,7 +301,7 @@ def unlink_prefix(prefix: str) -> list[str]:
 # -- which names belong to whom ---------------------------------------------
 
 #: The lock file of a group is ``<prefix>lock`` in /dev/shm (see
-#: :class:`synkhronos.group.Lease`, which holds it): it is unlinked last.
+#: :class:`synkhronos._procs.lease.Lease`, which holds it): it is unlinked last.
 LOCK_NAME = "lock"
 SHM_DIR = _SHM_DIR
 

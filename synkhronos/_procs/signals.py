@@ -16,7 +16,7 @@ import threading
 
 from .. import _state as context
 from ..errors import Interrupted, MasterGone
-from .group import PARENT_DEATH_SIGNAL, die_of
+from .children import PARENT_DEATH_SIGNAL, die_of
 from .shmem import unlink_prefix
 
 __all__ = []

@@ -34,8 +34,8 @@ import zlib
 import numpy as np
 
 from .. import _state as context
-from .._procs import group
-from .._procs.group import LAUNCHER_VARS, launched
+from .._procs import launch
+from .._procs.launch import LAUNCHER_VARS, launched
 from .._batching import split
 from ..errors import SynkError, SynkTimeoutError
 from .session import is_timeout
@@ -91,10 +91,10 @@ def warn_if_mpi_started() -> None:
 
 
 def _mpi(timeout=None, check=None):
-    """mpi4py's MPI, initialised now (after the fork; see :func:`.group.mpi` for
+    """mpi4py's MPI, initialised now (after the fork; see :func:`.._procs.launch.mpi` for
     ``timeout`` and ``check``), finalised at exit."""
-    MPI = group.mpi(timeout, check)
-    if not context.mpi_finalize_registered and group.mpi_started_here():
+    MPI = launch.mpi(timeout, check)
+    if not context.mpi_finalize_registered and launch.mpi_started_here():
         context.mpi_finalize_registered = True
         atexit.register(_finalize, MPI)  # finalised after close() at exit
     return MPI

@@ -17,7 +17,7 @@ import posix_ipc
 
 from .. import _state as context
 from ..errors import pack_exception
-from .._procs.group import block_on, take, wait_until
+from .._procs.waits import block_on, take, wait_until
 from .replies import ELSEWHERE, ReplyArea
 from .._procs.shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
@@ -63,7 +63,7 @@ _COMMANDS = {int(c): c for c in Command}
 
 def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
     """Take ``sem``: poll it for ``spin`` seconds, then block in slices
-    (:func:`synkhronos.group.wait_until`); ``check()`` runs every
+    (:func:`synkhronos._procs.waits.wait_until`); ``check()`` runs every
     ``CHECK_EVERY`` seconds, so a spinning waiter notices a dead peer as
     soon as a blocked one does.
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 from .. import _state as context
 from .._procs import signals
-from .._procs.group import Children
+from .._procs.children import Children
 from .control import Command
 from ..errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
                       is_own_share_failure, unpack_exception)

@@ -14,7 +14,7 @@ from .._function.master import LocalFunction, worker_call
 from .._kept.plans import publish_homes
 from .._shareds.api import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
-from .._procs.group import wait_until
+from .._procs.waits import wait_until
 from .._procs.shmem import unlink_prefix
 
 __all__ = ["serve", "serve_profiled"]

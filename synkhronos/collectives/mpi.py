@@ -54,7 +54,8 @@ import numpy as np
 from .. import _state as context
 from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
-from .._procs.group import Notices, mpi as _mpi, wait_until
+from .._procs.launch import Notices, mpi as _mpi
+from .._procs.waits import wait_until
 from .base import Communicator
 from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 
@@ -217,7 +218,7 @@ class MpiCommunicator(Communicator):
         self.size = size
         self.master_rank = int(master_rank)
         self._comm = None
-        self._notices = None        # the failure channel between nodes (group.Notices)
+        self._notices = None        # the failure channel between nodes (launch.Notices)
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
         self.begun = 0              # steps begun here (a caller compares it to see whether it began one)
         self._exchanges = 0         # exchanges of headers in this step so far

@@ -19,7 +19,7 @@ import numpy as np
 from .._arrays import to_cupy
 from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
-from .._procs.group import wait_until
+from .._procs.waits import wait_until
 from .base import Communicator
 from .ops import agreed_layout, identity
 

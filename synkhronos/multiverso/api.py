@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import _state as context
-from .._procs.group import launched
+from .._procs.launch import launched
 from ..errors import SynkError
 from .shm_tables import ShmStore
 from .spmd import ForkedWorld

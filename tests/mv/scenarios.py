@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import synkhronos.multiverso as mv  # noqa: E402
-from synkhronos._procs import group  # noqa: E402
+from synkhronos._procs import launch, lease  # noqa: E402
 from synkhronos.errors import SynkError  # noqa: E402
 
 
@@ -149,7 +149,7 @@ def errors(m, t):
     raises(ValueError, "size must be at least 1", mv.ArrayTableHandler, 0)
     raises(TypeError, "num_col must be an int", mv.MatrixTableHandler, 2, 2.0)
     raises(ValueError, "holds 6 values", mv.ArrayTableHandler, 6, init_value=np.ones(5))
-    if group.launched():  # under MPI (not switched off): one call's counts are C ints
+    if launch.launched():  # under MPI (not switched off): one call's counts are C ints
         raises(ValueError, "at most 2,147,483,647 values a table", mv.MatrixTableHandler, 2 ** 16, 2 ** 15 + 1)
     raises(SynkError, "already called", mv.init)
 
@@ -365,7 +365,7 @@ def fault_term_barrier():
 
 def fault_kill_all():
     """Every process of the run SIGKILLed at once: nothing can clean up; what it leaves
-    is reclaimed by the next init() or synk.fork() (group.unlink_stale)."""
+    is reclaimed by the next init() or synk.fork() (lease.unlink_stale)."""
     mv.ArrayTableHandler(10)
     mv.barrier()
     from synkhronos import _state as context
