@@ -19,7 +19,8 @@ from pytensor.tensor.variable import TensorConstant
 import synkhronos as synk
 from synkhronos.graph_op import register_jax, register_numba
 from synkhronos.row_split import Coupling, hoist_data_only, split_rows
-from synkhronos._procs.cores import available_cores, xla_flags
+from synkhronos._procs.cores import available_cores
+from synkhronos._procs.xla_flags import xla_flags
 from synkhronos.xla_rewrites import render_for_xla
 
 try:

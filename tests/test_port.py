@@ -226,7 +226,7 @@ def test_namespace_is_the_public_api():
     public = {k for k, v in vars(synk).items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
     assert public == set(names)
     assert set(dir(synk)) == set(names) | {"__version__"}
-    for internal in ("batching", "control", "runtime", "shareds", "shmem", "tuning"):
+    for internal in ("_batching", "_protocol", "_runtime", "_shareds", "_procs", "_state"):
         assert internal not in dir(synk)
         assert isinstance(getattr(synk, internal), types.ModuleType)  # still importable
 
