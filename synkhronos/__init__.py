@@ -4,7 +4,8 @@ from .data import Data, data
 from ._protocol.distribute import distribute
 from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkError, SynkTimeoutError,
                      WorkerDiedError, WorkerError)
-from ._function.master import Function, function
+from ._function.build import function
+from ._function.master import Function
 from .gpu import get_n_gpu
 from ._protocol.across_nodes import World, join, shard, world
 from ._runtime import close, fork, master_free

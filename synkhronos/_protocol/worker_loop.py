@@ -10,7 +10,8 @@ from functools import partial
 from .control import Command
 from ..data import forget
 from .distribute import receive as receive_functions
-from .._function.master import LocalFunction, worker_call
+from .._function.spec import LocalFunction
+from .._function.worker import worker_call
 from .._kept.plans import publish_homes
 from .._shareds.api import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
