@@ -225,7 +225,7 @@ _SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
     synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), mode="FAST_COMPILE")

@@ -238,7 +238,7 @@ def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
         paths.append(_shim(tmp_path, "jax", "# an importable jax: the probe only imports it"))
     done = run_python("""
         import synkhronos as synk
-        from synkhronos import runtime
+        from synkhronos import _runtime as runtime
         try:
             synk.fork(device="gpu")
         except RuntimeError as err:

@@ -436,7 +436,7 @@ _CHILD_SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor, pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
     synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), reduce_ops="sum", mode="FAST_COMPILE")
@@ -491,7 +491,7 @@ _GROUP_SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor, pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
     handled = []
     if sys.argv[2] == "handler":  # the user's own handler: the master decides
         signal.signal(signal.SIGTERM, lambda *a: handled.append(1))
