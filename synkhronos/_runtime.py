@@ -18,7 +18,7 @@ from . import _state as context, devices
 from ._procs import signals
 from ._procs.children import Children, die_of, set_parent_death_signal
 from ._protocol import across_nodes as nodes
-from ._shareds import api as shareds
+from ._shareds import homes
 from ._state import Process, session  # session: runtime.session() is the running fork
 from ._protocol.control import Command, ControlBlock
 from .errors import user_stacklevel
@@ -447,7 +447,7 @@ def _teardown(s: Session) -> None:
 
     def leave_homes():
         try:
-            shareds.leave_homes(proc)
+            homes.leave_homes(proc)
         except Exception:  # the values stay where they are, valid; only their memory lingers
             log.exception("synkhronos: could not copy shared variables out of shared memory")
 

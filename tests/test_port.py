@@ -137,14 +137,14 @@ def test_collectives_nccl_keyword(forked, monkeypatch):
     f = synk.function([], (a.sum(), "sum"), mode=MODE)
     synk.distribute()
     seen = []
-    real_send = shareds._send
+    real_send = shareds.send
 
     def spy(s, spec, **kw):
         if spec.kind in ("broadcast", "gather", "all_gather", "reduce", "all_reduce"):
             seen.append((spec.kind, spec.cpu))
         return real_send(s, spec, **kw)
 
-    monkeypatch.setattr(shareds, "_send", spy)
+    monkeypatch.setattr(shareds, "send", spy)
     value = np.arange(6.0).reshape(3, 2)
     for nccl in (True, False):
         seen.clear()

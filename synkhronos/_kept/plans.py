@@ -39,7 +39,7 @@ The master's half: ``shareds.broadcast`` and ``shareds.all_reduce`` try
 :func:`planned` first, ``shareds.gather`` :func:`planned_gather`, ``shareds.reduce``
 :func:`planned_reduce`, and the
 inline path keeps a plan with :func:`keep_plan`.
-The worker's half: ``shareds.worker_collective`` keeps a plan with
+The worker's half: ``_shareds.host.worker_collective`` keeps a plan with
 :func:`keep_worker_plan`, and ``worker.loop.serve`` calls :func:`publish_homes`
 before every answer.
 """
@@ -108,7 +108,7 @@ def _kept(kind, shared_vars, op, nccl):
 
 
 def resolve_key(shared_vars):
-    """The key of ``shareds._resolve``'s cache for this argument: a variable's id,
+    """The key of ``_shareds.api._resolve``'s cache for this argument: a variable's id,
     a tuple of ids for a list or tuple of them; None for anything else."""
     if isinstance(shared_vars, SharedVariable):
         return id(shared_vars)
@@ -239,7 +239,7 @@ class _AllReducePlan(_Plan):
         return True
 
     def _here(self, proc, _) -> bool:
-        """The master's half of the all_reduce (see ``shareds._all_reduce_here``)."""
+        """The master's half of the all_reduce (see ``_shareds.host._all_reduce_here``)."""
         comm = proc.comm
         comm.inline_await()
         parts = comm.inline_parts(self.homes, self.layout)
@@ -303,7 +303,7 @@ class _ReadPlan(_Plan):
             parts[me] = value  # the master's value now (the plan's part is its value back then)
             if gather:
                 got.append(join(parts, self.op, var))
-            else:  # the inline path's reduce (shareds._inline_reduce), in rank order
+            else:  # the inline path's reduce (_shareds.host._inline_reduce), in rank order
                 got.append(reduced(proc, self.op, parts, var.type.dtype))
         return got
 

@@ -13,7 +13,7 @@ from .distribute import receive as receive_functions
 from .._function.spec import LocalFunction
 from .._function.worker import worker_call
 from .._kept.plans import publish_homes
-from .._shareds.api import worker_collective
+from .._shareds.host import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
 from .._procs.waits import wait_until
 from .._procs.shmem import unlink_prefix
