@@ -7,7 +7,7 @@ from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkEr
 from ._function.build import function
 from ._function.master import Function
 from .gpu import get_n_gpu
-from ._protocol.across_nodes import World, join, shard, world
+from .world import World, join, shard, world
 from ._runtime import close, fork, master_free
 from ._shareds.api import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes, get_value,
                            reduce, scatter, set_value)

@@ -21,6 +21,7 @@ from ..data import Data, fit_scratch, ref, release_scratch
 from .._protocol.distribute import distribute
 from .._kept.records import Resolved
 from .._kept.plans import planned, planned_gather, planned_reduce, resolve_key
+from ..world import world
 from .homes import assign
 from .host import CollectiveSpec, send
 
@@ -163,7 +164,7 @@ def _broadcast(shared_vars, values, nccl) -> None:
     context.refuse_nested("broadcast")
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
-    if values is not None and nodes.world().node == 0:  # across nodes node 0's values are sent
+    if values is not None and world().node == 0:  # across nodes node 0's values are sent
         # (a bad value raises here; the step still reaches the others: see nodes.stepped)
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)

@@ -38,7 +38,7 @@ from .._procs import launch
 from ..errors import SynkError, WorkerFailedError
 from .._procs.waits import wait_until
 from .spmd import (describe_table, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET, NOT_WAITING,
-                   RUNNING, SHUTDOWN, World, deadlock_error, raised_error, stuck_too_long)
+                   RUNNING, SHUTDOWN, TableWorld, deadlock_error, raised_error, stuck_too_long)
 
 __all__ = ["MpiWorld", "MpiStore"]
 
@@ -54,7 +54,7 @@ _STATE_TEXT = {SHUTDOWN: "called shutdown()", EXITED: "ended its script"}
 _COLLECTIVES = ("barrier()", "the construction of a table")
 
 
-class MpiWorld(World):
+class MpiWorld(TableWorld):
     """The ranks of an MPI job as Multiverso workers (see the module docstring)."""
 
     kind = "mpi"

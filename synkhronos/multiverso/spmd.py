@@ -49,7 +49,7 @@ from .._procs.children import Children
 from .._procs.lease import Lease
 from .._procs.waits import CHECK_EVERY, block_on, take, wait_until
 
-__all__ = ["World", "ForkedWorld"]
+__all__ = ["TableWorld", "ForkedWorld"]
 
 #: Seconds rank 0 waits, once something failed, for the other ranks to end on
 #: their own (they raise in their next blocking call) before it kills them.
@@ -118,8 +118,9 @@ def deadlock_error(what: str, waits) -> SynkError:
                      "barrier(), in the same order and the same number of times")
 
 
-class World:
-    """What the two worlds (:class:`ForkedWorld`, ``mpi_world.MpiWorld``) share."""
+class TableWorld:
+    """The world of the parameter-server tables: what :class:`ForkedWorld` and
+    ``mpi_world.MpiWorld`` share (not :class:`synkhronos.World`, a node's place)."""
 
     closed = False
 
@@ -152,7 +153,7 @@ class World:
                 self._publish(NOT_WAITING, 0)
 
 
-class ForkedWorld(World):
+class ForkedWorld(TableWorld):
     """The processes of one ``mv.init()`` on one machine (see the module docstring).
 
     Attributes:
