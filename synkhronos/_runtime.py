@@ -25,7 +25,7 @@ from .errors import user_stacklevel
 from ._protocol.session import Session
 from ._procs.lease import Lease
 from ._procs.shmem import disown, unlink_prefix
-from .devices.gpu_stack import jax_backends_up
+from .devices.jax_state import jax_backends_up
 from ._procs.cores import available_cores, core_groups, keep_freed_memory, limit_threads, pin
 from ._protocol.worker_loop import serve, serve_profiled
 

@@ -10,6 +10,7 @@ import numpy as np
 from . import _state as context
 from .errors import short_repr
 from ._procs.shmem import Segment, Shrink
+from ._protocol.data_refs import forget
 
 __all__ = ["Data", "data"]
 
@@ -264,62 +265,14 @@ def label(d: Data) -> str:
     return d._label()
 
 
-def fit_scratch(pool: dict, key, dtype, shape, name: str) -> Data:
-    """The staging Data of ``key`` in ``pool`` (a dict), made to hold ``shape``
-    elements of ``dtype``: kept and reused call after call, grown as needed and
-    shrunk after a much larger call; a new one if the dtype or the number of
-    dimensions changed."""
-    dtype, shape = np.dtype(dtype), tuple(shape)
-    d = pool.get(key)
-    if d is None or d.dtype != dtype or d.ndim != len(shape):
-        if d is not None:
-            d._release()
-        d = pool[key] = Data(dtype, len(shape), name=name, oversize=1.25)
+def fit(d: Data, shape) -> None:
+    """Make ``d`` hold ``shape`` (grown as needed, shrunk after a much larger one)."""
     d._fit(shape)
-    return d
 
 
-def release_scratch(pool: dict, keys, min_bytes: int = 0) -> None:
-    """Give back the memory of the staging Data of ``keys`` in ``pool`` that hold
-    ``min_bytes`` or more, and forget them."""
-    for key in keys:
-        d = pool.get(key)
-        if d is not None and d.size * d.dtype.itemsize >= min_bytes:
-            d._release()
-            del pool[key]
-
-
-def attach(proc, ref) -> np.ndarray:
-    """In any process: the array a Data ref points to (cached mapping and view, no copy)."""
-    uid, segname, dtype, shape = ref
-    if segname is None:
-        return np.empty(shape, dtype=dtype)
-    hit = proc.data_cache.get(uid)
-    if hit is not None and hit[0].name == segname:
-        seg, views = hit
-        view = views.get((dtype, shape))
-        if view is None:
-            if len(views) >= 8:  # shapes keep changing (scratch inputs): keep few
-                views.clear()
-            view = views[(dtype, shape)] = seg.array(dtype, shape)
-        return view
-    if hit is not None:
-        hit[0].close()
-    seg = Segment(segname)
-    view = seg.array(dtype, shape)
-    proc.data_cache[uid] = (seg, {(dtype, shape): view})
-    return view
-
-
-def forget(proc, uids) -> None:
-    """Close the mappings of Data objects the master reallocated or freed (and
-    forget the kept calls, whose shares may hold views of them)."""
-    if uids:
-        proc.kept.forget_calls()
-    for uid in uids:
-        hit = proc.data_cache.pop(uid, None)
-        if hit is not None:
-            hit[0].close()
+def release(d: Data) -> None:
+    """Give back ``d``'s memory now."""
+    d._release()
 
 
 def _check_oversize(oversize) -> float:

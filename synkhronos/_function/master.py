@@ -16,7 +16,8 @@ from .._procs.shmem import oversized
 from .._protocol import across_nodes as nodes
 from .._protocol.control import Command
 from .._protocol.distribute import distribute
-from ..data import Data, fit_scratch
+from ..data import Data
+from .._protocol.scratch import fit_scratch
 from ..data import check_alive as check_data_alive
 from ..data import data as make_data
 from ..data import label as data_label

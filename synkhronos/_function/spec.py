@@ -13,7 +13,7 @@ from .. import _state as context
 from .._arrays import concat
 from .._batching import split
 from ..collectives.ops import cast_to, combine
-from ..devices.gpu_stack import jax_linker
+from ..devices.jax_state import jax_linker
 from ..jax_dtypes import typed_jax_mode
 
 __all__ = []

@@ -13,7 +13,7 @@ from .._batching import check_batch, split, sub_batch
 from .._kept.records import KeptCall
 from .._state import interruptible
 from ..collectives.ops import result_dtype
-from ..data import attach
+from .._protocol.data_refs import attach
 from ..errors import PeerFailed, as_interrupt, own_share_failed
 from .reduce import combine_sets, reduce_outputs, reply_inline
 from .spec import CallSpec

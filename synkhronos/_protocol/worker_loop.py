@@ -8,7 +8,7 @@ import signal
 from functools import partial
 
 from .control import Command
-from ..data import forget
+from .data_refs import forget
 from .distribute import receive as receive_functions
 from .._function.spec import LocalFunction
 from .._function.worker import worker_call

@@ -17,7 +17,8 @@ from .._batching import check_batch
 from ..collectives.ops import parse_op
 from ..errors import short_repr
 from .._procs.shmem import SHRINK_BYTES
-from ..data import Data, fit_scratch, ref, release_scratch
+from ..data import Data, ref
+from .._protocol.scratch import fit_scratch, release_scratch
 from .._protocol.distribute import distribute
 from .._kept.records import Resolved
 from .._kept.plans import planned, planned_gather, planned_reduce, resolve_key

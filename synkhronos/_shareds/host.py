@@ -17,7 +17,7 @@ from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_fo
 from ..collectives.ops import cast_to
 from .._protocol.control import Command
 from .._procs.shmem import SHRINK_BYTES
-from ..data import attach, forget
+from .._protocol.data_refs import attach, forget
 from .._kept.records import InlineBody
 from .._kept.plans import PLANNED_KINDS, keep_plan, keep_worker_plan
 from .homes import assign, receive_into, resident

@@ -19,6 +19,8 @@ import sys
 from .. import _state as context
 from .._procs.cores import restore_env
 
+from .jax_state import jax_backends_up
+
 __all__ = []
 
 log = logging.getLogger("synkhronos")
@@ -235,25 +237,6 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
 def unbind(saved: tuple) -> None:
     """Put back the environment entries :func:`bind` replaced."""
     restore_env(saved)
-
-
-def jax_linker(linker) -> bool:
-    """Whether a PyTensor linker (a Mode's, or a compiled function's) runs through JAX
-    (imports no JAX)."""
-    from pytensor.link.jax.linker import JAXLinker
-
-    return isinstance(linker, JAXLinker)
-
-
-def jax_backends_up() -> bool:
-    if sys.modules.get("jax") is None:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except Exception:  # a JAX without this query: nothing to check against
-        return False
 
 
 def cuda_initialised_error() -> None:
