@@ -19,7 +19,7 @@ from ._procs import signals
 from ._procs.children import Children, die_of, set_parent_death_signal
 from ._protocol import across_nodes as nodes
 from ._shareds import homes
-from ._state import Process, session  # session: runtime.session() is the running fork
+from ._state import Process, running_session  # runtime.running_session(): the running fork's Session
 from ._protocol.control import Command, ControlBlock
 from .errors import user_stacklevel
 from ._protocol.session import Session
@@ -352,7 +352,7 @@ def master_free():
     Raises:
         RuntimeError: before :func:`fork`, inside a running command, or nested.
     """
-    s = session()
+    s = running_session()
     context.refuse_nested("master_free")
     if s.freed:
         raise RuntimeError("synk.master_free() is already in effect (blocks do not nest)")

@@ -204,7 +204,7 @@ def refuse_nested(what) -> None:
                            "supported: make the call after the running one returns")
 
 
-def session():
+def running_session():
     """The running fork; RuntimeError before fork() and in a process the user
     forked from the master."""
     if _current is None:

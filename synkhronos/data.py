@@ -60,7 +60,7 @@ class Data:
     """
 
     def __init__(self, dtype, ndim: int, minibatch: bool = False, name=None, oversize: float = 1.0):
-        self._proc = context.session().proc
+        self._proc = context.running_session().proc
         self._uid = context.next_data_id()
         self._gen = 0
         self._dtype = np.dtype(dtype)
@@ -69,7 +69,7 @@ class Data:
         self._mem = _Memory(self._proc, self._uid)
         # a dropped Data gives its shared memory back at once (and the workers
         # their mappings), not at close(); close() releases the ones still alive
-        context.session().data_memory[self._uid] = self._mem
+        context.running_session().data_memory[self._uid] = self._mem
         weakref.finalize(self, self._mem.forget).atexit = False
         self._alloc = 0
         self._shrink = None  # scratch only: see _fit
@@ -317,7 +317,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: conflicting or missing dtype/ndim, bad value.
     """
-    context.session()
+    context.running_session()
     if var is not None:
         vtype = getattr(var, "type", None)
         if vtype is None or not hasattr(vtype, "dtype") or not hasattr(vtype, "ndim"):

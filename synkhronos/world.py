@@ -55,7 +55,7 @@ def world() -> World:
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
     """
-    proc = context.session().proc
+    proc = context.running_session().proc
     comm = proc.comm
     if isinstance(comm, NodeCommunicator):
         return World(comm.node, comm.nodes, comm.rank, comm.size, proc.size, proc.master_rank,
@@ -128,7 +128,7 @@ def join() -> int:
             was called meanwhile (a signal handler, another thread): the fork
             is then closed.
     """
-    s = context.session()
+    s = context.running_session()
     s.usable()
     inter = inter_comm(s.proc)
     if inter is None:

@@ -84,7 +84,7 @@ def worker_pids() -> dict[int, int]:
     """rank -> pid of the running fork's workers."""
     from synkhronos import _runtime as runtime
 
-    return dict(runtime.session().watch.pids)
+    return dict(runtime.running_session().watch.pids)
 
 
 def rows_of(n_rows: int, n_parallel: int, rank: int) -> slice:

@@ -84,7 +84,7 @@ def _fork(n):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert synk.fork(n, device="gpu") == n
-    s = runtime.session()
+    s = runtime.running_session()
     n_gpus = gpu.count_gpus()
     assert s.proc.device.name == "gpu" and s.proc.device.state is not None
     assert (s.proc.device.comm is not None) == (n <= n_gpus), (n, n_gpus, s.proc.device.comm)
@@ -416,7 +416,7 @@ def jax_cpu(n: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         synk.fork(n, device="cpu")
-    assert runtime.session().proc.device.name == "cpu"
+    assert runtime.running_session().proc.device.name == "cpu"
     rng = np.random.default_rng(1)
     x = pt.dmatrix("x")
     w = pytensor.shared(rng.standard_normal((5, 3)), name="w")
@@ -491,7 +491,7 @@ def killed(n: int) -> dict:
 
     n = max(n, 2)  # a worker to kill
     s = _fork(n)
-    pids = dict(runtime.session().watch.pids)
+    pids = dict(runtime.running_session().watch.pids)
     rng = np.random.default_rng(0)
     # on a GPU, work enough to show JAX's memory; on the stand-in (numpy on shared CPU
     # cores) a call of that size took seconds, and the master noticed the death only after it

@@ -313,7 +313,7 @@ def test_large_reduce_and_all_reduce_chunked(fork, rng, n):
     use(a, b)
     own_a = [rng.uniform(0.5, 1.5, size=(257, 1023)) for _ in range(n)]
     own_b = [rng.uniform(0.5, 1.5, size=(129, 1025)).astype("float32") for _ in range(n)]
-    comm = runtime.session().proc.comm
+    comm = runtime.running_session().proc.comm
     for op in OPS:
         set_each(a, own_a)
         set_each(b, own_b)

@@ -71,7 +71,7 @@ def test_sigterm_ends_an_idle_worker_promptly(fork):
     from conftest import shm_names
 
     assert any(name.endswith("ctl") for name in shm_names())
-    runtime.session().watch.exited[1] = 0  # reaped here, so tell the fork's watch
+    runtime.running_session().watch.exited[1] = 0  # reaped here, so tell the fork's watch
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -417,7 +417,7 @@ def test_fork_300_processes():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # more processes than cores
         assert synk.fork(300, device="cpu") == 300
-    s = runtime.session()
+    s = runtime.running_session()
     assert len(worker_pids()) == 299
     for _ in range(2):  # round trips through all 300 ranks (compiling nothing: kept short)
         s.run(Command.DISTRIBUTE, pickle.dumps(([], [])))

@@ -230,7 +230,7 @@ _SCRIPT = textwrap.dedent("""
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), mode="FAST_COMPILE")
     f(np.ones(6))
-    s = runtime.session()
+    s = runtime.running_session()
     print("PIDS", " ".join(str(p) for p in s.watch.pids.values()), flush=True)
     print("PREFIX", s.proc.prefix, flush=True)
     how = sys.argv[1]
@@ -353,7 +353,7 @@ def test_shared_memory_is_private_and_unpredictable(fork):
     for name in names:
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
         assert mode == 0o600, f"{name} has mode {oct(mode)}"
-    token = runtime.session().proc.prefix.split(".")[2]
+    token = runtime.running_session().proc.prefix.split(".")[2]
     assert len(token) == 16 and int(token, 16) >= 0  # 64 random bits in every name
     assert all(token in name for name in names)
     del d

@@ -244,7 +244,7 @@ def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
         except RuntimeError as err:
             print("ERROR:", err)
         n = synk.fork(2, device="auto")
-        print("AUTO:", runtime.session().proc.device.name, n)
+        print("AUTO:", runtime.running_session().proc.device.name, n)
         synk.close()
     """, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr
@@ -265,7 +265,7 @@ def test_no_gpu_per_the_probe(monkeypatch):
     with pytest.raises(RuntimeError, match=r"device='gpu' but no GPU is visible.*cudaErrorNoDevice"):
         synk.fork(2, device="gpu")
     assert synk.fork(2, device="auto") == 2
-    assert runtime.session().proc.device.name == "cpu" and runtime.session().proc.device.comm is None
+    assert runtime.running_session().proc.device.name == "cpu" and runtime.running_session().proc.device.comm is None
     synk.close()
 
 
@@ -325,7 +325,7 @@ def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
 @pytest.mark.skipif(NO_GPU is None, reason="a GPU is present here")
 def test_auto_falls_back_to_cpu_here():
     assert synk.fork(1, device="auto") == 1
-    s = runtime.session()
+    s = runtime.running_session()
     assert s.proc.device.name == "cpu"
     synk.close()
 

@@ -88,7 +88,7 @@ def test_killed_fork_is_reclaimed(tmp_path):
     script.write_text(
         "import os, signal, sys, synkhronos as synk\n"
         "synk.fork(2, device='cpu')\n"
-        "print('PREFIX', synk._runtime.session().proc.prefix, flush=True)\n"
+        "print('PREFIX', synk._runtime.running_session().proc.prefix, flush=True)\n"
         "sys.stdin.readline()\n"
         "os.killpg(os.getpgid(0), signal.SIGKILL)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -44,11 +44,11 @@ def test_clear_drops_every_record_and_moves_the_generation():
 
 
 def _kept():
-    return runtime.session().proc.kept
+    return runtime.running_session().proc.kept
 
 
 def _commands():
-    return runtime.session().proc.control.commands()
+    return runtime.running_session().proc.control.commands()
 
 
 def test_every_command_and_every_released_data_moves_the_generation(fork):
@@ -117,7 +117,7 @@ def test_a_worker_publishes_at_most_its_table_s_capacity_and_the_rest_stay_right
             assert_array_equal(synk.get_value(r, v), np.full(2, k * 8.0), err_msg=v.name)
     capacity = _kept().published.capacity
     # every worker's board names at most ``capacity`` homes (the rest went by command)
-    comm = runtime.session().proc.comm
+    comm = runtime.running_session().proc.comm
     board = comm.home_board(1)
     assert 0 < sum(1 for slot in range(comm.home_slots) if board[slot]) <= capacity
 

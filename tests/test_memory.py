@@ -26,7 +26,7 @@ MiB = 1 << 20
 
 
 def _prefix() -> str:
-    return runtime.session().proc.prefix
+    return runtime.running_session().proc.prefix
 
 
 def _pids() -> list[int]:

@@ -42,11 +42,11 @@ def test_fork_use_gpu_false_is_the_cpu_device():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 2 processes fit the cores of any test machine
         assert synk.fork(2, use_gpu=False, master_rank=1, max_n_var=10, max_dim=3) == 2
-    assert runtime.session().proc.device.name == "cpu" and runtime.session().proc.rank == 1
+    assert runtime.running_session().proc.device.name == "cpu" and runtime.running_session().proc.rank == 1
     synk.close()
     # the original's positional form: fork(n_parallel, use_gpu, master_rank)
     assert synk.fork(2, False, 0) == 2
-    assert runtime.session().proc.device.name == "cpu"
+    assert runtime.running_session().proc.device.name == "cpu"
 
 
 @pytest.mark.skipif(gpu.get_n_gpu() > 0, reason="a GPU is present: use_gpu=True uses it")
@@ -54,7 +54,7 @@ def test_fork_use_gpu_true_without_a_gpu_warns_and_uses_the_cpu():
     with pytest.warns(UserWarning, match=r"use_gpu=True, but .*(could not be|no GPU).*running on "
                                          r"the CPU \(device='gpu' makes this an error\)"):
         assert synk.fork(2, use_gpu=True) == 2
-    assert runtime.session().proc.device.name == "cpu"
+    assert runtime.running_session().proc.device.name == "cpu"
     x = pt.dvector("x")
     f = synk.function([x], (x.sum(), "sum"), mode=MODE)
     assert f(np.arange(5.0)) == 10.0

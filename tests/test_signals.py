@@ -119,7 +119,7 @@ def test_ctrl_c_while_workers_compute_is_prompt_and_runtime_stays_usable(fork, n
     assert elapsed < 20, f"Ctrl-C waited {elapsed:.1f} s for the workers' 60 s computation"
     assert any("usable" in note for note in getattr(info.value, "__notes__", []))
     assert g(np.ones(3 * n)) == pytest.approx(3.0 * n)
-    assert runtime.session().broken is None
+    assert runtime.running_session().broken is None
 
 
 def test_ctrl_c_during_update_only_step(fork):
@@ -211,10 +211,10 @@ def test_ctrl_c_with_a_worker_in_native_code_raises_then_next_call_waits(fork):
     assert time.monotonic() - t0 < 3.5, "Ctrl-C waited for the worker"
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "[1] are still busy" in notes
-    assert runtime.session().proc.control.pending() == [1]
+    assert runtime.running_session().proc.control.pending() == [1]
     # the next call first waits for the worker, then runs normally
     assert g(np.ones(4)) == pytest.approx(4.0)
-    assert runtime.session().proc.control.pending() == []
+    assert runtime.running_session().proc.control.pending() == []
 
 
 def test_native_code_systemerror_from_ctrl_c_is_keyboard_interrupt(fork):
@@ -404,7 +404,7 @@ def test_ctrl_c_during_close_still_cleans_up(fork):
     f, _ = _stalling("blocked", seconds=30.0)
     with pytest.raises(synk.SynkTimeoutError):
         f(np.ones(6))
-    pids = list(runtime.session().watch.pids.values())
+    pids = list(runtime.running_session().watch.pids.values())
     timer = _sigint_soon(0.3)  # close() is then waiting for the busy workers to leave
     with pytest.raises(KeyboardInterrupt):
         synk.close()
@@ -444,7 +444,7 @@ _CHILD_SCRIPT = textwrap.dedent("""
     synk.function([], s.sum(), mode="FAST_COMPILE")
     d = synk.data(np.ones(5))
     print("FIRST", float(f(np.ones(6))), flush=True)
-    prefix = runtime.session().proc.prefix
+    prefix = runtime.running_session().proc.prefix
     names = sorted(e for e in os.listdir("/dev/shm") if prefix in e)
     pid = os.fork()
     if pid == 0:
@@ -505,7 +505,7 @@ _GROUP_SCRIPT = textwrap.dedent("""
     s = pytensor.shared(np.ones(3), name="s")
     synk.function([], s.sum(), mode="FAST_COMPILE")
     f(np.ones(6))
-    sess = runtime.session()
+    sess = runtime.running_session()
     print("PIDS", " ".join(str(p) for p in sess.watch.pids.values()), flush=True)
     print("PREFIX", sess.proc.prefix, flush=True)
     end = time.monotonic() + 60
@@ -664,7 +664,7 @@ def test_names_without_a_lock_file_are_left_alone(fork):
 
 def test_live_fork_holds_its_lock_in_every_process(fork):
     fork(3)
-    prefix = runtime.session().proc.prefix
+    prefix = runtime.running_session().proc.prefix
     fd = os.open(f"/dev/shm/{prefix}lock", os.O_RDONLY)
     try:
         with pytest.raises(BlockingIOError):
@@ -673,7 +673,7 @@ def test_live_fork_holds_its_lock_in_every_process(fork):
         os.close(fd)
     # each worker holds a lock through a descriptor of its own (taken as it
     # starts: fork() does not wait for that, so a loaded machine may need a moment)
-    for pid in runtime.session().watch.pids.values():
+    for pid in runtime.running_session().watch.pids.values():
         deadline = time.monotonic() + 10.0
         while True:
             links = []

@@ -54,7 +54,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: bad arguments, named in the message.
     """
-    s = context.session()
+    s = context.running_session()
     s.usable()
     inputs = _check_inputs(inputs, pytensor_kwargs)
     outs, ops, given_ops, returns_list = _parse_outputs(outputs, reduce_ops)

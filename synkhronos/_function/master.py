@@ -302,7 +302,7 @@ class Function:
     def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable):
         """A call, checked and prepared from scratch (and planned for the next
         calls of the same kind when it can be)."""
-        s = context.session()
+        s = context.running_session()
         if self._owner is not s:
             raise SynkError(
                 f"function {self.name!r} was built for a fork that was closed (synk.close()); "
@@ -420,7 +420,7 @@ class Function:
                                  Lane.of(proc, call, share)))
 
     def _call_planned(self, plan, args):
-        s = context.session()
+        s = context.running_session()
         for i, dst, pieces in plan.copies:
             value = args[i]
             for rows in pieces:
@@ -471,7 +471,7 @@ class Function:
         return n_rows, norm_batch
 
     def _scratch_fill_whole(self, i, value):
-        if context.session().n_parallel == 1:
+        if context.running_session().n_parallel == 1:
             return None  # nobody else reads it
         d = self._scratch_data(i, value.dtype, value.shape)
         if value.size:

@@ -85,7 +85,7 @@ def distribute() -> None:
         TypeError: a function cannot be pickled (the message says which).
         Any exception a worker raised while unpickling or compiling.
     """
-    s = context.session()
+    s = context.running_session()
     s.usable()
     # the master's LocalFunctions, in creation order
     new = [lf for lf in s.proc.functions.values() if lf.spec.fid not in s.distributed]

@@ -47,7 +47,7 @@ def _resolve(shared_vars):
 
     What it found is kept per argument (by the identity of the variables,
     which the kept entry keeps alive): a loop of collectives resolves once."""
-    s = context.session()
+    s = context.running_session()
     s.usable()
     key = resolve_key(shared_vars)
     got = s.proc.kept.resolved.get(key)
@@ -114,7 +114,7 @@ def _is_value_list(values, var) -> bool:
 
 def _stage(fn_key, arrays):
     """Copy arrays into the session's collective scratch segments; return their refs."""
-    s = context.session()
+    s = context.running_session()
     refs = []
     for i, arr in enumerate(arrays):
         d = fit_scratch(s.collective_scratch, (fn_key, i), arr.dtype, arr.shape, f"collective:{fn_key}:{i}")
