@@ -1,4 +1,4 @@
-"""Collectives on small shared variables (the inline path of shareds.py) give the
+"""Collectives on small shared variables (the inline path of synkhronos/_shareds/host.py) give the
 bits of the communicator's path and of numpy, in every process, for every op,
 dtype and shape; errors and the switch between small and large values stay right."""
 
@@ -15,7 +15,7 @@ import pytest
 from numpy.testing import assert_array_equal
 
 import synkhronos as synk
-from synkhronos._shareds import api as shareds
+from synkhronos._shareds import host as shareds
 from synkhronos.collectives import shm
 from synkhronos._protocol.session import ALIVE_EVERY
 
