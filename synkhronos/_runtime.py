@@ -74,7 +74,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         timeout: the longest, in seconds, that a call or collective waits
             for the workers. Default ``None``: wait as long as they compute
             (a warning naming the ranks is logged every
-            ``synkhronos.session.WAIT_WARNING_INTERVAL`` seconds, 60). When the time
+            ``synkhronos._protocol.session.WAIT_WARNING_INTERVAL`` seconds, 60). When the time
             runs out the command is abandoned in every process and
             :class:`~synkhronos.SynkTimeoutError` names the ranks that had
             not answered and says whether the runtime is still usable.

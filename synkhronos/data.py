@@ -37,7 +37,7 @@ class _Memory:
         s = context.current()
         if s is not None and s.proc is self.proc:
             s.dropped.append(self.uid)
-            self.proc.kept.moved()  # a kept call may point into it (kept.py)
+            self.proc.kept.moved()  # a kept call may point into it (_kept/records.py)
 
     def forget(self) -> None:
         """Release, and leave the session's list of live memory (the Data is gone)."""

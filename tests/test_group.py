@@ -1,4 +1,4 @@
-"""The process group under the runtime and the parameter server (synkhronos/group.py).
+"""The process group under the runtime and the parameter server (synkhronos/_procs/).
 
 ``synk.fork()`` and ``multiverso.init()`` share one group: the same
 parent-death signal, the same lock file (so a run killed outright has its

@@ -1,4 +1,4 @@
-"""The rules kept state relies on (synkhronos/kept.py), each as a test.
+"""The rules kept state relies on (synkhronos/_kept/records.py), each as a test.
 
 One owner per process (``proc.kept``), one capacity policy (:class:`Table`),
 one validity rule (``Kept.generation``: every posted command and every

@@ -62,7 +62,7 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
 
 def reply_inline(proc, outs, ops, weight, error):
     """The outputs of an inline call: a worker sends them back with its answer
-    (see :mod:`synkhronos.replies`); the master keeps ``(outs, its reducible
+    (see :mod:`synkhronos._protocol.replies`); the master keeps ``(outs, its reducible
     outputs, weight)`` for :func:`combine_inline`."""
     if error is not None:  # (no protocol left to take part in)
         raise own_share_failed(error)

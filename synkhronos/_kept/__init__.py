@@ -1,1 +1,2 @@
-"""synkhronos._kept."""
+"""The kept state of the fast paths: one owner per process, one validity rule,
+and the kept plans of small collectives."""

@@ -23,7 +23,7 @@ next command. Liveness is checked as often as a waiting master checks it.
 Once a plan found the fork so, nothing can move until the master posts a
 command: while the generation of the master's kept records
 (``proc.kept.generation``, which every posted command moves: the validity
-rule of :mod:`synkhronos.kept`) is the one it verified under, the next direct
+rule of :mod:`synkhronos._kept.records`) is the one it verified under, the next direct
 run checks only the session's state and liveness (``_Plan._mode``); under a
 newer one it verifies the workers' boards again.
 
@@ -35,8 +35,8 @@ path runs the command. A worker's inline gather or reduce moves its values
 into their homes first (once; again after an update moved them), so that
 they can be published.
 
-The master's half: ``shareds.broadcast`` and ``shareds.all_reduce`` try
-:func:`planned` first, ``shareds.gather`` :func:`planned_gather`, ``shareds.reduce``
+The master's half: ``_shareds.api.broadcast`` and ``.all_reduce`` try
+:func:`planned` first, ``.gather`` :func:`planned_gather`, ``.reduce``
 :func:`planned_reduce`, and the
 inline path keeps a plan with :func:`keep_plan`.
 The worker's half: ``_shareds.host.worker_collective`` keeps a plan with
@@ -186,9 +186,9 @@ class _Plan:
         self.peers = peers
 
     def _mode(self) -> Mode:
-        """How the plan may run now (:class:`~synkhronos.kept.Mode`). Raises if a worker died.
+        """How the plan may run now (:class:`~synkhronos._kept.records.Mode`). Raises if a worker died.
 
-        The validity rule (:mod:`synkhronos.kept`): a worker's values move only
+        The validity rule (:mod:`synkhronos._kept.records`): a worker's values move only
         while it runs a command, and every command moves the kept generation.
         Verified under the current generation, the plan runs directly after a
         check of the session's state and the workers' liveness; under an older

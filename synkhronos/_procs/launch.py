@@ -57,7 +57,7 @@ class _Start:
     job has called it, so a copy still loading its data (or one that never calls
     it) would hold this one inside C for as long as it lives, deaf to signals and
     to any timeout. The caller's thread waits instead, in Python. Its state is
-    ``context.mpi_start``.
+    ``_state.mpi_start``.
 
     mpi4py's ``Init_thread`` keeps the GIL while MPI_Init waits (the waiting
     thread could not run), so the thread calls MPI's C function through ctypes,

@@ -5,7 +5,7 @@ of a terminating signal only where its master would, and stops a computation
 the master abandoned (the interrupt signal). The master, where it leaves a
 terminating signal at its default, kills and reaps its workers and unlinks
 the fork's shared memory before it dies of it. The flags the handlers set
-live in :data:`synkhronos.context.signal_state`.
+live in :data:`synkhronos._state.signal_state`.
 """
 
 from __future__ import annotations

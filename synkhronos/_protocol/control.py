@@ -40,7 +40,7 @@ KEEP_WINDOW = 64
 _PAGE = 4096
 _PAYLOAD_CAP = 1 << 20
 #: Bytes of each worker's reply area, where small function outputs ride back
-#: with its answer (see :mod:`synkhronos.replies`).
+#: with its answer (see :mod:`synkhronos._protocol.replies`).
 REPLY_CAP = 8192
 _STATUS_OK, _STATUS_ERROR = 0, 1
 #: The error generation of a worker that failed but found no room for its report.

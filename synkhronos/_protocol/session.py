@@ -44,7 +44,7 @@ class Session:
 
     def __init__(self, proc, pids: dict[int, int], thread_limit, close: Callable[[], None], threads: int = 1):
         self.proc = proc
-        self.kept = proc.kept        # the master's kept records (kept.py; the same object as proc.kept)
+        self.kept = proc.kept        # the master's kept records (_kept/records.py; the same object as proc.kept)
         self._close = close          # runtime.close: a close() asked for during a command runs as it ends
         self.watch = Children(pids)         # the workers: reap, signal, end
         self.thread_limit = thread_limit
@@ -175,7 +175,7 @@ class Session:
         """Whether the fork is usable and every worker is idle, with no command
         running in this thread (a nested call) and nothing to settle or send
         first: the master may then read and write the values the workers
-        published (see :mod:`synkhronos.plans`)."""
+        published (see :mod:`synkhronos._kept.plans`)."""
         return (self.in_flight is None and not self._needs_reset and not self.close_requested
                 and self.broken is None and not self.closed and self.proc.control.all_answered())
 

@@ -42,7 +42,7 @@ def send(s, spec: CollectiveSpec, plan_key=None):
     """Run ``spec`` in every process; the workers get it as a plain tuple (a
     dataclass takes several times longer to pickle, on every collective).
     Small values take the inline path (:func:`_send_inline`), which keeps a
-    plan under ``plan_key`` (see :mod:`synkhronos.plans`)."""
+    plan under ``plan_key`` (see :mod:`synkhronos._kept.plans`)."""
     if spec.kind in _INLINE_KINDS:
         got = _send_inline(s, spec, plan_key)
         if got is not _NOT_INLINE:
@@ -100,7 +100,7 @@ def _inline_body(s, key, layout, values, got):
 
 def _send_inline(s, spec: CollectiveSpec, plan_key=None):
     """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's;
-    a collective that went through keeps its plan under ``plan_key`` (see :mod:`synkhronos.plans`)."""
+    a collective that went through keeps its plan under ``plan_key`` (see :mod:`synkhronos._kept.plans`)."""
     proc = s.proc
     comm = proc.comm
     # workers still busy with an abandoned command might read the master's area: the full path settles them first

@@ -15,7 +15,7 @@ others read them (see synkhronos/_shareds/host.py). An area holds int64 words, t
              word per dimension; then the data, each array 16-byte aligned
 
 Also the helpers of the inline collectives that ``_shareds/host.py`` and
-``plans.py`` (the kept plans) share: checking a layout, the error of a
+``_kept/plans.py`` (the kept plans) share: checking a layout, the error of a
 layout mismatch, and combining every process's values into this process's.
 """
 

@@ -5,7 +5,7 @@ every child returns from it and runs the rest of the script (SPMD), as if a
 launcher had started ``n`` copies. Rank 0 is the original process.
 
 What the processes share lives in POSIX shared memory under one prefix made
-with :func:`synkhronos.shmem.new_prefix` (so ``synk.<pid of rank 0>.``):
+with :func:`synkhronos._procs.shmem.new_prefix` (so ``synk.<pid of rank 0>.``):
 
 - a control segment: per-rank state and exit status, the first failure, the
   barrier's counter and generation, per-rank table descriptors and a slot per
