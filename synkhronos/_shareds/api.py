@@ -392,7 +392,8 @@ def set_value(rank, shared_vars, values, batch=None):
         TypeError: something other than shared variables; a non-int rank; a value of the
             wrong ndim, or of a dtype the variable cannot hold without loss.
         IndexError: ``batch`` beyond the values' rows.
-        ValueError: a variable that no distributed function uses; a rank out of range; values that do not match the variables in number.
+        ValueError: a variable that no distributed function uses; a rank out of range; values that
+            do not match the variables in number.
     """
     s, vars_, sids, single = _resolve(shared_vars)
     rank = _check_rank(s, rank)
