@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from . import _state as context, devices
+from . import _state as state, devices
 from ._procs import signals
 from ._procs.children import Children, die_of, set_parent_death_signal
 from ._protocol import across_nodes as nodes
@@ -110,7 +110,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             already initialised CUDA in this process.
         TypeError, ValueError: a bad argument, named in the message.
     """
-    if context.current() is not None:
+    if state.current() is not None:
         raise RuntimeError("synk.fork() was already called; call synk.close() before forking again")
     timeout = _check_timeout(timeout)
     idle_spin = _check_idle_spin(idle_spin)
@@ -136,14 +136,14 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
                       "one each: not pinning", stacklevel=user_stacklevel())
     keep_freed_memory()  # before forking: the workers inherit it
-    context.spin.idle = idle_spin  # the workers inherit the policy too
-    context.spin.oversubscribed = n_parallel > cores
+    state.spin.idle = idle_spin  # the workers inherit the policy too
+    state.spin.oversubscribed = n_parallel > cores
     pids = _spawn_workers(proc, groups, threads)
     thread_limit = limit_threads(threads)
     s = Session(proc, pids, thread_limit, close, threads)
-    context.set_current(s)
+    state.set_current(s)
     s.timeout = timeout
-    context.inherited_from = None
+    state.inherited_from = None
     s.saved_handlers = signals.install_master_handlers()
     if groups is not None:
         s.saved_affinity = pin(groups[master_rank])
@@ -204,7 +204,7 @@ def _spawn_workers(proc: Process, groups, threads: int) -> dict:
     """Fork the workers; returns rank -> pid. Each child pins itself to its cores
     and becomes a worker, never returning here."""
     # the workers' rule: they die of a signal only where the master would
-    context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
+    state.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
     def in_child(rank: int) -> None:  # pragma: no cover - the child, which never returns
         if groups is not None:
             pin(groups[rank])
@@ -233,7 +233,7 @@ def _check_timeout(timeout) -> float | None:
 
 def _check_idle_spin(idle_spin) -> float:
     if idle_spin is None:
-        return context.IDLE_SPIN_DEFAULT
+        return state.IDLE_SPIN_DEFAULT
     if isinstance(idle_spin, bool) or not isinstance(idle_spin, (int, float, np.integer, np.floating)):
         raise TypeError(f"idle_spin must be a number of seconds or None, got {idle_spin!r}")
     if not math.isfinite(idle_spin) or idle_spin < 0:
@@ -281,7 +281,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         atexit._clear()
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
-        context.jax_inherited = jax_backends_up()  # before bind() may configure JAX
+        state.jax_inherited = jax_backends_up()  # before bind() may configure JAX
         master_proc.device.bind(rank)  # before anything touches the accelerator
         # the master compiles every function too, and gives this warning once
         warnings.filterwarnings("ignore", "PyTensor could not link to a BLAS installation", UserWarning)
@@ -295,7 +295,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         proc.comm = proc.device.open_host_comm(proc, create=False)
         if master_proc.launched:  # the communicator over every node, once the master joined them
             nodes.connect_worker(proc)
-        context.interruptible.control = proc.control
+        state.interruptible.control = proc.control
         limit_threads(threads, worker=True)
         if master_proc.profile_dir is None:
             code = serve(proc)
@@ -304,7 +304,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
     except BaseException:
         code = 1
     finally:
-        terminate_signal = context.signal_state.terminate_signal
+        terminate_signal = state.signal_state.terminate_signal
         if terminate_signal is not None:  # die of the signal, so the master can name it
             try:
                 die_of(terminate_signal)
@@ -317,11 +317,11 @@ def _after_fork_in_child() -> None:
     """In a child the user forked from the master (os.fork, multiprocessing):
     the runtime belongs to the master. Nothing here may drive its workers,
     unlink its shared memory or hold its lock; public calls raise."""
-    s = context.current()
+    s = state.current()
     if s is None:
         return  # also synkhronos's own workers: they are forked before the session exists
-    context.set_current(None)
-    context.inherited_from = s.pid
+    state.set_current(None)
+    state.inherited_from = s.pid
     disown(s.proc.prefix)
     if s.proc.lease is not None:
         s.proc.lease.close()  # this process's copy of the master's descriptor only
@@ -353,7 +353,7 @@ def master_free():
         RuntimeError: before :func:`fork`, inside a running command, or nested.
     """
     s = running_session()
-    context.refuse_nested("master_free")
+    state.refuse_nested("master_free")
     if s.freed:
         raise RuntimeError("synk.master_free() is already in effect (blocks do not nest)")
     s.thread_limit.restore()
@@ -363,7 +363,7 @@ def master_free():
         yield
     finally:
         s.freed = False
-        if context.current() is s:  # (closed inside the block: close() restored everything)
+        if state.current() is s:  # (closed inside the block: close() restored everything)
             if bound is not None:
                 pin(bound)
             s.thread_limit = limit_threads(s.threads)
@@ -394,7 +394,7 @@ def close() -> None:
         KeyboardInterrupt: a Ctrl-C came during close(), after it finished.
         Nothing else: what cannot be closed cleanly is killed and logged.
     """
-    s = context.current()
+    s = state.current()
     if s is None:
         return
     if os.getpid() != s.pid:  # a child of the master forked without Python's fork hooks
@@ -405,14 +405,14 @@ def close() -> None:
         # stop the command; Session.run closes the fork as it unwinds
         _request_close(s)
         return
-    if not context.command_lock.acquire(blocking=False):
+    if not state.command_lock.acquire(blocking=False):
         _request_close(s)  # the call running in another thread stops at its next wait slice
-        context.command_lock.acquire()
+        state.command_lock.acquire()
     try:
-        if context.current() is s:
+        if state.current() is s:
             _teardown(s)
     finally:
-        context.command_lock.release()
+        state.command_lock.release()
 
 
 def _request_close(s: Session) -> None:
@@ -469,14 +469,14 @@ def _teardown(s: Session) -> None:
     step(proc.device.unbind)
     step(signals.restore_master_handlers, s.saved_handlers)
     step(atexit.unregister, _close_at_exit)
-    if context.current() is s:
-        context.set_current(None)
+    if state.current() is s:
+        state.set_current(None)
     if interrupts:
         raise interrupts[0]
 
 
 def _close_at_exit() -> None:
-    s = context.current()
+    s = state.current()
     if s is None or os.getpid() != s.pid:  # a child forked from the master: not its fork
         return
     nodes.abandon_at_exit(s.proc)  # an uncaught error here: the other nodes raise at once

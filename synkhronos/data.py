@@ -7,7 +7,7 @@ import weakref
 
 import numpy as np
 
-from . import _state as context
+from . import _state as state
 from .errors import short_repr
 from ._procs.shmem import Segment, Shrink
 from ._protocol.data_refs import forget
@@ -34,7 +34,7 @@ class _Memory:
             return
         seg.close()
         forget(self.proc, (self.uid,))  # the master's own mapping, if a call attached it
-        s = context.current()
+        s = state.current()
         if s is not None and s.proc is self.proc:
             s.dropped.append(self.uid)
             self.proc.kept.moved()  # a kept call may point into it (_kept/records.py)
@@ -42,7 +42,7 @@ class _Memory:
     def forget(self) -> None:
         """Release, and leave the session's list of live memory (the Data is gone)."""
         self.release()
-        s = context.current()
+        s = state.current()
         if s is not None and s.proc is self.proc:
             s.data_memory.pop(self.uid, None)
 
@@ -60,8 +60,8 @@ class Data:
     """
 
     def __init__(self, dtype, ndim: int, minibatch: bool = False, name=None, oversize: float = 1.0):
-        self._proc = context.running_session().proc
-        self._uid = context.next_data_id()
+        self._proc = state.running_session().proc
+        self._uid = state.next_data_id()
         self._gen = 0
         self._dtype = np.dtype(dtype)
         self._ndim = int(ndim)
@@ -69,7 +69,7 @@ class Data:
         self._mem = _Memory(self._proc, self._uid)
         # a dropped Data gives its shared memory back at once (and the workers
         # their mappings), not at close(); close() releases the ones still alive
-        context.running_session().data_memory[self._uid] = self._mem
+        state.running_session().data_memory[self._uid] = self._mem
         weakref.finalize(self, self._mem.forget).atexit = False
         self._alloc = 0
         self._shrink = None  # scratch only: see _fit
@@ -203,7 +203,7 @@ class Data:
         return repr(self.name) if self.name is not None else f"#{self._uid}"
 
     def _check_alive(self) -> None:
-        s = context.current()
+        s = state.current()
         if s is None or s.proc is not self._proc:
             raise RuntimeError(f"synk.data {self._label()} belongs to a fork that was closed")
 
@@ -317,7 +317,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: conflicting or missing dtype/ndim, bad value.
     """
-    context.running_session()
+    state.running_session()
     if var is not None:
         vtype = getattr(var, "type", None)
         if vtype is None or not hasattr(vtype, "dtype") or not hasattr(vtype, "ndim"):

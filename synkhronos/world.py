@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from . import _state as context
+from . import _state as state
 from ._batching import split
 from ._protocol.across_nodes import inter_comm, liveness
 from .collectives.hier import NodeCommunicator
@@ -55,7 +55,7 @@ def world() -> World:
     Raises:
         RuntimeError: before :func:`synkhronos.fork`.
     """
-    proc = context.running_session().proc
+    proc = state.running_session().proc
     comm = proc.comm
     if isinstance(comm, NodeCommunicator):
         return World(comm.node, comm.nodes, comm.rank, comm.size, proc.size, proc.master_rank,
@@ -92,7 +92,7 @@ def shard(n_rows: int) -> slice:
     return slice(start, stop)
 
 
-@context.serialized
+@state.serialized
 def join() -> int:
     """This node has no more data: wait, taking part in the other nodes' steps, until
     every node has called ``join()``.
@@ -128,7 +128,7 @@ def join() -> int:
             was called meanwhile (a signal handler, another thread): the fork
             is then closed.
     """
-    s = context.running_session()
+    s = state.running_session()
     s.usable()
     inter = inter_comm(s.proc)
     if inter is None:

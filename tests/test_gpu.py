@@ -28,7 +28,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import _state as context, devices, gpu, _runtime as runtime
+from synkhronos import _state, devices, gpu, _runtime as runtime
 from synkhronos.devices import gpu_stack
 
 from conftest import run_python
@@ -272,7 +272,7 @@ def test_no_gpu_per_the_probe(monkeypatch):
 def test_auto_warns_once_that_several_gpus_are_unvalidated(monkeypatch):
     """device="auto" picking more GPUs than the path has run on (one) warns once per process
     and names both choices; one GPU, device="gpu" or the original's use_gpu=True: no warning."""
-    monkeypatch.setattr(context, "warned", set())
+    monkeypatch.setattr(_state, "warned", set())
     monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -285,7 +285,7 @@ def test_auto_warns_once_that_several_gpus_are_unvalidated(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert devices.choose("auto", None) == (devices.GpuDevice, 2)   # once per process
-        monkeypatch.setattr(context, "warned", set())
+        monkeypatch.setattr(_state, "warned", set())
         assert devices.choose("gpu", None) == (devices.GpuDevice, 2)
         assert devices.choose("auto", True) == (devices.GpuDevice, 2)
         monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 0))
@@ -351,7 +351,7 @@ def test_bind_sets_and_unbind_restores_the_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.setattr(context, "bound_gpu", None)
+    monkeypatch.setattr(_state, "bound_gpu", None)
     saved = gpu_stack.bind(gpu_stack.plan(2, 2), 1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"

@@ -29,7 +29,7 @@ except ImportError:  # older PyTensor (2.30) names it as_op
 
 import synkhronos as synk
 from conftest import MODE, shm_names, worker_pids
-from synkhronos import _state as context, gpu, _runtime as runtime
+from synkhronos import _state as state, gpu, _runtime as runtime
 from synkhronos._shareds import api as shareds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def test_fork_use_gpu_true_without_a_gpu_warns_and_uses_the_cpu():
 def test_bad_original_fork_keywords(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         synk.fork(2, **kwargs)
-    assert context.current() is None
+    assert state.current() is None
     # positional use of the original's later arguments is refused, not misread
     with pytest.raises(TypeError, match="positional"):
         synk.fork(2, True, 0, False, 1000, 16)

@@ -20,7 +20,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos import _state as context, _runtime as runtime
+from synkhronos import _state, _runtime as runtime
 from synkhronos._procs import signals
 from synkhronos._protocol import session as session_module
 
@@ -343,7 +343,7 @@ def test_stuck_worker_then_close_leaves_nothing(fork):
     t0 = time.monotonic()
     synk.close()  # the worker ignores CLOSE and SIGTERM: SIGKILL ends it
     assert time.monotonic() - t0 < 15
-    assert context.current() is None
+    assert _state.current() is None
 
 
 def test_long_wait_logs_a_warning_naming_the_ranks(fork, monkeypatch, caplog):
@@ -362,7 +362,7 @@ def test_long_wait_logs_a_warning_naming_the_ranks(fork, monkeypatch, caplog):
 def test_bad_timeout(timeout, exc):
     with pytest.raises(exc, match="timeout"):
         synk.fork(2, device="cpu", timeout=timeout)
-    assert context.current() is None
+    assert _state.current() is None
 
 
 # -- close() during a call, Ctrl-C during close() ---------------------------------
@@ -379,7 +379,7 @@ def test_close_from_another_thread_during_a_call(fork):
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert time.monotonic() - t0 < 20
-    assert context.current() is None
+    assert _state.current() is None
     with pytest.raises(RuntimeError, match="not running"):
         f(np.ones(4))
 
@@ -396,7 +396,7 @@ def test_close_from_a_signal_handler_during_a_call(fork):
         timer.join()
     finally:
         signal.signal(signal.SIGUSR1, old)
-    assert context.current() is None
+    assert _state.current() is None
 
 
 def test_ctrl_c_during_close_still_cleans_up(fork):
@@ -409,7 +409,7 @@ def test_ctrl_c_during_close_still_cleans_up(fork):
     with pytest.raises(KeyboardInterrupt):
         synk.close()
     timer.join()
-    assert context.current() is None
+    assert _state.current() is None
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 from pytensor.graph.basic import Variable
 
-from .. import _state as context
+from .. import _state as state
 from .._protocol import across_nodes as nodes
 from .._protocol.distribute import graph_digest
 from ..collectives.ops import OUTPUT_OPS, check_op
@@ -54,7 +54,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: bad arguments, named in the message.
     """
-    s = context.running_session()
+    s = state.running_session()
     s.usable()
     inputs = _check_inputs(inputs, pytensor_kwargs)
     outs, ops, given_ops, returns_list = _parse_outputs(outputs, reduce_ops)
@@ -68,7 +68,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         raise TypeError(f"nccl must be True or False, got {nccl!r}")
     if s.proc.device.default_mode is not None:  # GPU: JAX, the graph runs on this process's GPU
         pytensor_kwargs.setdefault("mode", s.proc.device.default_mode)
-    fid = context.next_function_id()
+    fid = state.next_function_id()
     name = pytensor_kwargs.pop("name", None) or f"synk_function_{fid}"
     spec = FunctionSpec(fid, name, inputs, outs, ops, upd_pairs, upd_ops, givens,
                         dict(pytensor_kwargs), tuple(bcast), sliceable, returns_list, given_ops,

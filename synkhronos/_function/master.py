@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 from pytensor.scalar import upcast
 
-from .. import _state as context
+from .. import _state as state
 from .._batching import batch_length, check_batch, split, sub_batch
 from .._procs.shmem import oversized
 from .._protocol import across_nodes as nodes
@@ -244,7 +244,7 @@ class Function:
 
     # -- the call ----------------------------------------------------------
 
-    @context.serialized
+    @state.serialized
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
                  device_outputs=False, **kwargs):
         """Run data-parallel: scatter inputs, compute everywhere, reduce outputs.
@@ -285,7 +285,7 @@ class Function:
                 in every process of every node.
         """
         plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
-        s = context.current()
+        s = state.current()
         # across nodes: a call that fails here before its step reached the others still takes it
         before = None if s is None or s is not self._owner else nodes.steps_begun(s.proc)
         try:
@@ -302,7 +302,7 @@ class Function:
     def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable):
         """A call, checked and prepared from scratch (and planned for the next
         calls of the same kind when it can be)."""
-        s = context.running_session()
+        s = state.running_session()
         if self._owner is not s:
             raise SynkError(
                 f"function {self.name!r} was built for a fork that was closed (synk.close()); "
@@ -420,7 +420,7 @@ class Function:
                                  Lane.of(proc, call, share)))
 
     def _call_planned(self, plan, args):
-        s = context.running_session()
+        s = state.running_session()
         for i, dst, pieces in plan.copies:
             value = args[i]
             for rows in pieces:
@@ -471,7 +471,7 @@ class Function:
         return n_rows, norm_batch
 
     def _scratch_fill_whole(self, i, value):
-        if context.running_session().n_parallel == 1:
+        if state.running_session().n_parallel == 1:
             return None  # nobody else reads it
         d = self._scratch_data(i, value.dtype, value.shape)
         if value.size:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytensor
 
-from .. import _state as context
+from .. import _state as state
 from .._arrays import concat
 from .._batching import split
 from ..collectives.ops import cast_to, combine
@@ -97,7 +97,7 @@ class LocalFunction:
             if subset is not None:  # as in PyTensor, a subset need not use every input
                 kwargs = {**kwargs, "on_unused_input": "ignore"}
             jax_mode = is_jax_mode(kwargs.get("mode"))
-            if context.jax_inherited and jax_mode:
+            if state.jax_inherited and jax_mode:
                 raise RuntimeError(
                     f"function {spec.name or '?'} compiles in JAX mode, but JAX was already running in the "
                     "master when synk.fork() started this worker, and JAX cannot run in a process forked "

@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from .. import _state as context
+from .. import _state as state
 from .._arrays import join
 from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
 from ..collectives.ops import cast_to, kept_reducer
@@ -96,7 +96,7 @@ def planned_reduce(shared_vars, op, in_place, nccl):
 
 def _kept(kind, shared_vars, op, nccl):
     """The master's kept plan for these arguments, or None."""
-    s = context.current()
+    s = state.current()
     if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
         return None
     # a plan keeps its variables alive: a hit on id(shared_vars) is that very variable

@@ -13,7 +13,7 @@ import warnings
 
 import numpy as np
 
-from .. import _state as context
+from .. import _state
 from .waits import wait_until
 
 __all__ = []
@@ -111,7 +111,7 @@ def mpi(timeout: float | None = None, check=None):
             the job had not all called it); a later call waits again.
     """
     MPI = _import_mpi4py()
-    st = context.mpi_start
+    st = _state.mpi_start
     if st["ours"] is None and st["thread"] is None:
         if MPI.Is_initialized():
             st["ours"] = False
@@ -144,7 +144,7 @@ def mpi(timeout: float | None = None, check=None):
 def mpi_started_here() -> bool:
     """Whether :func:`mpi` initialised MPI (rather than the script, before it)."""
     mpi()
-    return bool(context.mpi_start["ours"])
+    return bool(_state.mpi_start["ours"])
 
 
 class Notices:

@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from .. import _state as context
+from .. import _state as state
 from .._procs import launch
 from .._procs.launch import LAUNCHER_VARS, launched
 from .._batching import split
@@ -92,8 +92,8 @@ def _mpi(timeout=None, check=None):
     """mpi4py's MPI, initialised now (after the fork; see :func:`.._procs.launch.mpi` for
     ``timeout`` and ``check``), finalised at exit."""
     MPI = launch.mpi(timeout, check)
-    if not context.mpi_finalize_registered and launch.mpi_started_here():
-        context.mpi_finalize_registered = True
+    if not state.mpi_finalize_registered and launch.mpi_started_here():
+        state.mpi_finalize_registered = True
         atexit.register(_finalize, MPI)  # finalised after close() at exit
     return MPI
 
@@ -104,7 +104,7 @@ def _finalize(MPI) -> None:
     abandoned, which Finalize could wait for forever: then the job is aborted."""
     if MPI.Is_finalized():
         return
-    if context.nodes_broken or context.mpi_pending_dup is not None:
+    if state.nodes_broken or state.mpi_pending_dup is not None:
         # the other nodes got this node's failure notice (or sent theirs): give
         # them time to raise and close their forks before the job is stopped
         time.sleep(ABORT_GRACE)
@@ -123,7 +123,7 @@ def connect(proc, check) -> None:
         warnings.warn("synkhronos: across nodes, GPU outputs and collectives go through the CPU "
                       "path (NCCL across nodes is not supported yet)", stacklevel=2)
         plan.nccl = False
-    s = context.current()
+    s = state.current()
     timeout = None if s is None else s.timeout
     try:
         MPI = _mpi(timeout, None if s is None else s.watch.poll)
@@ -147,7 +147,7 @@ def connect(proc, check) -> None:
         with _between_commands(inter, proc.comm):  # the node table goes to the workers too
             proc.comm = NodeCommunicator(proc.comm, inter)
     except BaseException:
-        context.nodes_broken = context.nodes_broken or inter.broken is not None
+        state.nodes_broken = state.nodes_broken or inter.broken is not None
         inter.close()
         raise
 
@@ -166,7 +166,7 @@ def note_failure(proc) -> None:
     if inter is None:
         return
     if inter.broken is not None:
-        context.nodes_broken = True
+        state.nodes_broken = True
     inter.check = liveness(inter.check)
 
 
@@ -174,7 +174,7 @@ def liveness(check):
     """The check of a wait among node masters outside a command: only whether
     this node's workers live (the command's deadline and slow-wait warning
     belong to commands)."""
-    s = context.current()
+    s = state.current()
     return check if s is None else s.watch.poll
 
 
@@ -320,7 +320,7 @@ def stepped(what: str):
     def wrap(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            s = context.current()
+            s = state.current()
             before = None if s is None else steps_begun(s.proc)
             try:
                 return fn(*args, **kwargs)
@@ -427,7 +427,7 @@ def _abandon(proc, reason) -> None:
     inter = inter_comm(proc)
     if inter is not None and inter.broken is None:
         inter.abort(reason(inter.rank)[:500])
-        context.nodes_broken = True
+        state.nodes_broken = True
 
 
 def abandon_at_exit(proc) -> None:

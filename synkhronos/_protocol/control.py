@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from .. import _state as context
+from .. import _state as state
 from ..errors import pack_exception
 from .._procs.waits import block_on, take, wait_until
 from .replies import ELSEWHERE, ReplyArea
@@ -78,7 +78,7 @@ def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = S
         return
     # where processes outnumber cores, read the clock at every turn, not every 32nd
     wait_until(lambda: sem.value and take(sem), check, spin=spin, check_every=CHECK_EVERY,
-               block=block_on(sem, WAIT_SLICE), clock_every=1 if context.spin.oversubscribed else 32)
+               block=block_on(sem, WAIT_SLICE), clock_every=1 if state.spin.oversubscribed else 32)
 
 
 def drain(sem: posix_ipc.Semaphore) -> None:
@@ -287,7 +287,7 @@ class ControlBlock:
 
     def receive(self, rank: int, check: Callable[[], None]):
         """Block until the next command for this worker; return ``(cmd, payload)``."""
-        acquire(self.go[rank], check, spin=context.spin.idle)
+        acquire(self.go[rank], check, spin=state.spin.idle)
         words = self._words
         self._taken_seq = words[_W_SEQ]
         cmd = _COMMANDS[words[_W_CMD]]

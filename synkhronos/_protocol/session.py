@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from .. import _state as context
+from .. import _state
 from .._procs import signals
 from .._procs.children import Children
 from .control import Command
@@ -234,7 +234,7 @@ class Session:
         process (a worker's carries its rank and traceback).
         """
         self.usable()
-        context.refuse_nested(cmd)
+        _state.refuse_nested(cmd)
         self.in_flight = threading.get_ident()
         try:
             return self._run(cmd, payload, local, body)
@@ -247,7 +247,7 @@ class Session:
     def close_if_requested(self) -> None:
         """At the end of a command (or of join()): close the fork if close() was asked
         for meanwhile (by a signal handler, an Op or another thread)."""
-        if self.close_requested and context.current() is self:
+        if self.close_requested and _state.current() is self:
             self._close()
 
     def _run(self, cmd: Command, payload, local, body):

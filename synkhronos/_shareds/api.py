@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from .. import _state as context
+from .. import _state as state
 from .._protocol import across_nodes as nodes
 from .._state import command_lock
 from .._batching import check_batch
@@ -47,7 +47,7 @@ def _resolve(shared_vars):
 
     What it found is kept per argument (by the identity of the variables,
     which the kept entry keeps alive): a loop of collectives resolves once."""
-    s = context.running_session()
+    s = state.running_session()
     s.usable()
     key = resolve_key(shared_vars)
     got = s.proc.kept.resolved.get(key)
@@ -114,7 +114,7 @@ def _is_value_list(values, var) -> bool:
 
 def _stage(fn_key, arrays):
     """Copy arrays into the session's collective scratch segments; return their refs."""
-    s = context.running_session()
+    s = state.running_session()
     refs = []
     for i, arr in enumerate(arrays):
         d = fit_scratch(s.collective_scratch, (fn_key, i), arr.dtype, arr.shape, f"collective:{fn_key}:{i}")
@@ -155,14 +155,14 @@ def broadcast(shared_vars, values=None, nccl=True):
             ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; values that do not match the variables in number.
     """
-    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned)
+    with command_lock:  # (state.serialized, with the kept plan first: see plans.planned)
         if values is None and planned("broadcast", shared_vars, None, nccl):
             return None
         return _broadcast(shared_vars, values, nccl)
 
 
 def _broadcast(shared_vars, values, nccl) -> None:
-    context.refuse_nested("broadcast")
+    state.refuse_nested("broadcast")
     cpu = not _check_nccl(nccl)
     s, vars_, sids, single = _resolve(shared_vars)
     if values is not None and world().node == 0:  # across nodes node 0's values are sent
@@ -174,7 +174,7 @@ def _broadcast(shared_vars, values, nccl) -> None:
 
 
 @nodes.stepped("scatter")
-@context.serialized
+@state.serialized
 def scatter(shared_vars, values, batch=None):
     """Split each value along axis 0 and give each process its part.
 
@@ -232,7 +232,7 @@ def gather(shared_vars, nd_up=1, nccl=True):
         TypeError: something other than shared variables; ``nccl`` not a bool.
         ValueError: a variable that no distributed function uses; ``nd_up`` not 0 or 1; unequal shapes with ``nd_up=1``.
     """
-    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned_gather)
+    with command_lock:  # (state.serialized, with the kept plan first: see plans.planned_gather)
         joined = planned_gather(shared_vars, nd_up, nccl)
         if joined is not None:
             return _ret(joined, type(shared_vars) not in (list, tuple))
@@ -240,7 +240,7 @@ def gather(shared_vars, nd_up=1, nccl=True):
 
 
 def _gather(shared_vars, nd_up, nccl):
-    context.refuse_nested("gather")
+    state.refuse_nested("gather")
     if nd_up not in (0, 1) or isinstance(nd_up, bool):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
     cpu = not _check_nccl(nccl)
@@ -251,7 +251,7 @@ def _gather(shared_vars, nd_up, nccl):
 
 
 @nodes.stepped("all_gather")
-@context.serialized
+@state.serialized
 def all_gather(shared_vars, nccl=True):
     """Concatenate every process's value along axis 0 and store it in every process.
 
@@ -299,7 +299,7 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned_reduce)
+    with command_lock:  # (state.serialized, with the kept plan first: see plans.planned_reduce)
         got = planned_reduce(shared_vars, op, in_place, nccl)
         if got is None:
             return _reduce(shared_vars, op, in_place, nccl)
@@ -311,7 +311,7 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
 
 
 def _reduce(shared_vars, op, in_place, nccl):
-    context.refuse_nested("reduce")
+    state.refuse_nested("reduce")
     name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, single = _resolve(shared_vars)
@@ -343,14 +343,14 @@ def all_reduce(shared_vars, op="avg", nccl=True):
         ValueError: a variable that no distributed function uses; an unknown
             ``op``; shapes that differ between processes.
     """
-    with command_lock:  # (context.serialized, with the kept plan first: see plans.planned)
+    with command_lock:  # (state.serialized, with the kept plan first: see plans.planned)
         if planned("all_reduce", shared_vars, op, nccl):
             return None
         return _all_reduce(shared_vars, op, nccl)
 
 
 def _all_reduce(shared_vars, op, nccl) -> None:
-    context.refuse_nested("all_reduce")
+    state.refuse_nested("all_reduce")
     name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
@@ -374,7 +374,7 @@ def _check_rank(s, rank):
 
 
 @nodes.stepped("set_value")
-@context.serialized
+@state.serialized
 def set_value(rank, shared_vars, values, batch=None):
     """Set the value of shared variables in one process only.
 
@@ -410,7 +410,7 @@ def set_value(rank, shared_vars, values, batch=None):
 
 
 @nodes.stepped("get_value")
-@context.serialized
+@state.serialized
 def get_value(rank, shared_vars):
     """The value(s) of shared variables in process ``rank``.
 
@@ -435,7 +435,7 @@ def get_value(rank, shared_vars):
 
 
 @nodes.stepped("get_lengths")
-@context.serialized
+@state.serialized
 def get_lengths(shared_vars):
     """Length along axis 0 of each variable in every process.
 
@@ -459,7 +459,7 @@ def get_lengths(shared_vars):
 
 
 @nodes.stepped("get_shapes")
-@context.serialized
+@state.serialized
 def get_shapes(shared_vars):
     """Shape of each variable in every process.
 

@@ -50,7 +50,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import _state as context
+from .. import _state as state
 from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
 from .._procs.launch import Notices, mpi as _mpi
@@ -121,7 +121,7 @@ class MpiCommunicator(Communicator):
         # duplicates, without blocking: data on one, failure notices on the other. MPI pairs
         # collectives in the order they start: duplicates an earlier try gave up waiting for are
         # the ones the other nodes' (next) try meets, so they are waited for again, never new ones
-        pending, context.mpi_pending_dup = context.mpi_pending_dup, None
+        pending, state.mpi_pending_dup = state.mpi_pending_dup, None
         if pending is not None and pending[0] is comm:
             comm_dup, req, ctl_dup, req2 = pending[1:]
         else:
@@ -130,7 +130,7 @@ class MpiCommunicator(Communicator):
         try:
             self._wait([req, req2], "creating the MPI communicator", notices=False)
         except BaseException:
-            context.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
+            state.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
             raise
         for c in (comm_dup, ctl_dup):
             c.Set_errhandler(MPI.ERRORS_RETURN)  # MPI errors become exceptions, never an abort
@@ -154,7 +154,7 @@ class MpiCommunicator(Communicator):
         """Post the header exchange that a node's last header (leave()) meets, without
         waiting: MPI completes it when that node next progresses (at its close(), at
         the latest in MPI_Finalize), so nothing is left outstanding."""
-        context.mpi_leaving.append(self._post_header(b"", LEFT))
+        state.mpi_leaving.append(self._post_header(b"", LEFT))
 
     def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1)):
         """Start the exchange of every node's header slot: this node's head (the blob's
@@ -201,7 +201,7 @@ class MpiCommunicator(Communicator):
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
         except BaseException as exc:
             # a leave's exchange completes later (see _answer_leave): its buffers outlive this object
-            (context.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))
+            (state.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))
             if not isinstance(exc, NodeFailedError):
                 # (a stop of this node's own, such as close() meanwhile, says what it was in words)
                 self.abort(getattr(exc, "notice", None) or f"{type(exc).__name__}: {exc}")
@@ -781,7 +781,7 @@ class MpiCommunicator(Communicator):
                     # the others may be in another step: they must learn that this node left
                     self.abort(f"node {self.rank} closed (synk.close()): {type(exc).__name__}: {exc}"[:500])
         if self._leaving is not None and not self._leaving[0].Test():
-            context.mpi_leaving.append(self._leaving)  # the others complete it at their next exchange
+            state.mpi_leaving.append(self._leaving)  # the others complete it at their next exchange
         self._notices.close()  # its receive cancelled, its sends given a moment, freed
         try:
             self._comm.Free()

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from .. import _state as context
+from .. import _state as state
 from .._procs.cores import restore_env
 
 from .jax_state import jax_backends_up
@@ -221,7 +221,7 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
     """
     want = gpu_plan.gpu_of(rank)
     if jax_backends_up():
-        if n_parallel == 1 and context.bound_gpu == want:
+        if n_parallel == 1 and state.bound_gpu == want:
             return ()
         cuda_initialised_error()
     changes = {"CUDA_VISIBLE_DEVICES": want}
@@ -230,7 +230,7 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
             changes[key] = value
     saved = tuple((k, os.environ.get(k)) for k in changes)
     os.environ.update(changes)
-    context.bound_gpu = want
+    state.bound_gpu = want
     return saved
 
 

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import synkhronos.multiverso as mv  # noqa: E402
-from synkhronos._procs import launch, lease  # noqa: E402
+from synkhronos._procs import launch  # noqa: E402
 from synkhronos.errors import SynkError  # noqa: E402
 
 
@@ -324,12 +324,12 @@ def _term_worker_1(step):
     WorkerFailedError naming the signal within a second of it, whatever lock rank 1 held."""
     import threading
 
-    from synkhronos import _state as context
+    from synkhronos import _state as state
 
     mv.barrier()
     sent = []
     if mv.worker_id() == 0:
-        pid = context.multiverso_server().world.children.pids[1]
+        pid = state.multiverso_server().world.children.pids[1]
 
         def term():
             sent.append(time.monotonic())
@@ -368,9 +368,9 @@ def fault_kill_all():
     is reclaimed by the next init() or synk.fork() (lease.unlink_stale)."""
     mv.ArrayTableHandler(10)
     mv.barrier()
-    from synkhronos import _state as context
+    from synkhronos import _state as state
 
-    print(f"PREFIX {context.multiverso_server().world.prefix}", flush=True)
+    print(f"PREFIX {state.multiverso_server().world.prefix}", flush=True)
     mv.barrier()
     if mv.worker_id() == 0:
         os.killpg(os.getpgid(0), signal.SIGKILL)
