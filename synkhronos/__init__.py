@@ -24,6 +24,6 @@ __all__ = [
 
 
 def __dir__():
-    # the public API only: the internal submodules (runtime, shmem, ...) stay
+    # the public API only: the internal modules (_runtime, _procs, ...) stay
     # importable, but dir() and tab completion do not offer them
     return sorted(__all__ + ["__version__"])

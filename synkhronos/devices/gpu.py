@@ -22,6 +22,7 @@ from .._protocol.control import Command
 from ..errors import user_stacklevel
 from . import gpu_stack
 from .base import Device
+from .jax_state import jax_linker
 
 __all__ = ["GpuDevice"]
 
@@ -126,7 +127,7 @@ class GpuDevice(Device):
             fn = lf.compiled()
             used = {id(inp.variable) for inp in fn.maker.inputs if inp.shared}
             used |= {id(v) for v in lf.spec.sliceable}
-            (on_jax if gpu_stack.jax_linker(getattr(fn.maker, "linker", None)) else elsewhere).update(used)
+            (on_jax if jax_linker(getattr(fn.maker, "linker", None)) else elsewhere).update(used)
         for sid, var in proc.shareds.items():
             if id(var) in on_jax and id(var) not in elsewhere:
                 self.state.placed[sid] = var
