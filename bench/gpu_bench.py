@@ -70,9 +70,9 @@ import numpy as np  # noqa: E402
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
 
-from synkhronos import runtime  # noqa: E402
+from synkhronos import _runtime as runtime  # noqa: E402
 
-proc = runtime.session().proc
+proc = runtime.running_session().proc
 assert proc.device.comm is not None, "one process on one GPU should hold a one-rank NCCL communicator"
 
 

@@ -256,7 +256,7 @@ def run_case(case: str, n_rows: int, args) -> dict:
     if case == "numpyro":  # 2 parallel chains need 2 XLA host devices
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
     if case == "jax-rw":  # numpyro's flags and those synkhronos adds for a process of all the cores
-        from synkhronos.tuning import xla_flags
+        from synkhronos._procs.xla_flags import xla_flags
 
         env["XLA_FLAGS"] = xla_flags(env["XLA_FLAGS"], os.cpu_count() or 1)
     cmd = [sys.executable, __file__, "--case", case, "--rows", str(n_rows), "--what", args.what,

@@ -23,7 +23,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos import runtime
+from synkhronos import _runtime as runtime
 
 
 def _rss_kib(pid):
@@ -65,10 +65,10 @@ def _shm_maps(pid):
 def data_loop(loops, n):
     """Create a 1 MiB synk.data, use it in a call, drop it; /dev/shm and descriptors stay flat."""
     synk.fork(n)
-    prefix = runtime.session().proc.prefix
+    prefix = runtime.running_session().proc.prefix
     x = pt.dvector("x")
     f = synk.function([x], x.sum())
-    pids = [os.getpid()] + list(runtime.session().watch.pids.values())
+    pids = [os.getpid()] + list(runtime.running_session().watch.pids.values())
     rows = []
     for i in range(loops + 1):
         d = synk.data(np.ones(2**17))
@@ -103,7 +103,7 @@ def fork_cycles(cycles, n):
 
 
 def sample(prefix):
-    pids = [os.getpid()] + list(runtime.session().watch.pids.values())
+    pids = [os.getpid()] + list(runtime.running_session().watch.pids.values())
     return {
         "rss_kib": [_rss_kib(p) for p in pids],
         "fds": [_count(f"/proc/{p}/fd") for p in pids],
@@ -123,7 +123,7 @@ def main():
     args = ap.parse_args()
 
     synk.fork(args.n)
-    prefix = runtime.session().proc.prefix
+    prefix = runtime.running_session().proc.prefix
     x = pt.dvector("x")
     s = pytensor.shared(np.ones(1000), name="s")
     f = synk.function([x], [x.sum(), (x * s[: x.shape[0]]).max()], updates=[(s, s * 1.0)])

@@ -242,7 +242,7 @@ def _after_gaps(call, wait, gap: float, reps: int) -> list:
 def _worker_cpu_seconds() -> float:
     """User + system CPU seconds used so far by the workers of this fork."""
     total = 0
-    for pid in synk.runtime.session().watch.pids.values():
+    for pid in synk._runtime.running_session().watch.pids.values():
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
@@ -265,7 +265,7 @@ def idle_cpu(call) -> dict:
                 time.sleep(gap)
         wall = time.perf_counter() - t0
         out[name] = (_worker_cpu_seconds() - cpu0) / wall
-    out["workers"] = len(synk.runtime.session().watch.pids)
+    out["workers"] = len(synk._runtime.running_session().watch.pids)
     return out
 
 

@@ -1,15 +1,16 @@
 """synkhronos: data parallelism for PyTensor on one machine, and across machines under mpirun."""
 
 from .data import Data, data
-from .distribute import distribute
+from ._protocol.distribute import distribute
 from .errors import (NodeFailedError, RemoteTraceback, StepMismatchError, SynkError, SynkTimeoutError,
                      WorkerDiedError, WorkerError)
-from .function import Function, function
+from ._function.build import function
+from ._function.master import Function
 from .gpu import get_n_gpu
-from .nodes import World, join, shard, world
-from .runtime import close, fork, master_free
-from .shareds import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
-                      get_value, reduce, scatter, set_value)
+from .world import World, join, shard, world
+from ._runtime import close, fork, master_free
+from ._shareds.api import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes, get_value,
+                           reduce, scatter, set_value)
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,6 @@ __all__ = [
 
 
 def __dir__():
-    # the public API only: the internal submodules (runtime, shmem, ...) stay
+    # the public API only: the internal modules (_runtime, _procs, ...) stay
     # importable, but dir() and tab completion do not offer them
     return sorted(__all__ + ["__version__"])

@@ -7,9 +7,10 @@ import weakref
 
 import numpy as np
 
-from . import context
+from . import _state as state
 from .errors import short_repr
-from .shmem import Segment, Shrink
+from ._procs.shmem import Segment, Shrink
+from ._protocol.data_refs import forget
 
 __all__ = ["Data", "data"]
 
@@ -33,15 +34,15 @@ class _Memory:
             return
         seg.close()
         forget(self.proc, (self.uid,))  # the master's own mapping, if a call attached it
-        s = context.current()
+        s = state.current()
         if s is not None and s.proc is self.proc:
             s.dropped.append(self.uid)
-            self.proc.kept.moved()  # a kept call may point into it (kept.py)
+            self.proc.kept.moved()  # a kept call may point into it (_kept/records.py)
 
     def forget(self) -> None:
         """Release, and leave the session's list of live memory (the Data is gone)."""
         self.release()
-        s = context.current()
+        s = state.current()
         if s is not None and s.proc is self.proc:
             s.data_memory.pop(self.uid, None)
 
@@ -59,8 +60,8 @@ class Data:
     """
 
     def __init__(self, dtype, ndim: int, minibatch: bool = False, name=None, oversize: float = 1.0):
-        self._proc = context.session().proc
-        self._uid = context.next_data_id()
+        self._proc = state.running_session().proc
+        self._uid = state.next_data_id()
         self._gen = 0
         self._dtype = np.dtype(dtype)
         self._ndim = int(ndim)
@@ -68,7 +69,7 @@ class Data:
         self._mem = _Memory(self._proc, self._uid)
         # a dropped Data gives its shared memory back at once (and the workers
         # their mappings), not at close(); close() releases the ones still alive
-        context.session().data_memory[self._uid] = self._mem
+        state.running_session().data_memory[self._uid] = self._mem
         weakref.finalize(self, self._mem.forget).atexit = False
         self._alloc = 0
         self._shrink = None  # scratch only: see _fit
@@ -202,7 +203,7 @@ class Data:
         return repr(self.name) if self.name is not None else f"#{self._uid}"
 
     def _check_alive(self) -> None:
-        s = context.current()
+        s = state.current()
         if s is None or s.proc is not self._proc:
             raise RuntimeError(f"synk.data {self._label()} belongs to a fork that was closed")
 
@@ -264,62 +265,14 @@ def label(d: Data) -> str:
     return d._label()
 
 
-def fit_scratch(pool: dict, key, dtype, shape, name: str) -> Data:
-    """The staging Data of ``key`` in ``pool`` (a dict), made to hold ``shape``
-    elements of ``dtype``: kept and reused call after call, grown as needed and
-    shrunk after a much larger call; a new one if the dtype or the number of
-    dimensions changed."""
-    dtype, shape = np.dtype(dtype), tuple(shape)
-    d = pool.get(key)
-    if d is None or d.dtype != dtype or d.ndim != len(shape):
-        if d is not None:
-            d._release()
-        d = pool[key] = Data(dtype, len(shape), name=name, oversize=1.25)
+def fit(d: Data, shape) -> None:
+    """Make ``d`` hold ``shape`` (grown as needed, shrunk after a much larger one)."""
     d._fit(shape)
-    return d
 
 
-def release_scratch(pool: dict, keys, min_bytes: int = 0) -> None:
-    """Give back the memory of the staging Data of ``keys`` in ``pool`` that hold
-    ``min_bytes`` or more, and forget them."""
-    for key in keys:
-        d = pool.get(key)
-        if d is not None and d.size * d.dtype.itemsize >= min_bytes:
-            d._release()
-            del pool[key]
-
-
-def attach(proc, ref) -> np.ndarray:
-    """In any process: the array a Data ref points to (cached mapping and view, no copy)."""
-    uid, segname, dtype, shape = ref
-    if segname is None:
-        return np.empty(shape, dtype=dtype)
-    hit = proc.data_cache.get(uid)
-    if hit is not None and hit[0].name == segname:
-        seg, views = hit
-        view = views.get((dtype, shape))
-        if view is None:
-            if len(views) >= 8:  # shapes keep changing (scratch inputs): keep few
-                views.clear()
-            view = views[(dtype, shape)] = seg.array(dtype, shape)
-        return view
-    if hit is not None:
-        hit[0].close()
-    seg = Segment(segname)
-    view = seg.array(dtype, shape)
-    proc.data_cache[uid] = (seg, {(dtype, shape): view})
-    return view
-
-
-def forget(proc, uids) -> None:
-    """Close the mappings of Data objects the master reallocated or freed (and
-    forget the kept calls, whose shares may hold views of them)."""
-    if uids:
-        proc.kept.forget_calls()
-    for uid in uids:
-        hit = proc.data_cache.pop(uid, None)
-        if hit is not None:
-            hit[0].close()
+def release(d: Data) -> None:
+    """Give back ``d``'s memory now."""
+    d._release()
 
 
 def _check_oversize(oversize) -> float:
@@ -364,7 +317,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         RuntimeError: before :func:`synkhronos.fork`.
         TypeError, ValueError: conflicting or missing dtype/ndim, bad value.
     """
-    context.session()
+    state.running_session()
     if var is not None:
         vtype = getattr(var, "type", None)
         if vtype is None or not hasattr(vtype, "dtype") or not hasattr(vtype, "ndim"):

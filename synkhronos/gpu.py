@@ -8,9 +8,9 @@ here imports CuPy or JAX at synkhronos import time.
 
 from __future__ import annotations
 
-from .arrays import to_cupy, to_jax, to_numpy
+from ._arrays import to_cupy, to_jax, to_numpy
 from .devices.gpu_stack import count_gpus, get_n_gpu, gpu_available, probe, stack_missing
-from .shareds import on_device
+from ._shareds.api import on_device
 
 __all__ = ["stack_missing", "probe", "count_gpus", "gpu_available", "get_n_gpu", "on_device", "to_numpy",
            "to_cupy", "to_jax"]

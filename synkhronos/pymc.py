@@ -18,10 +18,11 @@ from pytensor.graph.replace import clone_replace, graph_replace
 from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
-from synkhronos.batching import split as split_evenly
+from synkhronos._batching import split as split_evenly
 from synkhronos.graph_op import register_jax, register_numba
 from synkhronos.row_split import Coupling, hoist_data_only, split_rows
-from synkhronos.tuning import available_cores, xla_flags
+from synkhronos._procs.cores import available_cores
+from synkhronos._procs.xla_flags import xla_flags
 from synkhronos.xla_rewrites import FeatureMajor, feature_major, prepare_for_xla, read_by_dots_only, render_for_xla
 
 try:

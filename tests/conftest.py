@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import synkhronos as synk
-from synkhronos.batching import split
+from synkhronos._batching import split
 
 #: A shell without job control starts a background command (``make test &``)
 #: with SIGINT and SIGQUIT ignored, ``nohup`` with SIGHUP ignored, and a process
@@ -82,9 +82,9 @@ def has_unreaped_child() -> bool:
 
 def worker_pids() -> dict[int, int]:
     """rank -> pid of the running fork's workers."""
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
 
-    return dict(runtime.session().watch.pids)
+    return dict(runtime.running_session().watch.pids)
 
 
 def rows_of(n_rows: int, n_parallel: int, rank: int) -> slice:
@@ -107,7 +107,7 @@ def read_pids_and_prefix(stream) -> tuple[list[int], str | None]:
 
 def _force_cleanup(leaked_names, leaked_pids) -> None:
     """After a failed leak check: don't let the leak poison the next tests."""
-    from synkhronos.shmem import unlink_prefix
+    from synkhronos._procs.shmem import unlink_prefix
 
     for pid in leaked_pids:
         try:

@@ -79,12 +79,12 @@ class _CountingNccl:
 
 def _fork(n):
     import synkhronos as synk
-    from synkhronos import gpu, runtime
+    from synkhronos import gpu, _runtime as runtime
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert synk.fork(n, device="gpu") == n
-    s = runtime.session()
+    s = runtime.running_session()
     n_gpus = gpu.count_gpus()
     assert s.proc.device.name == "gpu" and s.proc.device.state is not None
     assert (s.proc.device.comm is not None) == (n <= n_gpus), (n, n_gpus, s.proc.device.comm)
@@ -99,7 +99,7 @@ def outputs(s, n: int) -> dict:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos.batching import split
+    from synkhronos._batching import split
 
     rng = np.random.default_rng(0)
     x = pt.dmatrix("x")
@@ -264,7 +264,7 @@ def _output_sweep(s, n, dtype) -> None:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos.batching import split
+    from synkhronos._batching import split
     from synkhronos.collectives.ops import result_dtype
 
     x = pt.matrix("x", dtype=dtype)
@@ -410,13 +410,13 @@ def jax_cpu(n: int) -> dict:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos import runtime
-    from synkhronos.batching import split
+    from synkhronos import _runtime as runtime
+    from synkhronos._batching import split
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         synk.fork(n, device="cpu")
-    assert runtime.session().proc.device.name == "cpu"
+    assert runtime.running_session().proc.device.name == "cpu"
     rng = np.random.default_rng(1)
     x = pt.dmatrix("x")
     w = pytensor.shared(rng.standard_normal((5, 3)), name="w")
@@ -487,11 +487,11 @@ def killed(n: int) -> dict:
     import pytensor.tensor as pt
 
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
 
     n = max(n, 2)  # a worker to kill
     s = _fork(n)
-    pids = dict(runtime.session().watch.pids)
+    pids = dict(runtime.running_session().watch.pids)
     rng = np.random.default_rng(0)
     # on a GPU, work enough to show JAX's memory; on the stand-in (numpy on shared CPU
     # cores) a call of that size took seconds, and the master noticed the death only after it

@@ -23,7 +23,7 @@ The documented meaning, and where it comes from:
   equal weights are a sum times the reciprocal of the count, unequal ones
   the sum of each part times its share of the rows); ``gather`` concatenates
   in rank order; ``None`` is the master's own result;
-* collectives (docs/shared.rst and the docstrings of synkhronos/shareds.py):
+* collectives (docs/shared.rst and the docstrings of synkhronos/_shareds/api.py):
   reductions fold in rank order, ``avg`` is the sum times the reciprocal of
   the count, integers and booleans in float64 and rounded (ties to even);
   a collective that raises (``ValueError`` for shapes that differ, a 0-d
@@ -57,7 +57,7 @@ from pytensor.raise_op import Assert
 
 import synkhronos as synk
 from conftest import MODE
-from synkhronos.batching import split
+from synkhronos._batching import split
 
 #: How often a step of each kind is drawn (relative weights).
 KINDS = {

@@ -15,8 +15,8 @@ from conftest import MODE, rows_of
 from numpy.testing import assert_allclose, assert_array_equal
 
 import synkhronos as synk
-from synkhronos import runtime
-from synkhronos.batching import split
+from synkhronos import _runtime as runtime
+from synkhronos._batching import split
 from synkhronos.collectives import shm
 
 OPS = ("avg", "sum", "prod", "max", "min")
@@ -313,7 +313,7 @@ def test_large_reduce_and_all_reduce_chunked(fork, rng, n):
     use(a, b)
     own_a = [rng.uniform(0.5, 1.5, size=(257, 1023)) for _ in range(n)]
     own_b = [rng.uniform(0.5, 1.5, size=(129, 1025)).astype("float32") for _ in range(n)]
-    comm = runtime.session().proc.comm
+    comm = runtime.running_session().proc.comm
     for op in OPS:
         set_each(a, own_a)
         set_each(b, own_b)

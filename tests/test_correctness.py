@@ -19,7 +19,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos.batching import split
+from synkhronos._batching import split
 from synkhronos.collectives import shm
 
 #: Elements of an int64/float64 array that take the chunked (large) path.

@@ -8,7 +8,7 @@ import pytest
 from numpy.testing import assert_array_equal
 
 import synkhronos as synk
-from synkhronos import shmem
+from synkhronos._procs import shmem
 from conftest import MODE, rows_of, shm_names
 
 # ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import runtime
+from synkhronos import _runtime as runtime
 from conftest import MODE, worker_pids
 
 
@@ -71,7 +71,7 @@ def test_sigterm_ends_an_idle_worker_promptly(fork):
     from conftest import shm_names
 
     assert any(name.endswith("ctl") for name in shm_names())
-    runtime.session().watch.exited[1] = 0  # reaped here, so tell the fork's watch
+    runtime.running_session().watch.exited[1] = 0  # reaped here, so tell the fork's watch
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -218,10 +218,10 @@ def test_op_none_output_of_a_master_without_rows(fork, n, master):
         got = f(np.arange(1.0, rows + 1))
         assert got[0] is not None and float(got[0]) == 6.0, got
         assert float(got[1]) == sum(range(1, rows + 1)), got
-        lo, hi = synk.batching.split(rows, n, master)
+        lo, hi = synk._batching.split(rows, n, master)
         assert float(got[2]) == float(np.arange(1.0, rows + 1)[lo:hi].sum()), got
         np.testing.assert_array_equal(got[3], np.arange(1.0, rows + 1))
         for r in range(n):
-            lo, hi = synk.batching.split(rows, n, r)
+            lo, hi = synk._batching.split(rows, n, r)
             applied[r] += hi > lo or (rows == 0 and r == master)
     assert [int(synk.get_value(r, count)) for r in range(n)] == applied.tolist()

@@ -16,7 +16,7 @@ from pytensor.graph.op import Op
 from pytensor.raise_op import Assert
 
 import synkhronos as synk
-from synkhronos.tuning import available_cores
+from synkhronos._procs.cores import available_cores
 from conftest import MODE, worker_pids
 
 
@@ -411,13 +411,13 @@ def test_fork_300_processes():
     import pickle
     import warnings
 
-    from synkhronos import runtime
-    from synkhronos.control import Command
+    from synkhronos import _runtime as runtime
+    from synkhronos._protocol.control import Command
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # more processes than cores
         assert synk.fork(300, device="cpu") == 300
-    s = runtime.session()
+    s = runtime.running_session()
     assert len(worker_pids()) == 299
     for _ in range(2):  # round trips through all 300 ranks (compiling nothing: kept short)
         s.run(Command.DISTRIBUTE, pickle.dumps(([], [])))
@@ -454,7 +454,7 @@ def test_a_failed_call_applies_exactly_the_updates_of_the_shares_that_ran(fork, 
     out = (checked.sum(), "sum") if inline else (checked * 2, "gather")
     f = synk.function([x], out, updates=[(count, count + 1)], mode=MODE)
     synk.distribute()
-    rows = [len(range(*synk.batching.split(3 * n, n, r))) for r in range(n)]
+    rows = [len(range(*synk._batching.split(3 * n, n, r))) for r in range(n)]
     held = np.zeros(n, np.int64)
     for i in range(36):
         bad_rank = i % (n + 1)  # n: nobody fails

@@ -14,7 +14,7 @@ import pytest
 from pytensor.raise_op import Assert
 
 import synkhronos as synk
-from synkhronos.control import REPLY_CAP
+from synkhronos._protocol.control import REPLY_CAP
 
 from conftest import MODE, shm_names
 
@@ -198,7 +198,7 @@ def test_loops_over_more_messages_than_the_workers_keep(fork, rng, monkeypatch, 
     that goes through more kept messages than the workers keep (``window``
     shrinks what they keep, so that the master sends forgotten ones again in
     full): every call and collective gives what numpy gives."""
-    from synkhronos import control
+    from synkhronos._protocol import control
     if window is not None:
         monkeypatch.setattr(control, "KEEP_WINDOW", window)  # before fork(): the workers inherit it
     n = fork(3)
@@ -263,7 +263,7 @@ def test_reply_areas_read_what_was_written_as_layouts_change(rng):
     """One process's reply area as its writer and its reader see it (two views of
     one buffer, as the worker and the master map it): layouts that change,
     stay, shrink to nothing or go elsewhere and back always read back right."""
-    from synkhronos.replies import INLINE, ReplyArea
+    from synkhronos._protocol.replies import INLINE, ReplyArea
     buf = np.zeros(REPLY_CAP, np.uint8)
     writer, reader = ReplyArea(buf), ReplyArea(buf)
     kinds = [("float32", (4,)), ("float64", ()), ("int64", (2, 3)), (">f4", (4,)), ("float32", (5,))]
@@ -320,7 +320,7 @@ def test_inline_areas_read_what_was_written_as_layouts_change(rng):
 def test_bad_idle_spin(value, err, match):
     with pytest.raises(err, match=match):
         synk.fork(2, device="cpu", idle_spin=value)
-    assert synk.runtime.context.current() is None
+    assert synk._state.current() is None
 
 
 @pytest.mark.parametrize("idle_spin", [0, 0.0005])

@@ -18,7 +18,7 @@ from pytensor.graph.op import Op
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 import synkhronos as synk
-from synkhronos import runtime
+from synkhronos import _runtime as runtime
 
 MASTER_PID = os.getpid()
 FAST = dict(mode="FAST_COMPILE")
@@ -225,12 +225,12 @@ _SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
     synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), mode="FAST_COMPILE")
     f(np.ones(6))
-    s = runtime.session()
+    s = runtime.running_session()
     print("PIDS", " ".join(str(p) for p in s.watch.pids.values()), flush=True)
     print("PREFIX", s.proc.prefix, flush=True)
     how = sys.argv[1]
@@ -353,7 +353,7 @@ def test_shared_memory_is_private_and_unpredictable(fork):
     for name in names:
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
         assert mode == 0o600, f"{name} has mode {oct(mode)}"
-    token = runtime.session().proc.prefix.split(".")[2]
+    token = runtime.running_session().proc.prefix.split(".")[2]
     assert len(token) == 16 and int(token, 16) >= 0  # 64 random bits in every name
     assert all(token in name for name in names)
     del d

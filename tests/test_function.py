@@ -341,13 +341,13 @@ def test_function_attributes_and_build_inputs(forked):
 
 
 def test_function_built_after_distribute(forked):
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
 
     x = pt.dmatrix("x")
     f1 = synk.function([x], (x.sum(), "sum"), mode=MODE)
     synk.distribute()
     synk.distribute()  # nothing new: a no-op
-    sess = runtime.session()
+    sess = runtime.running_session()
     assert f1._spec.fid in sess.distributed
     f2 = synk.function([x], (x * 3.0, "gather"), mode=MODE)
     assert f2._spec.fid not in sess.distributed

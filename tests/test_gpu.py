@@ -28,7 +28,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import context, devices, gpu, runtime
+from synkhronos import _state, devices, gpu, _runtime as runtime
 from synkhronos.devices import gpu_stack
 
 from conftest import run_python
@@ -238,13 +238,13 @@ def test_gpu_with_the_stack_but_no_gpu_says_so(tmp_path):
         paths.append(_shim(tmp_path, "jax", "# an importable jax: the probe only imports it"))
     done = run_python("""
         import synkhronos as synk
-        from synkhronos import runtime
+        from synkhronos import _runtime as runtime
         try:
             synk.fork(device="gpu")
         except RuntimeError as err:
             print("ERROR:", err)
         n = synk.fork(2, device="auto")
-        print("AUTO:", runtime.session().proc.device.name, n)
+        print("AUTO:", runtime.running_session().proc.device.name, n)
         synk.close()
     """, paths, FAKE_CUPY_GPUS="0", CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr
@@ -265,14 +265,14 @@ def test_no_gpu_per_the_probe(monkeypatch):
     with pytest.raises(RuntimeError, match=r"device='gpu' but no GPU is visible.*cudaErrorNoDevice"):
         synk.fork(2, device="gpu")
     assert synk.fork(2, device="auto") == 2
-    assert runtime.session().proc.device.name == "cpu" and runtime.session().proc.device.comm is None
+    assert runtime.running_session().proc.device.name == "cpu" and runtime.running_session().proc.device.comm is None
     synk.close()
 
 
 def test_auto_warns_once_that_several_gpus_are_unvalidated(monkeypatch):
     """device="auto" picking more GPUs than the path has run on (one) warns once per process
     and names both choices; one GPU, device="gpu" or the original's use_gpu=True: no warning."""
-    monkeypatch.setattr(context, "warned", set())
+    monkeypatch.setattr(_state, "warned", set())
     monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -285,7 +285,7 @@ def test_auto_warns_once_that_several_gpus_are_unvalidated(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert devices.choose("auto", None) == (devices.GpuDevice, 2)   # once per process
-        monkeypatch.setattr(context, "warned", set())
+        monkeypatch.setattr(_state, "warned", set())
         assert devices.choose("gpu", None) == (devices.GpuDevice, 2)
         assert devices.choose("auto", True) == (devices.GpuDevice, 2)
         monkeypatch.setattr(devices.GpuDevice, "units", classmethod(lambda cls, required: 0))
@@ -325,7 +325,7 @@ def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
 @pytest.mark.skipif(NO_GPU is None, reason="a GPU is present here")
 def test_auto_falls_back_to_cpu_here():
     assert synk.fork(1, device="auto") == 1
-    s = runtime.session()
+    s = runtime.running_session()
     assert s.proc.device.name == "cpu"
     synk.close()
 
@@ -351,7 +351,7 @@ def test_bind_sets_and_unbind_restores_the_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.setattr(context, "bound_gpu", None)
+    monkeypatch.setattr(_state, "bound_gpu", None)
     saved = gpu_stack.bind(gpu_stack.plan(2, 2), 1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"

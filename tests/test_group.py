@@ -1,4 +1,4 @@
-"""The process group under the runtime and the parameter server (synkhronos/group.py).
+"""The process group under the runtime and the parameter server (synkhronos/_procs/).
 
 ``synk.fork()`` and ``multiverso.init()`` share one group: the same
 parent-death signal, the same lock file (so a run killed outright has its
@@ -22,7 +22,7 @@ from pytensor import wrap_py
 
 import synkhronos as synk
 from mv.runner import run
-from synkhronos import group
+from synkhronos._procs import children, launch, lease, waits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,19 +41,19 @@ def _pdeathsig_op(x):
 
 
 def test_parent_death_signal_is_the_same_for_both(fork):
-    """A fork's workers and a multiverso run's children arm one signal: group.PARENT_DEATH_SIGNAL."""
+    """A fork's workers and a multiverso run's children arm one signal: children.PARENT_DEATH_SIGNAL."""
     fork(3)
     x = pt.dvector("x")
     f = synk.function([x], (_pdeathsig_op(x), "gather"), mode=MODE)
     synk.distribute()
     got = f(np.zeros(3))
-    assert got.tolist()[1:] == [int(group.PARENT_DEATH_SIGNAL)] * 2, got  # rank 0 is the master
+    assert got.tolist()[1:] == [int(children.PARENT_DEATH_SIGNAL)] * 2, got  # rank 0 is the master
     synk.close()
 
     r = run(["pdeathsig", 3])
     assert r.rc == 0, r.output[-3000:]
     seen = {int(rank): int(sig) for rank, sig in re.findall(r"PDEATHSIG rank (\d+) (\d+)", r.output)}
-    assert seen == {0: 0, 1: int(group.PARENT_DEATH_SIGNAL), 2: int(group.PARENT_DEATH_SIGNAL)}, r.output
+    assert seen == {0: 0, 1: int(children.PARENT_DEATH_SIGNAL), 2: int(children.PARENT_DEATH_SIGNAL)}, r.output
     assert r.leftovers == [] and r.stragglers == []
 
 
@@ -68,7 +68,7 @@ def test_killed_multiverso_run_is_reclaimed():
     assert r.leftovers, "a run killed outright removed its names: nothing to reclaim"
     assert any(name == prefix + "lock" for name in r.leftovers), \
         f"prefix {prefix!r}; lock file missing among {len(r.leftovers)} leftovers: {r.leftovers}\n{r.output[-2000:]}"
-    removed = group.unlink_stale()
+    removed = lease.unlink_stale()
     assert set(r.leftovers) <= {n for n in removed}, (r.leftovers, removed)
     assert not [n for n in os.listdir("/dev/shm") if prefix in n]
 
@@ -88,7 +88,7 @@ def test_killed_fork_is_reclaimed(tmp_path):
     script.write_text(
         "import os, signal, sys, synkhronos as synk\n"
         "synk.fork(2, device='cpu')\n"
-        "print('PREFIX', synk.runtime.session().proc.prefix, flush=True)\n"
+        "print('PREFIX', synk._runtime.running_session().proc.prefix, flush=True)\n"
         "sys.stdin.readline()\n"
         "os.killpg(os.getpgid(0), signal.SIGKILL)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -115,7 +115,7 @@ def test_killed_fork_is_reclaimed(tmp_path):
             os.close(held)
     deadline = time.monotonic() + 10  # until the workers, killed with the master, are gone
     while [n for n in os.listdir("/dev/shm") if prefix in n] and time.monotonic() < deadline:
-        group.unlink_stale()
+        lease.unlink_stale()
         time.sleep(0.05)
     assert not [n for n in os.listdir("/dev/shm") if prefix in n]
 
@@ -123,7 +123,7 @@ def test_killed_fork_is_reclaimed(tmp_path):
 def test_nodes_switch_keeps_multiverso_to_one_machine():
     """SYNKHRONOS_NODES=0 under a launcher's environment: mv.init() forks, as synk.fork() does."""
     env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "PMI_SIZE": "2",
-           group.SWITCH: "0"}
+           launch.SWITCH: "0"}
     r = run(["tables", 2], env=env)
     assert r.rc == 0, r.output[-3000:]
     assert sorted(re.findall(r"PASS tables rank (\d+) of 2", r.output)) == ["0", "1"], r.output[-3000:]
@@ -143,23 +143,23 @@ def test_multiverso_group_sigterm():
 def test_wait_until_times_out_and_checks():
     checks = []
     start = time.monotonic()
-    assert not group.wait_until(lambda: False, lambda: checks.append(1), timeout=0.2, check_every=0.01)
+    assert not waits.wait_until(lambda: False, lambda: checks.append(1), timeout=0.2, check_every=0.01)
     assert 0.2 <= time.monotonic() - start < 2.0
     assert len(checks) >= 5
 
     flag = threading.Event()
     threading.Timer(0.05, flag.set).start()
-    assert group.wait_until(flag.is_set, timeout=5.0)
+    assert waits.wait_until(flag.is_set, timeout=5.0)
 
     def boom():
         raise RuntimeError("peer died")
 
     with pytest.raises(RuntimeError, match="peer died"):
-        group.wait_until(lambda: False, boom, check_every=0.01)
+        waits.wait_until(lambda: False, boom, check_every=0.01)
 
 
 def test_children_reap_signal_and_end():
-    kids = group.Children()
+    kids = children.Children()
     for rank in (1, 2):
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
@@ -169,7 +169,7 @@ def test_children_reap_signal_and_end():
             time.sleep(60)
             os._exit(0)
         kids.pids[rank] = pid
-    assert group.wait_until(lambda: 1 in kids.exited or bool(kids.reap()) and 1 in kids.exited, timeout=10)
+    assert waits.wait_until(lambda: 1 in kids.exited or bool(kids.reap()) and 1 in kids.exited, timeout=10)
     assert kids.exited[1] == 3
     with pytest.raises(synk.WorkerDiedError, match="worker rank 1 died"):
         kids.poll()
@@ -192,8 +192,8 @@ def test_launcher_without_mpi4py_says_what_to_do(start):
             f"try:\n    {start}\nexcept ImportError as err:\n    print('ERR', err)\n"
             "synk.close()\n")
     env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
-    env.pop(group.SWITCH, None)
+    env.pop(launch.SWITCH, None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=env)
     assert "ERR synkhronos: an MPI launcher started this process" in out.stdout, out.stdout + out.stderr
-    assert "synkhronos[mpi]" in out.stdout and f"{group.SWITCH}=0" in out.stdout, out.stdout
+    assert "synkhronos[mpi]" in out.stdout and f"{launch.SWITCH}=0" in out.stdout, out.stdout

@@ -1,4 +1,4 @@
-"""The rules kept state relies on (synkhronos/kept.py), each as a test.
+"""The rules kept state relies on (synkhronos/_kept/records.py), each as a test.
 
 One owner per process (``proc.kept``), one capacity policy (:class:`Table`),
 one validity rule (``Kept.generation``: every posted command and every
@@ -15,8 +15,8 @@ from conftest import MODE
 from numpy.testing import assert_array_equal
 
 import synkhronos as synk
-from synkhronos import runtime
-from synkhronos.kept import Kept, Mode, Table
+from synkhronos import _runtime as runtime
+from synkhronos._kept.records import Kept, Mode, Table
 
 
 def test_a_full_table_drops_its_oldest_record_only():
@@ -44,11 +44,11 @@ def test_clear_drops_every_record_and_moves_the_generation():
 
 
 def _kept():
-    return runtime.session().proc.kept
+    return runtime.running_session().proc.kept
 
 
 def _commands():
-    return runtime.session().proc.control.commands()
+    return runtime.running_session().proc.control.commands()
 
 
 def test_every_command_and_every_released_data_moves_the_generation(fork):
@@ -117,7 +117,7 @@ def test_a_worker_publishes_at_most_its_table_s_capacity_and_the_rest_stay_right
             assert_array_equal(synk.get_value(r, v), np.full(2, k * 8.0), err_msg=v.name)
     capacity = _kept().published.capacity
     # every worker's board names at most ``capacity`` homes (the rest went by command)
-    comm = runtime.session().proc.comm
+    comm = runtime.running_session().proc.comm
     board = comm.home_board(1)
     assert 0 < sum(1 for slot in range(comm.home_slots) if board[slot]) <= capacity
 

@@ -18,14 +18,15 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import runtime, shmem
+from synkhronos import _runtime as runtime
+from synkhronos._procs import shmem
 from conftest import MODE, SHM_DIR, worker_pids
 
 MiB = 1 << 20
 
 
 def _prefix() -> str:
-    return runtime.session().proc.prefix
+    return runtime.running_session().proc.prefix
 
 
 def _pids() -> list[int]:

@@ -83,7 +83,7 @@ def test_no_mpi4py_at_import():
 def test_reduce_plan_matches_result_dtypes(op):
     """MPI reduces each dtype so that the result has ops.result_dtype's dtype;
     what MPI cannot reduce is combined locally (plan None)."""
-    from synkhronos.collectives.mpi import reduce_plan
+    from synkhronos.collectives.mpi_wire import reduce_plan
     from synkhronos.collectives.ops import result_dtype
 
     for dtype in [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,

@@ -175,7 +175,7 @@ def test_data_is_copied_only_when_needed():
 
 
 def test_launcher_detection(monkeypatch):
-    from synkhronos.group import LAUNCHER_VARS, SWITCH
+    from synkhronos._procs.launch import LAUNCHER_VARS, SWITCH
     from synkhronos.multiverso import under_launcher
 
     monkeypatch.delenv(SWITCH, raising=False)

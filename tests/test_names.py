@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from synkhronos.collectives.shm import ShmCommunicator
-from synkhronos.control import ControlBlock
-from synkhronos.shmem import new_prefix, unlink_prefix
+from synkhronos._protocol.control import ControlBlock
+from synkhronos._procs.shmem import new_prefix, unlink_prefix
 
 
 def _names(prefix):

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
-from synkhronos.arrays import concat
+from synkhronos._arrays import concat
 from synkhronos.collectives import PeerFailed, ShmCommunicator
 from synkhronos.collectives.nccl import avg_factors, reduce_plan
 from synkhronos.collectives.ops import combine
-from synkhronos.shmem import new_prefix, unlink_prefix
+from synkhronos._procs.shmem import new_prefix, unlink_prefix
 
 FAKE = Path(__file__).resolve().parent / "fakegpu"
 

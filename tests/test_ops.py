@@ -149,7 +149,7 @@ def test_join_stacks_as_numpy_stacks():
     """arrays.join(nd_up=1) copies equal native dtypes into one new array itself:
     the same dtype, shape and bytes as np.stack, over many random cases (byte
     orders, mixed dtypes, empty and 0-d values, non-contiguous views)."""
-    from synkhronos.arrays import join
+    from synkhronos._arrays import join
     rng = np.random.default_rng(0)
     kinds = ["f4", "f8", "i8", "u1", "?", "c8", ">f4", "<i2"]
     for case in range(3000):

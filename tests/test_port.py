@@ -29,7 +29,8 @@ except ImportError:  # older PyTensor (2.30) names it as_op
 
 import synkhronos as synk
 from conftest import MODE, shm_names, worker_pids
-from synkhronos import context, gpu, runtime, shareds
+from synkhronos import _state as state, gpu, _runtime as runtime
+from synkhronos._shareds import api as shareds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,11 +42,11 @@ def test_fork_use_gpu_false_is_the_cpu_device():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 2 processes fit the cores of any test machine
         assert synk.fork(2, use_gpu=False, master_rank=1, max_n_var=10, max_dim=3) == 2
-    assert runtime.session().proc.device.name == "cpu" and runtime.session().proc.rank == 1
+    assert runtime.running_session().proc.device.name == "cpu" and runtime.running_session().proc.rank == 1
     synk.close()
     # the original's positional form: fork(n_parallel, use_gpu, master_rank)
     assert synk.fork(2, False, 0) == 2
-    assert runtime.session().proc.device.name == "cpu"
+    assert runtime.running_session().proc.device.name == "cpu"
 
 
 @pytest.mark.skipif(gpu.get_n_gpu() > 0, reason="a GPU is present: use_gpu=True uses it")
@@ -53,7 +54,7 @@ def test_fork_use_gpu_true_without_a_gpu_warns_and_uses_the_cpu():
     with pytest.warns(UserWarning, match=r"use_gpu=True, but .*(could not be|no GPU).*running on "
                                          r"the CPU \(device='gpu' makes this an error\)"):
         assert synk.fork(2, use_gpu=True) == 2
-    assert runtime.session().proc.device.name == "cpu"
+    assert runtime.running_session().proc.device.name == "cpu"
     x = pt.dvector("x")
     f = synk.function([x], (x.sum(), "sum"), mode=MODE)
     assert f(np.arange(5.0)) == 10.0
@@ -73,7 +74,7 @@ def test_fork_use_gpu_true_without_a_gpu_warns_and_uses_the_cpu():
 def test_bad_original_fork_keywords(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         synk.fork(2, **kwargs)
-    assert context.current() is None
+    assert state.current() is None
     # positional use of the original's later arguments is refused, not misread
     with pytest.raises(TypeError, match="positional"):
         synk.fork(2, True, 0, False, 1000, 16)
@@ -136,14 +137,14 @@ def test_collectives_nccl_keyword(forked, monkeypatch):
     f = synk.function([], (a.sum(), "sum"), mode=MODE)
     synk.distribute()
     seen = []
-    real_send = shareds._send
+    real_send = shareds.send
 
     def spy(s, spec, **kw):
         if spec.kind in ("broadcast", "gather", "all_gather", "reduce", "all_reduce"):
             seen.append((spec.kind, spec.cpu))
         return real_send(s, spec, **kw)
 
-    monkeypatch.setattr(shareds, "_send", spy)
+    monkeypatch.setattr(shareds, "send", spy)
     value = np.arange(6.0).reshape(3, 2)
     for nccl in (True, False):
         seen.clear()
@@ -225,7 +226,7 @@ def test_namespace_is_the_public_api():
     public = {k for k, v in vars(synk).items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
     assert public == set(names)
     assert set(dir(synk)) == set(names) | {"__version__"}
-    for internal in ("batching", "control", "runtime", "shareds", "shmem", "tuning"):
+    for internal in ("_batching", "_protocol", "_runtime", "_shareds", "_procs", "_state"):
         assert internal not in dir(synk)
         assert isinstance(getattr(synk, internal), types.ModuleType)  # still importable
 

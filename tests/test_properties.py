@@ -17,7 +17,7 @@ from conftest import MODE
 from numpy.testing import assert_allclose, assert_array_equal
 
 import synkhronos as synk
-from synkhronos.batching import split
+from synkhronos._batching import split
 from synkhronos.collectives import shm
 
 DTYPES = ["bool", "int32", "int64", "float32", "float64"]

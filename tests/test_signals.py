@@ -20,8 +20,9 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos import context, runtime, signals
-from synkhronos import session as session_module
+from synkhronos import _state, _runtime as runtime
+from synkhronos._procs import signals
+from synkhronos._protocol import session as session_module
 
 MASTER_PID = os.getpid()
 FAST = dict(mode="FAST_COMPILE")
@@ -118,7 +119,7 @@ def test_ctrl_c_while_workers_compute_is_prompt_and_runtime_stays_usable(fork, n
     assert elapsed < 20, f"Ctrl-C waited {elapsed:.1f} s for the workers' 60 s computation"
     assert any("usable" in note for note in getattr(info.value, "__notes__", []))
     assert g(np.ones(3 * n)) == pytest.approx(3.0 * n)
-    assert runtime.session().broken is None
+    assert runtime.running_session().broken is None
 
 
 def test_ctrl_c_during_update_only_step(fork):
@@ -210,10 +211,10 @@ def test_ctrl_c_with_a_worker_in_native_code_raises_then_next_call_waits(fork):
     assert time.monotonic() - t0 < 3.5, "Ctrl-C waited for the worker"
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "[1] are still busy" in notes
-    assert runtime.session().proc.control.pending() == [1]
+    assert runtime.running_session().proc.control.pending() == [1]
     # the next call first waits for the worker, then runs normally
     assert g(np.ones(4)) == pytest.approx(4.0)
-    assert runtime.session().proc.control.pending() == []
+    assert runtime.running_session().proc.control.pending() == []
 
 
 def test_native_code_systemerror_from_ctrl_c_is_keyboard_interrupt(fork):
@@ -342,7 +343,7 @@ def test_stuck_worker_then_close_leaves_nothing(fork):
     t0 = time.monotonic()
     synk.close()  # the worker ignores CLOSE and SIGTERM: SIGKILL ends it
     assert time.monotonic() - t0 < 15
-    assert context.current() is None
+    assert _state.current() is None
 
 
 def test_long_wait_logs_a_warning_naming_the_ranks(fork, monkeypatch, caplog):
@@ -361,7 +362,7 @@ def test_long_wait_logs_a_warning_naming_the_ranks(fork, monkeypatch, caplog):
 def test_bad_timeout(timeout, exc):
     with pytest.raises(exc, match="timeout"):
         synk.fork(2, device="cpu", timeout=timeout)
-    assert context.current() is None
+    assert _state.current() is None
 
 
 # -- close() during a call, Ctrl-C during close() ---------------------------------
@@ -378,7 +379,7 @@ def test_close_from_another_thread_during_a_call(fork):
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert time.monotonic() - t0 < 20
-    assert context.current() is None
+    assert _state.current() is None
     with pytest.raises(RuntimeError, match="not running"):
         f(np.ones(4))
 
@@ -395,7 +396,7 @@ def test_close_from_a_signal_handler_during_a_call(fork):
         timer.join()
     finally:
         signal.signal(signal.SIGUSR1, old)
-    assert context.current() is None
+    assert _state.current() is None
 
 
 def test_ctrl_c_during_close_still_cleans_up(fork):
@@ -403,12 +404,12 @@ def test_ctrl_c_during_close_still_cleans_up(fork):
     f, _ = _stalling("blocked", seconds=30.0)
     with pytest.raises(synk.SynkTimeoutError):
         f(np.ones(6))
-    pids = list(runtime.session().watch.pids.values())
+    pids = list(runtime.running_session().watch.pids.values())
     timer = _sigint_soon(0.3)  # close() is then waiting for the busy workers to leave
     with pytest.raises(KeyboardInterrupt):
         synk.close()
     timer.join()
-    assert context.current() is None
+    assert _state.current() is None
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -435,7 +436,7 @@ _CHILD_SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor, pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
     synk.fork(3, device="cpu")
     x = pt.dvector("x")
     f = synk.function([x], x.sum(), reduce_ops="sum", mode="FAST_COMPILE")
@@ -443,7 +444,7 @@ _CHILD_SCRIPT = textwrap.dedent("""
     synk.function([], s.sum(), mode="FAST_COMPILE")
     d = synk.data(np.ones(5))
     print("FIRST", float(f(np.ones(6))), flush=True)
-    prefix = runtime.session().proc.prefix
+    prefix = runtime.running_session().proc.prefix
     names = sorted(e for e in os.listdir("/dev/shm") if prefix in e)
     pid = os.fork()
     if pid == 0:
@@ -490,7 +491,7 @@ _GROUP_SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor, pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos import runtime
+    from synkhronos import _runtime as runtime
     handled = []
     if sys.argv[2] == "handler":  # the user's own handler: the master decides
         signal.signal(signal.SIGTERM, lambda *a: handled.append(1))
@@ -504,7 +505,7 @@ _GROUP_SCRIPT = textwrap.dedent("""
     s = pytensor.shared(np.ones(3), name="s")
     synk.function([], s.sum(), mode="FAST_COMPILE")
     f(np.ones(6))
-    sess = runtime.session()
+    sess = runtime.running_session()
     print("PIDS", " ".join(str(p) for p in sess.watch.pids.values()), flush=True)
     print("PREFIX", sess.proc.prefix, flush=True)
     end = time.monotonic() + 60
@@ -656,14 +657,14 @@ def test_names_without_a_lock_file_are_left_alone(fork):
         fork(1)
         assert len(_names(prefix)) == 2
     finally:
-        from synkhronos.shmem import unlink_prefix
+        from synkhronos._procs.shmem import unlink_prefix
 
         unlink_prefix(prefix)
 
 
 def test_live_fork_holds_its_lock_in_every_process(fork):
     fork(3)
-    prefix = runtime.session().proc.prefix
+    prefix = runtime.running_session().proc.prefix
     fd = os.open(f"/dev/shm/{prefix}lock", os.O_RDONLY)
     try:
         with pytest.raises(BlockingIOError):
@@ -672,7 +673,7 @@ def test_live_fork_holds_its_lock_in_every_process(fork):
         os.close(fd)
     # each worker holds a lock through a descriptor of its own (taken as it
     # starts: fork() does not wait for that, so a loaded machine may need a moment)
-    for pid in runtime.session().watch.pids.values():
+    for pid in runtime.running_session().watch.pids.values():
         deadline = time.monotonic() + 10.0
         while True:
             links = []

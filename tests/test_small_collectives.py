@@ -1,4 +1,4 @@
-"""Collectives on small shared variables (the inline path of shareds.py) give the
+"""Collectives on small shared variables (the inline path of synkhronos/_shareds/host.py) give the
 bits of the communicator's path and of numpy, in every process, for every op,
 dtype and shape; errors and the switch between small and large values stay right."""
 
@@ -15,9 +15,9 @@ import pytest
 from numpy.testing import assert_array_equal
 
 import synkhronos as synk
-from synkhronos import shareds
+from synkhronos._shareds import host as shareds
 from synkhronos.collectives import shm
-from synkhronos.session import ALIVE_EVERY
+from synkhronos._protocol.session import ALIVE_EVERY
 
 from conftest import MODE, worker_pids
 from model_lib import reduce_collective
@@ -259,7 +259,7 @@ def test_kept_gathers_follow_the_values_refuse_bad_arguments_and_notice_a_dead_w
     v = pytensor.shared(np.arange(3.0), name="v")
     bump = synk.function([], v.sum(), updates=[(v, v + 1)], mode=MODE)
     synk.distribute()
-    ctl = synk.runtime.session().proc.control
+    ctl = synk._runtime.running_session().proc.control
     synk.gather(v)
     before = ctl.commands()
     got = synk.gather(v)
@@ -298,7 +298,7 @@ def test_kept_reduces_follow_the_values_refuse_bad_arguments_and_notice_a_dead_w
     k = pytensor.shared(np.array([1, 2, 4], dtype="int64"), name="k")
     bump = synk.function([], v.sum() + k.sum(), updates=[(v, v + 1)], mode=MODE)
     synk.distribute()
-    ctl = synk.runtime.session().proc.control
+    ctl = synk._runtime.running_session().proc.control
     synk.set_value(1, v, np.array([2.0, 3.0, 5.0]))
     synk.set_value(1, k, np.array([2, 2, 2], dtype="int64"))
     synk.reduce(v, "avg", in_place=False)
@@ -349,7 +349,7 @@ def test_kept_reduces_match_numpy_over_random_cases(fork, n):
     rng = np.random.default_rng(300 + n)
     fork(n)
     vars_ = _make_vars()
-    ctl = synk.runtime.session().proc.control
+    ctl = synk._runtime.running_session().proc.control
     direct = 0
     for case in range(60):
         held = _set_per_rank(rng, n, vars_)
@@ -398,7 +398,7 @@ def test_loops_without_commands_match_numpy(fork, n):
     every = vars_ + [b, c, a]
     ib, ic = len(vars_), len(vars_) + 1
     held = _set_per_rank(rng, n, every)  # held[rank][k]: what rank holds of every[k]
-    ctl = synk.runtime.session().proc.control
+    ctl = synk._runtime.running_session().proc.control
     alone, read_alone = 0, {"gather": 0, "reduce": 0}
     for i in range(400):
         kind = _gather_and_check(grng, every, held, n, ctl, f"before step {i}")

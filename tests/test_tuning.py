@@ -1,4 +1,4 @@
-"""synkhronos.tuning: what each process is told about its threads."""
+"""synkhronos._procs.cores and .xla_flags: what each process is told about its threads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from synkhronos.tuning import cpu_has_avx512, xla_flags
+from synkhronos._procs.xla_flags import cpu_has_avx512, xla_flags
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 16])

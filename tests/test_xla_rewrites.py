@@ -326,7 +326,7 @@ def test_feature_major_layout_gives_back_each_process_rows():
     """feature_major lays each process's rows out as their transpose's memory: FeatureMajor
     of exactly those rows is X[lo:hi].T, for even and uneven splits, empty shares and
     one process; bounds that do not cover the rows in order are refused."""
-    from synkhronos.batching import split
+    from synkhronos._batching import split
     from synkhronos.xla_rewrites import FeatureMajor, feature_major
 
     d = pt.dmatrix("d")

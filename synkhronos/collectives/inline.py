@@ -2,7 +2,7 @@
 
 Collectives on small shared variables skip the slots, their pickled headers
 and the barriers: each process writes its values into its own area, where the
-others read them (see shareds.py). An area holds int64 words, then the arrays' bytes:
+others read them (see synkhronos/_shareds/host.py). An area holds int64 words, then the arrays' bytes:
 
     word 0   state: EMPTY, VALUES (layout and data), LAYOUT (the layout
              alone: the data did not fit), OVERSIZE (not even the layout fit)
@@ -14,8 +14,8 @@ others read them (see shareds.py). An area holds int64 words, then the arrays' b
     then     per array: its dtype's ``str`` (ASCII, in one word), ndim, one
              word per dimension; then the data, each array 16-byte aligned
 
-Also the helpers of the inline collectives that ``shareds.py`` and
-``plans.py`` (the kept plans) share: checking a layout, the error of a
+Also the helpers of the inline collectives that ``_shareds/host.py`` and
+``_kept/plans.py`` (the kept plans) share: checking a layout, the error of a
 layout mismatch, and combining every process's values into this process's.
 """
 
@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-from ..arrays import packed_views, round_up
-from ..kept import Table
+from .._arrays import packed_views, round_up
+from .._kept.records import Table
 from .ops import agreed_layout, cast_to, kept_reducer, result_dtype
 
 __all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes",
@@ -165,7 +165,7 @@ _MAX_LAYOUTS = 64
 
 
 # ---------------------------------------------------------------------------
-# Helpers of the inline collectives (shareds.py) and their kept plans (plans.py).
+# Helpers of the inline collectives (_shareds/host.py) and their kept plans (_kept/plans.py).
 
 
 def same_layout(values, layout) -> bool:

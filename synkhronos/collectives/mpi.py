@@ -45,137 +45,24 @@ from __future__ import annotations
 import functools
 import math
 import pickle
-import struct
 import zlib
 from typing import Callable
 
 import numpy as np
 
-from .. import context
-from ..control import WAIT_SLICE
+from .. import _state as state
+from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
-from ..group import Notices, mpi as _mpi, wait_until
+from .._procs.launch import Notices, mpi as _mpi
+from .._procs.waits import wait_until
 from .base import Communicator
+from . import mpi_wire
+from .mpi_wire import (FAILED, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
+                       PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, as_bytes, avg_scales,
+                       fit_into, pieces, reduce_plan, spans)
 from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
-
-#: Seconds a wait polls MPI with only a yield in between, before it sleeps:
-#: MPI progresses only inside its calls, so a large transfer wants them often
-#: (a 64 MiB all-reduce took about 1.4x as long with 0.02 s, sleeping 100 us
-#: between polls for most of it); Open MPI's own blocking calls spin throughout.
-SPIN_SECONDS = 0.25
-#: Sleep between polls once the spin is over (seconds).
-POLL_SLEEP = 100e-6
-#: Bytes of each node's header slot in the agreement all-gather; a larger
-#: header (very many arrays) takes a second, variable-sized round.
-HEADER_SLOT = 512
-#: Reductions of at most this many bytes per node travel inside the agreement
-#: (one MPI exchange instead of two) and are combined on every node.
-INLINE_BYTES = 256
-#: The head of each node's header slot: its header's length, its step's number and key checksum,
-#: and what exchange follows (see _WHATS).
-_HEAD = struct.Struct("<qqqbbi")
-#: What a node's header says follows it (a node that has joined mirrors it): the
-#: exchange, by its index here, then the op's index in _OPS and the root (-1: none).
-_WHATS = ("", "all_reduce", "reduce", "all_gather", "gather", "broadcast", "barrier", "close")
-_OPS = (None, "sum", "avg", "prod", "max", "min")
-_WHAT_CODES = {w: i for i, w in enumerate(_WHATS)}
-_OP_CODES = {op: i for i, op in enumerate(_OPS)}
-#: Bytes of a step's words (see MpiCommunicator.begin) that travel when steps differ.
-STEP_TEXT = 96
-#: The step checksum in the header of a node that has joined (see MpiCommunicator.join):
-#: crc32 checksums are never negative.
-JOINED = -1
-#: The step checksum in the last header of a node that left after a failure (see
-#: MpiCommunicator.leave).
-LEFT = -2
-#: The step checksum of a node whose step failed in its own checks before it knew its
-#: key (see MpiCommunicator.fail_step): it matches any step of the same number.
-FAILED = -3
-#: Largest failure notice (bytes); longer reasons are cut.
-NOTICE_BYTES = 2048
-
-#: Largest piece of one MPI call (bytes). MPI 3.1 (what the Open MPI 5 wheel speaks)
-#: counts elements and displacements in C ints: a message over 2**31 - 1 bytes (or
-#: elements) fails with MPI_ERR_ARG. Every transfer larger than this goes in pieces
-#: of at most this size, each its own non-blocking request (broadcast and reductions
-#: piece by piece; gathers whose total passes it, node by node and piece by piece).
-PIECE_BYTES = 1 << 30
-#: The tag of a gather's point-to-point pieces (the data communicator has no other).
-_PIECE_TAG = 7
-
-#: reduce op -> MPI op name ("avg" is a weighted sum).
-MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
-
-
-def reduce_plan(dtype, op: str):
-    """How MPI reduces ``dtype`` with ``op``: ``(work dtype, MPI op name)``, or
-    None when MPI cannot (then the bytes are gathered and combined with
-    :func:`.ops.combine`, which gives the same results).
-
-    ``avg`` of integers and booleans sums in float64; booleans travel as
-    uint8, ``sum``/``max`` a logical or (MAX), ``prod``/``min`` a logical and
-    (MIN); complex numbers sum, average and multiply in MPI, their
-    ``max``/``min`` (numpy's order) are combined locally, as are float16 and
-    long doubles.
-    """
-    dtype = np.dtype(dtype)
-    if op == "avg" and dtype.kind in "biu":
-        return np.dtype(np.float64), "SUM"
-    if dtype.kind == "b":
-        return np.dtype(np.uint8), "MAX" if op in ("sum", "max") else "MIN"
-    if dtype.kind in "iu" and dtype.itemsize in (1, 2, 4, 8):
-        return dtype.newbyteorder("="), MPI_OPS[op]
-    if dtype.kind == "f" and dtype.itemsize in (4, 8):
-        return dtype.newbyteorder("="), MPI_OPS[op]
-    if dtype.kind == "c" and dtype.itemsize in (8, 16) and op in ("sum", "avg", "prod"):
-        return dtype.newbyteorder("="), MPI_OPS[op]
-    return None
-
-
-def _avg_scales(weights, mine):
-    """``(pre, post)`` as :func:`.ops.combine` weighs an ``avg``: equal weights sum,
-    then multiply by the reciprocal of the count (``pre`` None); uneven weights
-    multiply each contribution by its share of the total (``post`` None)."""
-    w = [float(x) for x in weights]
-    total = sum(w)
-    if total <= 0 or all(x == w[0] for x in w):
-        return None, 1.0 / len(w)
-    return float(mine) / total, None
-
-
-def _fit(into, layout, op):
-    """``into`` (arrays to receive an all-reduce's results) where MPI can write
-    each result there directly: C-contiguous, writeable, of the work dtype and
-    the shape; None entries elsewhere (those are copied in afterwards). None
-    when ``into`` is None."""
-    if into is None:
-        return None
-    out = []
-    for a, (dtype, shape) in zip(into, layout):
-        plan = reduce_plan(dtype, op)
-        ok = (plan is not None and isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
-              and a.dtype == plan[0] and a.shape == tuple(shape))
-        out.append(a if ok else None)
-    return out
-
-
-def _spans(count: int, itemsize: int = 1):
-    """``(lo, hi)`` element ranges of at most ``PIECE_BYTES`` each (at least one element)."""
-    step = max(1, PIECE_BYTES // itemsize)
-    return [(lo, min(lo + step, count)) for lo in range(0, count, step)] or [(0, 0)]
-
-
-def _pieces(flat: np.ndarray):
-    """Views of the 1-d contiguous ``flat`` of at most ``PIECE_BYTES`` each."""
-    return [flat[lo:hi] for lo, hi in _spans(flat.size, flat.itemsize)]
-
-
-def _as_bytes(a: np.ndarray) -> np.ndarray:
-    """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
 
 class MpiCommunicator(Communicator):
     """Collectives over MPI among node masters, one per node.
@@ -217,7 +104,7 @@ class MpiCommunicator(Communicator):
         self.size = size
         self.master_rank = int(master_rank)
         self._comm = None
-        self._notices = None        # the failure channel between nodes (group.Notices)
+        self._notices = None        # the failure channel between nodes (launch.Notices)
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
         self.begun = 0              # steps begun here (a caller compares it to see whether it began one)
         self._exchanges = 0         # exchanges of headers in this step so far
@@ -234,7 +121,7 @@ class MpiCommunicator(Communicator):
         # duplicates, without blocking: data on one, failure notices on the other. MPI pairs
         # collectives in the order they start: duplicates an earlier try gave up waiting for are
         # the ones the other nodes' (next) try meets, so they are waited for again, never new ones
-        pending, context.mpi_pending_dup = context.mpi_pending_dup, None
+        pending, state.mpi_pending_dup = state.mpi_pending_dup, None
         if pending is not None and pending[0] is comm:
             comm_dup, req, ctl_dup, req2 = pending[1:]
         else:
@@ -243,7 +130,7 @@ class MpiCommunicator(Communicator):
         try:
             self._wait([req, req2], "creating the MPI communicator", notices=False)
         except BaseException:
-            context.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
+            state.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
             raise
         for c in (comm_dup, ctl_dup):
             c.Set_errhandler(MPI.ERRORS_RETURN)  # MPI errors become exceptions, never an abort
@@ -267,16 +154,16 @@ class MpiCommunicator(Communicator):
         """Post the header exchange that a node's last header (leave()) meets, without
         waiting: MPI completes it when that node next progresses (at its close(), at
         the latest in MPI_Finalize), so nothing is left outstanding."""
-        context.mpi_leaving.append(self._post_header(b"", LEFT))
+        state.mpi_leaving.append(self._post_header(b"", LEFT))
 
     def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1)):
         """Start the exchange of every node's header slot: this node's head (the blob's
         length, its step's number, ``mark`` and ``plan``), then ``blob`` when it fits.
         ``(request, (slot, slots))``: the request and the buffers it uses."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        _HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)
-        if len(blob) <= HEADER_SLOT - _HEAD.size:
-            slot[_HEAD.size:_HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)
+        if len(blob) <= HEADER_SLOT - HEAD.size:
+            slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         return self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE]), (slot, slots)
 
@@ -314,7 +201,7 @@ class MpiCommunicator(Communicator):
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
         except BaseException as exc:
             # a leave's exchange completes later (see _answer_leave): its buffers outlive this object
-            (context.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))
+            (state.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))
             if not isinstance(exc, NodeFailedError):
                 # (a stop of this node's own, such as close() meanwhile, says what it was in words)
                 self.abort(getattr(exc, "notice", None) or f"{type(exc).__name__}: {exc}")
@@ -424,8 +311,8 @@ class MpiCommunicator(Communicator):
         payload = None
         if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
                 and not any(a.dtype.hasobject for a in arrays):
-            payload = [_as_bytes(a).tobytes() for a in arrays]
-        plan = (_WHAT_CODES.get(what, 0), _OP_CODES[op], -1 if root is None else root)
+            payload = [as_bytes(a).tobytes() for a in arrays]
+        plan = (WHAT_CODES.get(what, 0), OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
         try:
             self._same_step(what, heads)
@@ -443,23 +330,23 @@ class MpiCommunicator(Communicator):
         ``meta`` (pickled into its slot, or in a second, sized round when too long)."""
         blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         MPI, size = self._MPI, self.size
-        room = HEADER_SLOT - _HEAD.size
+        room = HEADER_SLOT - HEAD.size
         req, (slot, slots) = self._post_header(blob, mark, plan)
         self._wait([req], what, (slot, slots), header=True)
         self._exchanges += 1
-        heads = [_HEAD.unpack_from(slots[r]) for r in range(size)]
+        heads = [HEAD.unpack_from(slots[r]) for r in range(size)]
         lens = [h[0] for h in heads]
         marks = {h[2] for h in heads}
         if LEFT in marks:  # its last header: it takes no step any more (no second round either)
             node = next(r for r, h in enumerate(heads) if h[2] == LEFT)
             try:
-                reason = pickle.loads(slots[node, _HEAD.size:_HEAD.size + lens[node]].tobytes())[2]
+                reason = pickle.loads(slots[node, HEAD.size:HEAD.size + lens[node]].tobytes())[2]
             except Exception:  # noqa: BLE001
                 reason = "(unreadable)"
             self.ended = f"node {node} left after a failure ({reason})"
             raise NodeFailedError(node, f"it left after a failure: {reason}", what)
         if max(lens) <= room:
-            blobs = [slots[r, _HEAD.size:_HEAD.size + n].tobytes() for r, n in enumerate(lens)]
+            blobs = [slots[r, HEAD.size:HEAD.size + n].tobytes() for r, n in enumerate(lens)]
         else:  # somebody's header did not fit: everybody sends it again, sized
             displs = [sum(lens[:r]) for r in range(size)]
             recv = np.empty(sum(lens), dtype=np.uint8)
@@ -547,7 +434,7 @@ class MpiCommunicator(Communicator):
             except (StepMismatchError, PeerFailed, TypeError):
                 continue  # the others raise; nothing moves
             code, op, root = heads[active[0]][3:]
-            what, op, root = _WHATS[code], _OPS[op], None if root < 0 else root
+            what, op, root = WHATS[code], OPS[op], None if root < 0 else root
             pairs = [(m[0], m[1]) for m in metas]
             try:
                 if what in ("all_reduce", "reduce"):
@@ -593,13 +480,13 @@ class MpiCommunicator(Communicator):
         weights = [metas[r][1] for r in present]
         pre = post = None
         if op == "avg":
-            pre, post = _avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
+            pre, post = avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
         gets = root is None or self.rank == root
         if all(payloads[r] is not None for r in present):  # small: it all came with the agreement
             return self._inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
                 if gets else None
         into = into if root is None else None
-        fit = _fit(into, layout, op)
+        fit = fit_into(into, layout, op)
         start = functools.partial(self._start_reduce, contrib, layout, op, pre, root,
                                   in_place if fit is None else fit, gets, metas)
         reqs, jobs, keep = self._started(what, start)
@@ -694,7 +581,7 @@ class MpiCommunicator(Communicator):
                 recv = np.empty(shape, dtype=work) if gets else None
             flat_send = send.reshape(-1)  # views: both are contiguous
             flat_recv = None if recv is None else recv.reshape(-1)
-            for lo, hi in _spans(count, work.itemsize):
+            for lo, hi in spans(count, work.itemsize):
                 out = None if flat_recv is None else flat_recv[lo:hi]
                 if root is None:
                     reqs.append(self._comm.Iallreduce(flat_send[lo:hi], out, mpi_op[name]))
@@ -712,10 +599,10 @@ class MpiCommunicator(Communicator):
         lays = [lay[i] if lay is not None else None for lay, _ in metas]
         sizes = [0 if lay is None else math.prod(lay[1]) * np.dtype(lay[0]).itemsize for lay in lays]
         displs = [sum(sizes[:r]) for r in range(self.size)]
-        send = _as_bytes(mine) if mine is not None and mine.nbytes else np.empty(0, dtype=np.uint8)
+        send = as_bytes(mine) if mine is not None and mine.nbytes else np.empty(0, dtype=np.uint8)
         recv = np.empty(sum(sizes), dtype=np.uint8) if gets else None
         keep += [send, recv]
-        if sum(sizes) > PIECE_BYTES:  # displacements or counts past a C int: node by node, in pieces
+        if sum(sizes) > mpi_wire.PIECE_BYTES:  # displacements or counts past a C int: node by node, in pieces
             reqs += self._start_gather_in_pieces(send, recv, sizes, displs, root)
         else:
             spec = [recv, (sizes, displs), MPI.BYTE] if gets else None
@@ -748,14 +635,14 @@ class MpiCommunicator(Communicator):
                 continue
             if root is None:
                 part = recv[displs[r]:displs[r] + sizes[r]]
-                reqs += [self._comm.Ibcast([p, MPI.BYTE], r) for p in _pieces(part)]
+                reqs += [self._comm.Ibcast([p, MPI.BYTE], r) for p in pieces(part)]
             elif r == root:
                 continue
             elif self.rank == root:
                 part = recv[displs[r]:displs[r] + sizes[r]]
-                reqs += [self._comm.Irecv([p, MPI.BYTE], r, _PIECE_TAG) for p in _pieces(part)]
+                reqs += [self._comm.Irecv([p, MPI.BYTE], r, PIECE_TAG) for p in pieces(part)]
             elif self.rank == r:
-                reqs += [self._comm.Isend([p, MPI.BYTE], root, _PIECE_TAG) for p in _pieces(send)]
+                reqs += [self._comm.Isend([p, MPI.BYTE], root, PIECE_TAG) for p in pieces(send)]
         return reqs
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
@@ -852,12 +739,12 @@ class MpiCommunicator(Communicator):
 
         def start():
             if is_root:
-                bufs = [_as_bytes(a) if n else None for a, n in zip(arrays_, sizes)]
+                bufs = [as_bytes(a) if n else None for a, n in zip(arrays_, sizes)]
                 # MPI reads root's buffer; a read-only array needs a writable alias
                 bufs = [b if b is None or b.flags.writeable else b.copy() for b in bufs]
             else:
                 bufs = [np.empty(n, dtype=np.uint8) if n else None for n in sizes]
-            reqs = [self._comm.Ibcast([p, MPI.BYTE], root) for b in bufs if b is not None for p in _pieces(b)]
+            reqs = [self._comm.Ibcast([p, MPI.BYTE], root) for b in bufs if b is not None for p in pieces(b)]
             return reqs, bufs
 
         reqs, bufs = self._started("broadcast", start)
@@ -894,7 +781,7 @@ class MpiCommunicator(Communicator):
                     # the others may be in another step: they must learn that this node left
                     self.abort(f"node {self.rank} closed (synk.close()): {type(exc).__name__}: {exc}"[:500])
         if self._leaving is not None and not self._leaving[0].Test():
-            context.mpi_leaving.append(self._leaving)  # the others complete it at their next exchange
+            state.mpi_leaving.append(self._leaving)  # the others complete it at their next exchange
         self._notices.close()  # its receive cancelled, its sends given a moment, freed
         try:
             self._comm.Free()

@@ -16,10 +16,10 @@ import pickle
 
 import numpy as np
 
-from ..arrays import to_cupy
-from ..control import SPIN_SECONDS, WAIT_SLICE
+from .._arrays import to_cupy
+from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
-from ..group import wait_until
+from .._procs.waits import wait_until
 from .base import Communicator
 from .ops import agreed_layout, identity
 

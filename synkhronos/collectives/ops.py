@@ -224,7 +224,7 @@ class Reducer:
 def kept_reducer(cache: dict, op: str, parts) -> Reducer:
     """The :class:`Reducer` of equally weighted ``parts`` (equal dtypes and shapes,
     checked by the caller) with ``op``, kept in ``cache`` (``proc.kept.reducers``, a
-    :class:`~synkhronos.kept.Table`) from call to call."""
+    :class:`~synkhronos._kept.records.Table`) from call to call."""
     first = parts[0]
     key = (op, first.dtype, first.shape, len(parts))
     got = cache.get(key)

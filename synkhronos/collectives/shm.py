@@ -17,11 +17,11 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from ..arrays import byte_bounds, round_up
-from ..control import acquire, drain
+from .._arrays import byte_bounds, round_up
+from .._protocol.control import acquire, drain
 from ..errors import PeerFailed
-from ..kept import Table
-from ..shmem import Segment, Shrink, close_semaphores, open_semaphore, segment_exists
+from .._kept.records import Table
+from .._procs.shmem import Segment, Shrink, close_semaphores, open_semaphore, segment_exists
 from .base import Communicator
 from .inline import LAYOUT, VALUES, InlineArea
 from .ops import Reducer, cast_to, combine, result_dtype

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from .. import context
+from .. import _state as state
 from ..errors import user_stacklevel
 from . import gpu_stack
 from .base import Device
@@ -49,9 +49,9 @@ def choose(device: str, use_gpu: bool | None) -> tuple:
 
 def _warn_unvalidated(units: int) -> None:
     """Warn, once per process, that ``device="auto"`` picked more GPUs than the path has run on."""
-    if units <= VALIDATED_GPUS or "unvalidated GPU" in context.warned:
+    if units <= VALIDATED_GPUS or "unvalidated GPU" in state.warned:
         return
-    context.warned.add("unvalidated GPU")
+    state.warned.add("unvalidated GPU")
     warnings.warn(unvalidated_gpus(units), UserWarning, stacklevel=user_stacklevel())
 
 

@@ -6,7 +6,7 @@ import os
 import sys
 
 from .base import Device
-from .gpu_stack import jax_backends_up
+from .jax_state import jax_backends_up
 
 __all__ = ["CpuDevice"]
 

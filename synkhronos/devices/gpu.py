@@ -14,14 +14,15 @@ import warnings
 
 import numpy as np
 
-from ..arrays import concat, is_device_array, join, to_jax, to_numpy
+from .._arrays import concat, is_device_array, join, to_jax, to_numpy
 from ..collectives import BACKENDS
 from ..collectives.nccl import new_unique_id
 from ..collectives.ops import cast_to
-from ..control import Command
+from .._protocol.control import Command
 from ..errors import user_stacklevel
 from . import gpu_stack
 from .base import Device
+from .jax_state import jax_linker
 
 __all__ = ["GpuDevice"]
 
@@ -126,7 +127,7 @@ class GpuDevice(Device):
             fn = lf.compiled()
             used = {id(inp.variable) for inp in fn.maker.inputs if inp.shared}
             used |= {id(v) for v in lf.spec.sliceable}
-            (on_jax if gpu_stack.jax_linker(getattr(fn.maker, "linker", None)) else elsewhere).update(used)
+            (on_jax if jax_linker(getattr(fn.maker, "linker", None)) else elsewhere).update(used)
         for sid, var in proc.shareds.items():
             if id(var) in on_jax and id(var) not in elsewhere:
                 self.state.placed[sid] = var

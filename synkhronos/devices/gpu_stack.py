@@ -16,8 +16,10 @@ import os
 import subprocess
 import sys
 
-from .. import context
-from ..tuning import restore_env
+from .. import _state as state
+from .._procs.cores import restore_env
+
+from .jax_state import jax_backends_up
 
 __all__ = []
 
@@ -219,7 +221,7 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
     """
     want = gpu_plan.gpu_of(rank)
     if jax_backends_up():
-        if n_parallel == 1 and context.bound_gpu == want:
+        if n_parallel == 1 and state.bound_gpu == want:
             return ()
         cuda_initialised_error()
     changes = {"CUDA_VISIBLE_DEVICES": want}
@@ -228,32 +230,13 @@ def bind(gpu_plan: GpuPlan, rank: int, n_parallel: int | None = None) -> tuple:
             changes[key] = value
     saved = tuple((k, os.environ.get(k)) for k in changes)
     os.environ.update(changes)
-    context.bound_gpu = want
+    state.bound_gpu = want
     return saved
 
 
 def unbind(saved: tuple) -> None:
     """Put back the environment entries :func:`bind` replaced."""
     restore_env(saved)
-
-
-def jax_linker(linker) -> bool:
-    """Whether a PyTensor linker (a Mode's, or a compiled function's) runs through JAX
-    (imports no JAX)."""
-    from pytensor.link.jax.linker import JAXLinker
-
-    return isinstance(linker, JAXLinker)
-
-
-def jax_backends_up() -> bool:
-    if sys.modules.get("jax") is None:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except Exception:  # a JAX without this query: nothing to check against
-        return False
 
 
 def cuda_initialised_error() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .. import context
-from ..group import launched
+from .. import _state
+from .._procs.launch import launched
 from ..errors import SynkError
 from .shm_tables import ShmStore
 from .spmd import ForkedWorld
@@ -100,7 +100,7 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
         TypeError: ``num_workers`` is not an int.
         ValueError: ``num_workers`` is below 1, or differs from the launcher's.
     """
-    if context.multiverso_started():
+    if _state.multiverso_started():
         raise SynkError("multiverso.init() was already called in this process; call it once, "
                         "at the start of the script")
     if not isinstance(sync, bool):
@@ -116,12 +116,12 @@ def init(sync: bool = False, num_workers: int | None = None) -> None:
         from threadpoolctl import threadpool_limits  # each worker gets its share of the cores
 
         state.limiter = threadpool_limits(max(1, _cores() // world.size))
-    context.set_multiverso_server(state)
+    _state.set_multiverso_server(state)
 
 
 def current(what: str) -> _State:
     """The running state, or a clear error naming the call ``what``."""
-    state = context.multiverso_server()
+    state = _state.multiverso_server()
     if state is None:
         raise SynkError(f"{what} was called before multiverso.init()")
     if state.down:
@@ -200,7 +200,7 @@ def is_master_worker() -> bool:
 
 
 def _ids(what: str):
-    state = context.multiverso_server()
+    state = _state.multiverso_server()
     if state is None:
         raise SynkError(f"{what} was called before multiverso.init()")
     return state.world

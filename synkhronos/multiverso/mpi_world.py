@@ -34,11 +34,11 @@ import traceback
 
 import numpy as np
 
-from .. import group
+from .._procs import launch
 from ..errors import SynkError, WorkerFailedError
-from ..group import wait_until
+from .._procs.waits import wait_until
 from .spmd import (describe_table, EXITED, IN_BARRIER, IN_SYNC_ADD, IN_SYNC_GET, NOT_WAITING,
-                   RUNNING, SHUTDOWN, World, deadlock_error, raised_error, stuck_too_long)
+                   RUNNING, SHUTDOWN, TableWorld, deadlock_error, raised_error, stuck_too_long)
 
 __all__ = ["MpiWorld", "MpiStore"]
 
@@ -54,18 +54,18 @@ _STATE_TEXT = {SHUTDOWN: "called shutdown()", EXITED: "ended its script"}
 _COLLECTIVES = ("barrier()", "the construction of a table")
 
 
-class MpiWorld(World):
+class MpiWorld(TableWorld):
     """The ranks of an MPI job as Multiverso workers (see the module docstring)."""
 
     kind = "mpi"
 
     def __init__(self):
-        MPI = group.mpi()  # finalised by shutdown(), after the windows are freed
+        MPI = launch.mpi()  # finalised by shutdown(), after the windows are freed
         self.MPI = MPI
-        self._own_mpi = group.mpi_started_here()
+        self._own_mpi = launch.mpi_started_here()
         world = MPI.COMM_WORLD
         self.comm = world.Dup()     # collectives and windows
-        self.notices = group.Notices(world.Dup(), NOTICE_BYTES)  # failure notices, acks
+        self.notices = launch.Notices(world.Dup(), NOTICE_BYTES)  # failure notices, acks
         self._fin = world.Dup()     # the final barrier, never matched by a user's barrier
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import shmem
-from ..arrays import round_up
+from .._procs import shmem
+from .._arrays import round_up
 from .spmd import IN_SYNC_ADD, IN_SYNC_GET, describe_table
 
 __all__ = ["ShmStore"]

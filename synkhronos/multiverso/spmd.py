@@ -5,21 +5,21 @@ every child returns from it and runs the rest of the script (SPMD), as if a
 launcher had started ``n`` copies. Rank 0 is the original process.
 
 What the processes share lives in POSIX shared memory under one prefix made
-with :func:`synkhronos.shmem.new_prefix` (so ``synk.<pid of rank 0>.``):
+with :func:`synkhronos._procs.shmem.new_prefix` (so ``synk.<pid of rank 0>.``):
 
 - a control segment: per-rank state and exit status, the first failure, the
   barrier's counter and generation, per-rank table descriptors and a slot per
   rank for the traceback of an exception it raised;
 - a semaphore used as the control lock, and a pool of semaphores used as the
   tables' stripe locks (see :mod:`.shm_tables`);
-- the group's lock file (:class:`synkhronos.group.Lease`, as for a fork):
+- the group's lock file (:class:`synkhronos._procs.lease.Lease`, as for a fork):
   every rank holds a shared lock on it, so whoever leaves last removes the
   names, and a run killed outright has its names reclaimed by the next
   ``init()`` or ``synk.fork()`` on the machine; every rank also holds its own
   byte of it, so a rank whose byte reads free is gone. Its state slot then
   tells a clean end (``shutdown()`` or the end of its script) from a death.
 
-Every wait polls (:func:`synkhronos.group.wait_until`) and runs :meth:`check`
+Every wait polls (:func:`synkhronos._procs.waits.wait_until`) and runs :meth:`check`
 every :data:`CHECK_EVERY` seconds: the first failure anywhere (an exception
 some rank raised, a rank that died) turns into :class:`WorkerFailedError`
 naming that rank, with its traceback chained, in every rank's next blocking
@@ -42,12 +42,14 @@ import traceback
 import numpy as np
 import posix_ipc
 
-from .. import group, shmem
-from ..arrays import round_up
+from .._procs import children, shmem
+from .._arrays import round_up
 from ..errors import RemoteTraceback, SynkError, WorkerFailedError, describe_exit
-from ..group import CHECK_EVERY, Children, Lease, block_on, take, wait_until
+from .._procs.children import Children
+from .._procs.lease import Lease
+from .._procs.waits import CHECK_EVERY, block_on, take, wait_until
 
-__all__ = ["World", "ForkedWorld"]
+__all__ = ["TableWorld", "ForkedWorld"]
 
 #: Seconds rank 0 waits, once something failed, for the other ranks to end on
 #: their own (they raise in their next blocking call) before it kills them.
@@ -116,8 +118,9 @@ def deadlock_error(what: str, waits) -> SynkError:
                      "barrier(), in the same order and the same number of times")
 
 
-class World:
-    """What the two worlds (:class:`ForkedWorld`, ``mpi_world.MpiWorld``) share."""
+class TableWorld:
+    """The world of the parameter-server tables: what :class:`ForkedWorld` and
+    ``mpi_world.MpiWorld`` share (not :class:`synkhronos.World`, a node's place)."""
 
     closed = False
 
@@ -150,7 +153,7 @@ class World:
                 self._publish(NOT_WAITING, 0)
 
 
-class ForkedWorld(World):
+class ForkedWorld(TableWorld):
     """The processes of one ``mv.init()`` on one machine (see the module docstring).
 
     Attributes:
@@ -210,11 +213,11 @@ class ForkedWorld(World):
         # what the parent made stays out of this child's collections: the final
         # one (at interpreter exit) otherwise walked all of it, for seconds
         gc.freeze()
-        group.set_parent_death_signal()  # the same signal as a fork's workers
-        signal.signal(group.PARENT_DEATH_SIGNAL, self._terminated)
+        children.set_parent_death_signal()  # the same signal as a fork's workers
+        signal.signal(children.PARENT_DEATH_SIGNAL, self._terminated)
         signal.signal(signal.SIGTERM, self._terminated)
         if os.getppid() != parent:  # rank 0 ended before the signal was armed
-            self._terminated(group.PARENT_DEATH_SIGNAL, None)
+            self._terminated(children.PARENT_DEATH_SIGNAL, None)
         # the parent's descriptor goes first (closing a descriptor of the file
         # drops this process's record locks on it), then this rank takes its own
         self.lease.close()
@@ -247,7 +250,7 @@ class ForkedWorld(World):
         self.children.kill_now()
         shmem.unlink_prefix(self.prefix)
         self.lease.close()
-        group.die_of(signal.SIGTERM)
+        children.die_of(signal.SIGTERM)
 
     # -- shared state --------------------------------------------------------
 
@@ -448,8 +451,8 @@ class ForkedWorld(World):
             self._ctl[self._slot(self.rank, _EXIT)] = -signum
             if self._ctl[_FIRST_FAILED] < 0:
                 self._ctl[_FIRST_FAILED] = self.rank
-        self._leave(wait_for_parent=signum == group.PARENT_DEATH_SIGNAL)
-        group.die_of(signum)
+        self._leave(wait_for_parent=signum == children.PARENT_DEATH_SIGNAL)
+        children.die_of(signum)
 
     def _leave(self, wait_for_parent: bool = False) -> None:
         """Drop this rank's liveness byte; the last process out removes the names.

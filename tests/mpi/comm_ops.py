@@ -45,11 +45,11 @@ def main() -> int:
     out = sys.argv[1]
     quick = "--quick" in sys.argv
     MPI = init_mpi()
-    from synkhronos.collectives import mpi as mpi_module
+    from synkhronos.collectives import mpi_wire
     from synkhronos.collectives.mpi import MpiCommunicator, NodeFailedError
 
     if "--piece" in sys.argv:
-        mpi_module.PIECE_BYTES = int(sys.argv[sys.argv.index("--piece") + 1])
+        mpi_wire.PIECE_BYTES = int(sys.argv[sys.argv.index("--piece") + 1])
     from synkhronos.collectives import PeerFailed
 
     world = MPI.COMM_WORLD

@@ -131,7 +131,7 @@ def main() -> int:
     from synkhronos.collectives import PeerFailed, ShmCommunicator
     from synkhronos.collectives.hier import HierarchicalCommunicator
     from synkhronos.collectives.mpi import MpiCommunicator
-    from synkhronos.shmem import new_prefix, unlink_prefix
+    from synkhronos._procs.shmem import new_prefix, unlink_prefix
 
     world = MPI.COMM_WORLD
     node = world.Get_rank()

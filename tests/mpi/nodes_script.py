@@ -58,7 +58,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos.batching import split
+from synkhronos._batching import split
 
 MODE = "FAST_COMPILE"
 #: Rows per node (uneven), by node index.
@@ -277,7 +277,7 @@ def scenario_kill(v, node, node_sizes):
     text = raises_soon(v, lambda: f(per_node[node]), "the call after the kill")
     v.expect("rank 1" in text and (node == 1 or "node(s) [1]" in text), f"error names node/rank: {text}")
     # every node closes, then forks again (after MPI_Init this time) and goes on
-    prefix = synk.context.current().proc.prefix
+    prefix = synk._state.current().proc.prefix
     synk.close()
     v.expect(my_shm([prefix]) == [], f"left after close: {my_shm([prefix])}")
     synk.fork(node_sizes[node], device="cpu")
@@ -328,7 +328,7 @@ def scenario_late_start(v, node, sizes):
             took = time.perf_counter() - t0
             v.expect(took < 4.5, f"raised after {took:.1f} s")
             v.expect("MPI did not start" in str(err) and "timeout=2.0" in str(err), str(err))
-        v.expect(synk.context.current() is None, "the fork is closed")
+        v.expect(synk._state.current() is None, "the fork is closed")
         mine = (f"synk.{os.getpid()}.", f"sem.synk.{os.getpid()}.")  # (other jobs may run meanwhile)
         left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith(mine))
         v.expect(left == [], f"left by the fork that timed out: {left}")
@@ -338,7 +338,7 @@ def scenario_late_start(v, node, sizes):
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
     data, per_node = all_rows(node_sizes)
     v.expect(np.allclose(f(per_node[node]), data.sum(0)), "a call once both forked")
-    return synk.context.current().proc.prefix
+    return synk._state.current().proc.prefix
 
 
 def scenario_master_fails(v, node, node_sizes, how, out):
@@ -347,7 +347,7 @@ def scenario_master_fails(v, node, node_sizes, how, out):
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE)
     data, per_node = all_rows(node_sizes)
     v.expect(np.allclose(f(per_node[node]), data.sum(0)), "before the failure")
-    prefix = synk.context.current().proc.prefix
+    prefix = synk._state.current().proc.prefix
     (Path(out) / f"prefix.{node}.txt").write_text(prefix)
     if node == 1:
         if how == "sigkill":
@@ -852,7 +852,7 @@ def scenario_fork_retry(v, node, sizes):
 
     logging.getLogger("synkhronos").addHandler(Catch())
     if node == 1:
-        import synkhronos.nodes as sn
+        import synkhronos._protocol.across_nodes as sn
 
         real = sn.BACKENDS["mpi"]
 
@@ -879,7 +879,7 @@ def scenario_fork_retry(v, node, sizes):
             v.info["error"] = str(err)
         except BaseException as err:  # noqa: BLE001
             v.expect(False, f"node 0's fork(timeout=0.5): {type(err).__module__}.{type(err).__name__}: {err}")
-        v.expect(synk.context.current() is None, "the fork that timed out is closed")
+        v.expect(synk._state.current() is None, "the fork that timed out is closed")
         synk.fork(sizes[0], device="cpu")
     node_sizes = tuple(sizes[k % len(sizes)] for k in range(int(os.environ["OMPI_COMM_WORLD_SIZE"])))
     x = pt.dmatrix("x")
@@ -900,7 +900,7 @@ def scenario_fork_retry(v, node, sizes):
     _step_ok(v, "a call once both forked again", lambda: f(per_node[node]), data.sum(0))
     long_waits = [m for m in warned if "waited" in m]
     v.expect(not long_waits, f"warnings of long waits: {long_waits}")
-    return synk.context.current().proc.prefix
+    return synk._state.current().proc.prefix
 
 
 def scenario_timeout_usable(v, node, node_sizes):
@@ -946,7 +946,7 @@ def scenario_close_in_join(v, node, node_sizes):
         text = raises_soon(v, synk.join, "join() closed by a signal handler")
         signal.signal(signal.SIGUSR1, old)
         v.expect(text.startswith("SynkError") and "close()" in text and "join" in text, f"node 1: {text}")
-        v.expect(synk.context.current() is None, "node 1's fork is closed")
+        v.expect(synk._state.current() is None, "node 1's fork is closed")
     else:
         time.sleep(3)  # (a call before node 1's close() is served by its join(): node 0's rows only)
         text = raises_soon(v, lambda: f(mine), "node 0's call after node 1 closed in join()")
@@ -989,7 +989,7 @@ def main() -> int:
             (v.path.parent / f"shm.{node}.txt").write_text("\n".join(my_shm(prefixes)))
             return 0 if v.write() else 1
         synk.fork(sizes[node % len(sizes)], device="cpu", timeout={"timeout": 3.0, "timeout_usable": 2.0}.get(scenario))
-        prefixes.append(synk.context.current().proc.prefix)
+        prefixes.append(synk._state.current().proc.prefix)
         v.info["affinity"] = sorted(os.sched_getaffinity(0))
         node_sizes = check_identity(v, node, sizes, synk.world())
         if scenario in ("ops", "count"):

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import synkhronos.multiverso as mv  # noqa: E402
-from synkhronos import group  # noqa: E402
+from synkhronos._procs import launch  # noqa: E402
 from synkhronos.errors import SynkError  # noqa: E402
 
 
@@ -149,7 +149,7 @@ def errors(m, t):
     raises(ValueError, "size must be at least 1", mv.ArrayTableHandler, 0)
     raises(TypeError, "num_col must be an int", mv.MatrixTableHandler, 2, 2.0)
     raises(ValueError, "holds 6 values", mv.ArrayTableHandler, 6, init_value=np.ones(5))
-    if group.launched():  # under MPI (not switched off): one call's counts are C ints
+    if launch.launched():  # under MPI (not switched off): one call's counts are C ints
         raises(ValueError, "at most 2,147,483,647 values a table", mv.MatrixTableHandler, 2 ** 16, 2 ** 15 + 1)
     raises(SynkError, "already called", mv.init)
 
@@ -324,12 +324,12 @@ def _term_worker_1(step):
     WorkerFailedError naming the signal within a second of it, whatever lock rank 1 held."""
     import threading
 
-    from synkhronos import context
+    from synkhronos import _state as state
 
     mv.barrier()
     sent = []
     if mv.worker_id() == 0:
-        pid = context.multiverso_server().world.children.pids[1]
+        pid = state.multiverso_server().world.children.pids[1]
 
         def term():
             sent.append(time.monotonic())
@@ -365,12 +365,12 @@ def fault_term_barrier():
 
 def fault_kill_all():
     """Every process of the run SIGKILLed at once: nothing can clean up; what it leaves
-    is reclaimed by the next init() or synk.fork() (group.unlink_stale)."""
+    is reclaimed by the next init() or synk.fork() (lease.unlink_stale)."""
     mv.ArrayTableHandler(10)
     mv.barrier()
-    from synkhronos import context
+    from synkhronos import _state as state
 
-    print(f"PREFIX {context.multiverso_server().world.prefix}", flush=True)
+    print(f"PREFIX {state.multiverso_server().world.prefix}", flush=True)
     mv.barrier()
     if mv.worker_id() == 0:
         os.killpg(os.getpgid(0), signal.SIGKILL)

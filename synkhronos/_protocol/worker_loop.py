@@ -7,15 +7,16 @@ import os
 import signal
 from functools import partial
 
-from ..control import Command
-from ..data import forget
-from ..distribute import receive as receive_functions
-from ..function import LocalFunction, worker_call
-from ..plans import publish_homes
-from ..shareds import worker_collective
+from .control import Command
+from .data_refs import forget
+from .distribute import receive as receive_functions
+from .._function.spec import LocalFunction
+from .._function.worker import worker_call
+from .._kept.plans import publish_homes
+from .._shareds.host import worker_collective
 from ..errors import Aborted, Interrupted, MasterGone, as_interrupt, pack_exception
-from ..group import wait_until
-from ..shmem import unlink_prefix
+from .._procs.waits import wait_until
+from .._procs.shmem import unlink_prefix
 
 __all__ = ["serve", "serve_profiled"]
 

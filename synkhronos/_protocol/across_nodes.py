@@ -11,8 +11,7 @@ of every node, so function outputs and shared-variable collectives span
 the nodes with no change to the code that runs them. Workers never touch
 MPI. Without a launcher nothing here runs and mpi4py is never imported.
 
-Also here: the node's identity (:func:`world`), its share of a dataset
-(:func:`shard`), the check that every node distributes the same functions
+Also here: the check that every node distributes the same functions
 (:func:`check_same_functions`) and the values of node 0 for the collectives
 that take values (:func:`from_first_node`).
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import functools
 import os
 import pickle
@@ -33,15 +31,16 @@ import zlib
 
 import numpy as np
 
-from . import context, group
-from .group import LAUNCHER_VARS, launched
-from .batching import split
-from .errors import SynkError, SynkTimeoutError
+from .. import _state as state
+from .._procs import launch
+from .._procs.launch import LAUNCHER_VARS, launched
+from .._batching import split
+from ..errors import SynkError, SynkTimeoutError
 from .session import is_timeout
-from .collectives import BACKENDS
-from .collectives.hier import NodeCommunicator
+from ..collectives import BACKENDS
+from ..collectives.hier import NodeCommunicator
 
-__all__ = ["World", "world", "shard", "launched", "join", "connect", "connect_worker", "check_same_functions",
+__all__ = ["launched", "connect", "connect_worker", "check_same_functions",
            "from_first_node", "share_host_cores", "warn_if_mpi_started", "abandon_at_exit", "note_failure", "LAUNCHER_VARS"]
 
 #: Seconds a node whose node communicator was abandoned waits at exit before
@@ -90,11 +89,11 @@ def warn_if_mpi_started() -> None:
 
 
 def _mpi(timeout=None, check=None):
-    """mpi4py's MPI, initialised now (after the fork; see :func:`.group.mpi` for
+    """mpi4py's MPI, initialised now (after the fork; see :func:`.._procs.launch.mpi` for
     ``timeout`` and ``check``), finalised at exit."""
-    MPI = group.mpi(timeout, check)
-    if not context.mpi_finalize_registered and group.mpi_started_here():
-        context.mpi_finalize_registered = True
+    MPI = launch.mpi(timeout, check)
+    if not state.mpi_finalize_registered and launch.mpi_started_here():
+        state.mpi_finalize_registered = True
         atexit.register(_finalize, MPI)  # finalised after close() at exit
     return MPI
 
@@ -105,7 +104,7 @@ def _finalize(MPI) -> None:
     abandoned, which Finalize could wait for forever: then the job is aborted."""
     if MPI.Is_finalized():
         return
-    if context.nodes_broken or context.mpi_pending_dup is not None:
+    if state.nodes_broken or state.mpi_pending_dup is not None:
         # the other nodes got this node's failure notice (or sent theirs): give
         # them time to raise and close their forks before the job is stopped
         time.sleep(ABORT_GRACE)
@@ -124,7 +123,7 @@ def connect(proc, check) -> None:
         warnings.warn("synkhronos: across nodes, GPU outputs and collectives go through the CPU "
                       "path (NCCL across nodes is not supported yet)", stacklevel=2)
         plan.nccl = False
-    s = context.current()
+    s = state.current()
     timeout = None if s is None else s.timeout
     try:
         MPI = _mpi(timeout, None if s is None else s.watch.poll)
@@ -148,7 +147,7 @@ def connect(proc, check) -> None:
         with _between_commands(inter, proc.comm):  # the node table goes to the workers too
             proc.comm = NodeCommunicator(proc.comm, inter)
     except BaseException:
-        context.nodes_broken = context.nodes_broken or inter.broken is not None
+        state.nodes_broken = state.nodes_broken or inter.broken is not None
         inter.close()
         raise
 
@@ -163,19 +162,19 @@ def note_failure(proc) -> None:
     """At close(), before the communicators close: remember whether the node
     communicator was abandoned in a failure (MPI is then aborted at exit
     rather than finalised); its closing barrier waits outside any command."""
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     if inter is None:
         return
     if inter.broken is not None:
-        context.nodes_broken = True
-    inter.check = _liveness(inter.check)
+        state.nodes_broken = True
+    inter.check = liveness(inter.check)
 
 
-def _liveness(check):
+def liveness(check):
     """The check of a wait among node masters outside a command: only whether
     this node's workers live (the command's deadline and slow-wait warning
     belong to commands)."""
-    s = context.current()
+    s = state.current()
     return check if s is None else s.watch.poll
 
 
@@ -183,7 +182,7 @@ def _liveness(check):
 def _between_commands(*comms):
     saved = [c.check for c in comms]
     for c, check in zip(comms, saved):
-        c.check = _liveness(check)
+        c.check = liveness(check)
     try:
         yield
     finally:
@@ -191,152 +190,7 @@ def _between_commands(*comms):
             c.check = check
 
 
-@dataclasses.dataclass(frozen=True)
-class World:
-    """Where this node's master stands among every process of every node.
-
-    Attributes:
-        node: this node's index, 0 to ``nodes - 1`` (the launcher's rank).
-        nodes: the number of nodes (launched copies of the script); 1 without a launcher.
-        rank: this master's global rank (node-major: node 0's processes
-            first, each node's in its local rank order).
-        size: the number of processes of every node together.
-        local_size: this node's processes (its ``fork()``'s ``n_parallel``).
-        master_rank: the master's rank inside its node, as given to ``fork()``.
-        node_sizes: the number of processes of each node, in node order.
-        first_rank: the global rank of this node's first process.
-    """
-
-    node: int
-    nodes: int
-    rank: int
-    size: int
-    local_size: int
-    master_rank: int
-    node_sizes: tuple
-    first_rank: int
-
-
-def world() -> World:
-    """This node's place among all nodes: node index, node count, global rank and size.
-
-    Works with and without a launcher: on one machine it is node 0 of 1,
-    and the global rank and size are the fork's own.
-
-    Returns:
-        A read-only :class:`World` record.
-
-    Raises:
-        RuntimeError: before :func:`synkhronos.fork`.
-    """
-    proc = context.session().proc
-    comm = proc.comm
-    if isinstance(comm, NodeCommunicator):
-        return World(comm.node, comm.nodes, comm.rank, comm.size, proc.size, proc.master_rank,
-                     tuple(comm.node_sizes), comm.offsets[comm.node])
-    return World(0, 1, proc.rank, proc.size, proc.size, proc.master_rank, (proc.size,), 0)
-
-
-def shard(n_rows: int) -> slice:
-    """This node's rows of a dataset of ``n_rows`` rows, as a slice.
-
-    Every node loads (or keeps) only ``data[synk.shard(len(data))]`` and
-    passes it to its calls. Nodes get contiguous blocks in node order, sized
-    by their number of processes, so every process of every node computes
-    on about the same number of rows; together the blocks cover every row
-    once. Without a launcher it is every row.
-
-    Args:
-        n_rows: the number of rows of the whole dataset (the same on every node).
-
-    Returns:
-        ``slice(start, stop)`` of this node's rows.
-
-    Raises:
-        RuntimeError: before :func:`synkhronos.fork`.
-        TypeError, ValueError: ``n_rows`` not a non-negative int.
-    """
-    if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)):
-        raise TypeError(f"n_rows must be an int (the dataset's number of rows), got {n_rows!r}")
-    if n_rows < 0:
-        raise ValueError(f"n_rows must be 0 or more, got {n_rows}")
-    w = world()
-    start, _ = split(int(n_rows), w.size, w.first_rank)
-    _, stop = split(int(n_rows), w.size, w.first_rank + w.local_size - 1)
-    return slice(start, stop)
-
-
-@context.serialized
-def join() -> int:
-    """This node has no more data: wait, taking part in the other nodes' steps, until
-    every node has called ``join()``.
-
-    For uneven inputs across nodes (a training loop over shards of different
-    lengths), as PyTorch's ``Join`` and Horovod's ``hvd.join()``: a node that
-    runs out of batches calls ``synk.join()``; the others' calls and collectives
-    go on without it, its processes adding nothing (a sum over the rows that
-    were passed, an ``avg`` over their weights, gathers without its rows), until
-    they call ``join()`` too. Then ``join()`` returns on every node and the
-    nodes step together again. While a node is joined its shared variables
-    take no part: a collective that reads values from it (a ``broadcast``,
-    ``scatter`` or ``set_value`` from node 0 when node 0 joined), a ``scatter``
-    (its rows would be lost) and a ``set_value``/``get_value`` of one of its
-    ranks raise ``ValueError`` on every node taking part; ``gather``,
-    ``all_gather``, ``get_lengths`` and ``get_shapes`` leave it out; and
-    variables the others updated differ on it afterwards
-    (``synk.broadcast`` them from the node ``join()`` returns, if they must
-    agree). Without ``join()``, a node that makes a step the others do not
-    gets :class:`~synkhronos.StepMismatchError` naming theirs.
-
-    On one node (no launcher) it returns 0 at once.
-
-    Returns:
-        The index of the node that joined last (the smallest, if several
-        joined in the same step): the same on every node.
-
-    Raises:
-        RuntimeError: before :func:`synkhronos.fork`.
-        NodeFailedError: another node failed or left while this one waited.
-        SynkError: the other nodes closed without joining (this node's
-            ``synk.close()`` then closes its own fork only); or ``synk.close()``
-            was called meanwhile (a signal handler, another thread): the fork
-            is then closed.
-    """
-    s = context.session()
-    s.usable()
-    inter = _inter(s.proc)
-    if inter is None:
-        return 0
-    saved = inter.check
-
-    def check():  # the node's workers, and close() from a signal handler or another thread
-        saved_poll()
-        if s.close_requested:
-            raise _CloseDuringJoin()
-
-    saved_poll = _liveness(saved)
-    inter.check = check
-    # a command as far as close() knows: called meanwhile (a signal handler), it ends join() first
-    s.in_flight = threading.get_ident()
-    try:
-        return inter.join()
-    except _CloseDuringJoin:
-        raise SynkError("synk.close() was called (from another thread or a signal handler) during "
-                        "join(); this node stopped waiting for the others (they were told) and its "
-                        "fork is closed") from None
-    finally:
-        s.in_flight = None
-        inter.check = saved
-        s.close_if_requested()
-
-
-class _CloseDuringJoin(BaseException):
-    """close() was asked for while this node master waited in join()."""
-
-    notice = "synk.close() was called there during join() (from another thread or a signal handler)"
-
-
-def _inter(proc):
+def inter_comm(proc):
     comm = proc.comm
     return comm.inter if isinstance(comm, NodeCommunicator) else None
 
@@ -350,7 +204,7 @@ def check_same_functions(proc, entries) -> None:
     ValueError naming the first difference (count, then name and graph).
     Nothing happens on one node.
     """
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     if inter is None:
         return
     inter.begin(("distribute",), "distribute()")
@@ -432,7 +286,7 @@ def function_identity(proc, spec, graph_digest) -> tuple | None:
 def steps_begun(proc):
     """Across nodes, in a node master: how many steps it has begun (compare it after a
     failure with :func:`failed_step`); None elsewhere."""
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     return None if inter is None else inter.begun
 
 
@@ -443,7 +297,7 @@ def failed_step(s, before, what: str, err: BaseException) -> None:
     the next step agrees (:meth:`.collectives.mpi.MpiCommunicator.fail_step`).
     ``before``: :func:`steps_begun` when the call started. Not for a call refused
     inside a running command (a signal handler's): that command's step is not its own."""
-    inter = _inter(s.proc)
+    inter = inter_comm(s.proc)
     if inter is None or before is None or not isinstance(err, Exception) or s.in_flight is not None:
         return
     inter.pre_begun = False
@@ -466,7 +320,7 @@ def stepped(what: str):
     def wrap(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            s = context.current()
+            s = state.current()
             before = None if s is None else steps_begun(s.proc)
             try:
                 return fn(*args, **kwargs)
@@ -515,7 +369,7 @@ def from_first_node(proc, make, what: str, sids, rank=None, batch=None, comm_siz
     StepMismatchError); the command that follows takes no step of its own. While
     a node has joined (``synk.join()``), a scatter (its rows would be lost) and a
     set_value of a rank of that node raise ValueError on every node taking part."""
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     if inter is None:
         return make()
     wire = (what, sids, None, rank, None, None, True, 1, False)
@@ -551,7 +405,7 @@ def from_first_node(proc, make, what: str, sids, rank=None, batch=None, comm_siz
 def joined_rank(proc, rank: int, what: str) -> None:
     """ValueError naming the join when global ``rank`` is a process of a node that has
     joined (known from the exchange just made; the same on every node)."""
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     if inter is not None and inter.joined:
         node = proc.comm.where(rank)[0]
         if node in inter.joined:
@@ -563,17 +417,17 @@ def broke(proc, err: BaseException) -> None:
     """This node's fork broke (a worker died) at the end of a step: its last header
     tells the other nodes, whose next (or current) exchange raises NodeFailedError
     naming it (:meth:`.collectives.mpi.MpiCommunicator.leave`)."""
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     if inter is not None:
         inter.leave(f"{type(err).__name__}: {err}")
 
 
 def _abandon(proc, reason) -> None:
     """Abandon the communicator among the node masters, telling the others ``reason(node)``."""
-    inter = _inter(proc)
+    inter = inter_comm(proc)
     if inter is not None and inter.broken is None:
         inter.abort(reason(inter.rank)[:500])
-        context.nodes_broken = True
+        state.nodes_broken = True
 
 
 def abandon_at_exit(proc) -> None:

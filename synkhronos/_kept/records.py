@@ -16,7 +16,7 @@ verified under the current generation may be used as it is. A record of an
 older generation is used only after it was verified again against the
 state itself (a direct collective: the workers' home boards, where each
 worker publishes the generation of the memory that holds each value; see
-:mod:`synkhronos.plans`), and then carries the current generation; a record
+:mod:`synkhronos._kept.plans`), and then carries the current generation; a record
 that cannot be verified is dropped and the full path runs, which may keep a
 new one. Records that the master changes itself between commands (its own
 shared variables, which user code may ``set_value`` at any time) are checked
@@ -26,7 +26,7 @@ The tables, by side:
 
 * master: ``resolved`` (shared-variable arguments resolved to their ids),
   ``bodies`` (pickled inline collective commands, with their layout),
-  ``plans`` (kept plans of small collectives, :mod:`synkhronos.plans`),
+  ``plans`` (kept plans of small collectives, :mod:`synkhronos._kept.plans`),
   ``calls_of(fid)`` (a Function's planned calls, keyed by its inputs'
   shapes and data references; dropped by a full call of it, which may move
   the scratch memory they write into);
@@ -76,7 +76,7 @@ class Table(dict):
 
 
 class Mode(enum.IntEnum):
-    """How a kept plan of a small collective may run now (:mod:`synkhronos.plans`)."""
+    """How a kept plan of a small collective may run now (:mod:`synkhronos._kept.plans`)."""
 
     FULL = 0      # not at all: the full path runs (and may plan again)
     COMMAND = 1   # by its command: the fork is idle, a worker's value is not where it was found

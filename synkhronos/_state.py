@@ -16,7 +16,7 @@ import os
 import threading
 
 from .errors import Aborted, Interrupted, MasterGone
-from .kept import Kept
+from ._kept.records import Kept
 
 __all__ = []
 
@@ -40,8 +40,8 @@ class Process:
         self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
         self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
         self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
-        self.kept = Kept()    # every record that lets a call or collective skip checks (kept.py)
-        self.launched = False  # started by mpirun/srun: joins the other nodes (nodes.py)
+        self.kept = Kept()    # every record that lets a call or collective skip checks (_kept/records.py)
+        self.launched = False  # started by mpirun/srun: joins the other nodes (_protocol/across_nodes.py)
 
     def check_parent(self) -> None:
         """Worker-side: raise MasterGone once the master process has died."""
@@ -204,7 +204,7 @@ def refuse_nested(what) -> None:
                            "supported: make the call after the running one returns")
 
 
-def session():
+def running_session():
     """The running fork; RuntimeError before fork() and in a process the user
     forked from the master."""
     if _current is None:
@@ -239,13 +239,13 @@ foreign_prefixes: set[str] = set()
 warned: set[str] = set()
 
 #: A node communicator was abandoned in a failure here: MPI is aborted at exit,
-#: not finalised (nodes.py).
+#: not finalised (_protocol/across_nodes.py).
 nodes_broken = False
 
-#: MPI's finalisation is registered to run at exit (nodes.py, once MPI started here).
+#: MPI's finalisation is registered to run at exit (_protocol/across_nodes.py, once MPI started here).
 mpi_finalize_registered = False
 
-#: The start of MPI (group.mpi): MPI_Init's thread while it runs, whether MPI was
+#: The start of MPI (launch.mpi): MPI_Init's thread while it runs, whether MPI was
 #: initialised here, and what MPI_Init raised.
 mpi_start = {"thread": None, "ours": None, "error": None}
 
@@ -255,7 +255,7 @@ mpi_start = {"thread": None, "ours": None, "error": None}
 mpi_leaving: list = []
 #: The duplicates of MPI_COMM_WORLD (and their requests) that a fork() gave up making (its
 #: timeout passed): the other nodes' next try meets these, so the next one here waits for
-#: them instead of starting others (nodes.py, collectives/mpi.py).
+#: them instead of starting others (_protocol/across_nodes.py, collectives/mpi.py).
 mpi_pending_dup = None
 
 #: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.

@@ -23,7 +23,7 @@ next command. Liveness is checked as often as a waiting master checks it.
 Once a plan found the fork so, nothing can move until the master posts a
 command: while the generation of the master's kept records
 (``proc.kept.generation``, which every posted command moves: the validity
-rule of :mod:`synkhronos.kept`) is the one it verified under, the next direct
+rule of :mod:`synkhronos._kept.records`) is the one it verified under, the next direct
 run checks only the session's state and liveness (``_Plan._mode``); under a
 newer one it verifies the workers' boards again.
 
@@ -35,11 +35,11 @@ path runs the command. A worker's inline gather or reduce moves its values
 into their homes first (once; again after an update moved them), so that
 they can be published.
 
-The master's half: ``shareds.broadcast`` and ``shareds.all_reduce`` try
-:func:`planned` first, ``shareds.gather`` :func:`planned_gather`, ``shareds.reduce``
+The master's half: ``_shareds.api.broadcast`` and ``.all_reduce`` try
+:func:`planned` first, ``.gather`` :func:`planned_gather`, ``.reduce``
 :func:`planned_reduce`, and the
 inline path keeps a plan with :func:`keep_plan`.
-The worker's half: ``shareds.worker_collective`` keeps a plan with
+The worker's half: ``_shareds.host.worker_collective`` keeps a plan with
 :func:`keep_worker_plan`, and ``worker.loop.serve`` calls :func:`publish_homes`
 before every answer.
 """
@@ -49,12 +49,12 @@ from __future__ import annotations
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context
-from .arrays import join
-from .collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
-from .collectives.ops import cast_to, kept_reducer
-from .control import Command
-from .kept import Mode, Published
+from .. import _state as state
+from .._arrays import join
+from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
+from ..collectives.ops import cast_to, kept_reducer
+from .._protocol.control import Command
+from .records import Mode, Published
 
 __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
            "keep_worker_plan", "publish_homes"]
@@ -96,7 +96,7 @@ def planned_reduce(shared_vars, op, in_place, nccl):
 
 def _kept(kind, shared_vars, op, nccl):
     """The master's kept plan for these arguments, or None."""
-    s = context.current()
+    s = state.current()
     if s is None or (nccl is not True and nccl is not False):  # (1 == True: only a bool may hit)
         return None
     # a plan keeps its variables alive: a hit on id(shared_vars) is that very variable
@@ -108,7 +108,7 @@ def _kept(kind, shared_vars, op, nccl):
 
 
 def resolve_key(shared_vars):
-    """The key of ``shareds._resolve``'s cache for this argument: a variable's id,
+    """The key of ``_shareds.api._resolve``'s cache for this argument: a variable's id,
     a tuple of ids for a list or tuple of them; None for anything else."""
     if isinstance(shared_vars, SharedVariable):
         return id(shared_vars)
@@ -186,9 +186,9 @@ class _Plan:
         self.peers = peers
 
     def _mode(self) -> Mode:
-        """How the plan may run now (:class:`~synkhronos.kept.Mode`). Raises if a worker died.
+        """How the plan may run now (:class:`~synkhronos._kept.records.Mode`). Raises if a worker died.
 
-        The validity rule (:mod:`synkhronos.kept`): a worker's values move only
+        The validity rule (:mod:`synkhronos._kept.records`): a worker's values move only
         while it runs a command, and every command moves the kept generation.
         Verified under the current generation, the plan runs directly after a
         check of the session's state and the workers' liveness; under an older
@@ -239,7 +239,7 @@ class _AllReducePlan(_Plan):
         return True
 
     def _here(self, proc, _) -> bool:
-        """The master's half of the all_reduce (see ``shareds._all_reduce_here``)."""
+        """The master's half of the all_reduce (see ``_shareds.host._all_reduce_here``)."""
         comm = proc.comm
         comm.inline_await()
         parts = comm.inline_parts(self.homes, self.layout)
@@ -303,7 +303,7 @@ class _ReadPlan(_Plan):
             parts[me] = value  # the master's value now (the plan's part is its value back then)
             if gather:
                 got.append(join(parts, self.op, var))
-            else:  # the inline path's reduce (shareds._inline_reduce), in rank order
+            else:  # the inline path's reduce (_shareds.host._inline_reduce), in rank order
                 got.append(reduced(proc, self.op, parts, var.type.dtype))
         return got
 

@@ -15,11 +15,11 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from . import context
-from .errors import pack_exception
-from .group import block_on, take, wait_until
+from .. import _state as state
+from ..errors import pack_exception
+from .._procs.waits import block_on, take, wait_until
 from .replies import ELSEWHERE, ReplyArea
-from .shmem import Segment, close_semaphores, open_semaphore, unlink_segment
+from .._procs.shmem import Segment, close_semaphores, open_semaphore, unlink_segment
 
 __all__ = []
 
@@ -40,7 +40,7 @@ KEEP_WINDOW = 64
 _PAGE = 4096
 _PAYLOAD_CAP = 1 << 20
 #: Bytes of each worker's reply area, where small function outputs ride back
-#: with its answer (see :mod:`synkhronos.replies`).
+#: with its answer (see :mod:`synkhronos._protocol.replies`).
 REPLY_CAP = 8192
 _STATUS_OK, _STATUS_ERROR = 0, 1
 #: The error generation of a worker that failed but found no room for its report.
@@ -63,7 +63,7 @@ _COMMANDS = {int(c): c for c in Command}
 
 def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = SPIN_SECONDS) -> None:
     """Take ``sem``: poll it for ``spin`` seconds, then block in slices
-    (:func:`synkhronos.group.wait_until`); ``check()`` runs every
+    (:func:`synkhronos._procs.waits.wait_until`); ``check()`` runs every
     ``CHECK_EVERY`` seconds, so a spinning waiter notices a dead peer as
     soon as a blocked one does.
 
@@ -78,7 +78,7 @@ def acquire(sem: posix_ipc.Semaphore, check: Callable[[], None], spin: float = S
         return
     # where processes outnumber cores, read the clock at every turn, not every 32nd
     wait_until(lambda: sem.value and take(sem), check, spin=spin, check_every=CHECK_EVERY,
-               block=block_on(sem, WAIT_SLICE), clock_every=1 if context.spin.oversubscribed else 32)
+               block=block_on(sem, WAIT_SLICE), clock_every=1 if state.spin.oversubscribed else 32)
 
 
 def drain(sem: posix_ipc.Semaphore) -> None:
@@ -287,7 +287,7 @@ class ControlBlock:
 
     def receive(self, rank: int, check: Callable[[], None]):
         """Block until the next command for this worker; return ``(cmd, payload)``."""
-        acquire(self.go[rank], check, spin=context.spin.idle)
+        acquire(self.go[rank], check, spin=state.spin.idle)
         words = self._words
         self._taken_seq = words[_W_SEQ]
         cmd = _COMMANDS[words[_W_CMD]]

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import posix_ipc
 
-from . import context
+from .. import _state as state
 
 __all__ = []
 
@@ -231,7 +231,7 @@ def segment_exists(name: str) -> bool:
 
 
 def unlink_segment(name: str) -> None:
-    if context.foreign_prefixes and _is_foreign(name):
+    if state.foreign_prefixes and _is_foreign(name):
         return
     try:
         posix_ipc.unlink_shared_memory("/" + name)
@@ -276,7 +276,7 @@ def unlink_prefix(prefix: str) -> list[str]:
     The fork's lock file goes last: while anything of a fork is left, so is
     its lock file, and :func:`unlink_stale` can judge it.
     """
-    if context.foreign_prefixes and _is_foreign(prefix):
+    if state.foreign_prefixes and _is_foreign(prefix):
         return []
     removed = []
     lock = None
@@ -301,18 +301,18 @@ def unlink_prefix(prefix: str) -> list[str]:
 # -- which names belong to whom ---------------------------------------------
 
 #: The lock file of a group is ``<prefix>lock`` in /dev/shm (see
-#: :class:`synkhronos.group.Lease`, which holds it): it is unlinked last.
+#: :class:`synkhronos._procs.lease.Lease`, which holds it): it is unlinked last.
 LOCK_NAME = "lock"
 SHM_DIR = _SHM_DIR
 
 
 def _is_foreign(name: str) -> bool:
-    return any(name.startswith(p) for p in context.foreign_prefixes)
+    return any(name.startswith(p) for p in state.foreign_prefixes)
 
 
 def disown(prefix: str) -> None:
     """Never unlink anything named ``prefix...`` from this process."""
-    context.foreign_prefixes.add(prefix)
+    state.foreign_prefixes.add(prefix)
 
 
 def known_prefixes() -> list[str]:

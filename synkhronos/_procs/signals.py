@@ -5,7 +5,7 @@ of a terminating signal only where its master would, and stops a computation
 the master abandoned (the interrupt signal). The master, where it leaves a
 terminating signal at its default, kills and reaps its workers and unlinks
 the fork's shared memory before it dies of it. The flags the handlers set
-live in :data:`synkhronos.context.signal_state`.
+live in :data:`synkhronos._state.signal_state`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import signal
 import threading
 
-from . import context
-from .errors import Interrupted, MasterGone
-from .group import PARENT_DEATH_SIGNAL, die_of
+from .. import _state
+from ..errors import Interrupted, MasterGone
+from .children import PARENT_DEATH_SIGNAL, die_of
 from .shmem import unlink_prefix
 
 __all__ = []
@@ -42,7 +42,7 @@ def worker_signals() -> None:  # pragma: no cover - worker only
     (the master abandons the command and interrupts it) and the signals the
     user handles in the master."""
     for sig in FATAL_SIGNALS:
-        if sig != signal.SIGINT and context.signal_state.dispositions.get(sig) == signal.SIG_DFL:
+        if sig != signal.SIGINT and _state.signal_state.dispositions.get(sig) == signal.SIG_DFL:
             signal.signal(sig, _on_terminate)
         else:
             signal.signal(sig, signal.SIG_IGN)
@@ -51,7 +51,7 @@ def worker_signals() -> None:  # pragma: no cover - worker only
 
 
 def _on_parent_death(signum, frame):  # pragma: no cover - worker only
-    state = context.signal_state
+    state = _state.signal_state
     state.master_died = state.terminate_requested = True
     raise MasterGone()
 
@@ -60,15 +60,15 @@ def _on_terminate(signum, frame):  # pragma: no cover - worker only
     # posix_ipc turns an exception raised in a handler during a semaphore wait
     # into SignalError (which the wait retries): the flag makes the next
     # liveness check end the worker all the same
-    context.signal_state.terminate_requested = True
-    context.signal_state.terminate_signal = signum
+    _state.signal_state.terminate_requested = True
+    _state.signal_state.terminate_signal = signum
     raise MasterGone()
 
 
 def _on_interrupt(signum, frame):  # pragma: no cover - worker only
     # only inside the computation, and only while the master has abandoned the
     # command: a late signal must not stop the next one
-    interruptible = context.interruptible
+    interruptible = _state.interruptible
     if interruptible.armed and interruptible.control is not None and interruptible.control.aborted():
         interruptible.armed = False
         raise Interrupted("the master abandoned this command")
@@ -96,7 +96,7 @@ def restore_master_handlers(saved: dict) -> None:
 
 def _on_fatal_signal(signum, frame):
     """The master received a signal that ends it: end the workers, unlink, then die of it."""
-    s = context.current()
+    s = _state.current()
     if s is not None and os.getpid() == s.pid:
         emergency_cleanup(s)
     die_of(signum)

@@ -10,11 +10,12 @@ import threading
 import time
 from typing import Callable
 
-from . import context, signals
-from .group import Children
+from .. import _state
+from .._procs import signals
+from .._procs.children import Children
 from .control import Command
-from .errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
-                     is_own_share_failure, unpack_exception)
+from ..errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
+                      is_own_share_failure, unpack_exception)
 
 __all__ = ["Session"]
 
@@ -43,7 +44,7 @@ class Session:
 
     def __init__(self, proc, pids: dict[int, int], thread_limit, close: Callable[[], None], threads: int = 1):
         self.proc = proc
-        self.kept = proc.kept        # the master's kept records (kept.py; the same object as proc.kept)
+        self.kept = proc.kept        # the master's kept records (_kept/records.py; the same object as proc.kept)
         self._close = close          # runtime.close: a close() asked for during a command runs as it ends
         self.watch = Children(pids)         # the workers: reap, signal, end
         self.thread_limit = thread_limit
@@ -174,7 +175,7 @@ class Session:
         """Whether the fork is usable and every worker is idle, with no command
         running in this thread (a nested call) and nothing to settle or send
         first: the master may then read and write the values the workers
-        published (see :mod:`synkhronos.plans`)."""
+        published (see :mod:`synkhronos._kept.plans`)."""
         return (self.in_flight is None and not self._needs_reset and not self.close_requested
                 and self.broken is None and not self.closed and self.proc.control.all_answered())
 
@@ -233,7 +234,7 @@ class Session:
         process (a worker's carries its rank and traceback).
         """
         self.usable()
-        context.refuse_nested(cmd)
+        _state.refuse_nested(cmd)
         self.in_flight = threading.get_ident()
         try:
             return self._run(cmd, payload, local, body)
@@ -246,7 +247,7 @@ class Session:
     def close_if_requested(self) -> None:
         """At the end of a command (or of join()): close the fork if close() was asked
         for meanwhile (by a signal handler, an Op or another thread)."""
-        if self.close_requested and context.current() is self:
+        if self.close_requested and _state.current() is self:
             self._close()
 
     def _run(self, cmd: Command, payload, local, body):

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import packed_views, round_up
-from .kept import Table
+from .._arrays import packed_views, round_up
+from .._kept.records import Table
 
 __all__ = ["ReplyArea", "ABSENT", "INLINE", "ELSEWHERE"]
 

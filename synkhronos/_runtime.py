@@ -14,16 +14,20 @@ import warnings
 
 import numpy as np
 
-from . import context, devices, group, nodes, shareds, signals
-from .context import Process, session  # session: runtime.session() is the running fork
-from .control import Command, ControlBlock
+from . import _state as state, devices
+from ._procs import signals
+from ._procs.children import Children, die_of, set_parent_death_signal
+from ._protocol import across_nodes as nodes
+from ._shareds import homes
+from ._state import Process, running_session  # runtime.running_session(): the running fork's Session
+from ._protocol.control import Command, ControlBlock
 from .errors import user_stacklevel
-from .session import Session
-from .group import Lease
-from .shmem import disown, unlink_prefix
-from .devices.gpu_stack import jax_backends_up
-from .tuning import available_cores, core_groups, keep_freed_memory, limit_threads, pin
-from .worker.loop import serve, serve_profiled
+from ._protocol.session import Session
+from ._procs.lease import Lease
+from ._procs.shmem import disown, unlink_prefix
+from .devices.jax_state import jax_backends_up
+from ._procs.cores import available_cores, core_groups, keep_freed_memory, limit_threads, pin
+from ._protocol.worker_loop import serve, serve_profiled
 
 __all__ = ["fork", "close", "master_free"]
 
@@ -70,7 +74,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         timeout: the longest, in seconds, that a call or collective waits
             for the workers. Default ``None``: wait as long as they compute
             (a warning naming the ranks is logged every
-            ``synkhronos.session.WAIT_WARNING_INTERVAL`` seconds, 60). When the time
+            ``synkhronos._protocol.session.WAIT_WARNING_INTERVAL`` seconds, 60). When the time
             runs out the command is abandoned in every process and
             :class:`~synkhronos.SynkTimeoutError` names the ranks that had
             not answered and says whether the runtime is still usable.
@@ -106,7 +110,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             already initialised CUDA in this process.
         TypeError, ValueError: a bad argument, named in the message.
     """
-    if context.current() is not None:
+    if state.current() is not None:
         raise RuntimeError("synk.fork() was already called; call synk.close() before forking again")
     timeout = _check_timeout(timeout)
     idle_spin = _check_idle_spin(idle_spin)
@@ -132,14 +136,14 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         warnings.warn(f"pin_cores=True, but {n_parallel} processes do not fit on {cores} cores "
                       "one each: not pinning", stacklevel=user_stacklevel())
     keep_freed_memory()  # before forking: the workers inherit it
-    context.spin.idle = idle_spin  # the workers inherit the policy too
-    context.spin.oversubscribed = n_parallel > cores
+    state.spin.idle = idle_spin  # the workers inherit the policy too
+    state.spin.oversubscribed = n_parallel > cores
     pids = _spawn_workers(proc, groups, threads)
     thread_limit = limit_threads(threads)
     s = Session(proc, pids, thread_limit, close, threads)
-    context.set_current(s)
+    state.set_current(s)
     s.timeout = timeout
-    context.inherited_from = None
+    state.inherited_from = None
     s.saved_handlers = signals.install_master_handlers()
     if groups is not None:
         s.saved_affinity = pin(groups[master_rank])
@@ -200,13 +204,13 @@ def _spawn_workers(proc: Process, groups, threads: int) -> dict:
     """Fork the workers; returns rank -> pid. Each child pins itself to its cores
     and becomes a worker, never returning here."""
     # the workers' rule: they die of a signal only where the master would
-    context.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
+    state.signal_state.dispositions = {sig: signal.getsignal(sig) for sig in signals.FATAL_SIGNALS}
     def in_child(rank: int) -> None:  # pragma: no cover - the child, which never returns
         if groups is not None:
             pin(groups[rank])
         _become_worker(proc, rank, threads)
 
-    children = group.Children()
+    children = Children()
     children.spawn([r for r in range(proc.size) if r != proc.master_rank], in_child)
     for rank, pid in children.pids.items():
         if groups is not None:  # here too: fork() returns with every worker pinned, not only soon after
@@ -229,7 +233,7 @@ def _check_timeout(timeout) -> float | None:
 
 def _check_idle_spin(idle_spin) -> float:
     if idle_spin is None:
-        return context.IDLE_SPIN_DEFAULT
+        return state.IDLE_SPIN_DEFAULT
     if isinstance(idle_spin, bool) or not isinstance(idle_spin, (int, float, np.integer, np.floating)):
         raise TypeError(f"idle_spin must be a number of seconds or None, got {idle_spin!r}")
     if not math.isfinite(idle_spin) or idle_spin < 0:
@@ -273,11 +277,11 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
     code = 0
     try:
         signals.worker_signals()
-        group.set_parent_death_signal()
+        set_parent_death_signal()
         atexit._clear()
         if master_proc.lease is not None:  # the master's descriptor: this worker takes its own
             master_proc.lease.close()
-        context.jax_inherited = jax_backends_up()  # before bind() may configure JAX
+        state.jax_inherited = jax_backends_up()  # before bind() may configure JAX
         master_proc.device.bind(rank)  # before anything touches the accelerator
         # the master compiles every function too, and gives this warning once
         warnings.filterwarnings("ignore", "PyTensor could not link to a BLAS installation", UserWarning)
@@ -291,7 +295,7 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
         proc.comm = proc.device.open_host_comm(proc, create=False)
         if master_proc.launched:  # the communicator over every node, once the master joined them
             nodes.connect_worker(proc)
-        context.interruptible.control = proc.control
+        state.interruptible.control = proc.control
         limit_threads(threads, worker=True)
         if master_proc.profile_dir is None:
             code = serve(proc)
@@ -300,10 +304,10 @@ def _become_worker(master_proc: Process, rank: int, threads: int) -> None:  # pr
     except BaseException:
         code = 1
     finally:
-        terminate_signal = context.signal_state.terminate_signal
+        terminate_signal = state.signal_state.terminate_signal
         if terminate_signal is not None:  # die of the signal, so the master can name it
             try:
-                group.die_of(terminate_signal)
+                die_of(terminate_signal)
             except BaseException:
                 pass
         os._exit(code)
@@ -313,11 +317,11 @@ def _after_fork_in_child() -> None:
     """In a child the user forked from the master (os.fork, multiprocessing):
     the runtime belongs to the master. Nothing here may drive its workers,
     unlink its shared memory or hold its lock; public calls raise."""
-    s = context.current()
+    s = state.current()
     if s is None:
         return  # also synkhronos's own workers: they are forked before the session exists
-    context.set_current(None)
-    context.inherited_from = s.pid
+    state.set_current(None)
+    state.inherited_from = s.pid
     disown(s.proc.prefix)
     if s.proc.lease is not None:
         s.proc.lease.close()  # this process's copy of the master's descriptor only
@@ -348,8 +352,8 @@ def master_free():
     Raises:
         RuntimeError: before :func:`fork`, inside a running command, or nested.
     """
-    s = session()
-    context.refuse_nested("master_free")
+    s = running_session()
+    state.refuse_nested("master_free")
     if s.freed:
         raise RuntimeError("synk.master_free() is already in effect (blocks do not nest)")
     s.thread_limit.restore()
@@ -359,7 +363,7 @@ def master_free():
         yield
     finally:
         s.freed = False
-        if context.current() is s:  # (closed inside the block: close() restored everything)
+        if state.current() is s:  # (closed inside the block: close() restored everything)
             if bound is not None:
                 pin(bound)
             s.thread_limit = limit_threads(s.threads)
@@ -390,7 +394,7 @@ def close() -> None:
         KeyboardInterrupt: a Ctrl-C came during close(), after it finished.
         Nothing else: what cannot be closed cleanly is killed and logged.
     """
-    s = context.current()
+    s = state.current()
     if s is None:
         return
     if os.getpid() != s.pid:  # a child of the master forked without Python's fork hooks
@@ -401,14 +405,14 @@ def close() -> None:
         # stop the command; Session.run closes the fork as it unwinds
         _request_close(s)
         return
-    if not context.command_lock.acquire(blocking=False):
+    if not state.command_lock.acquire(blocking=False):
         _request_close(s)  # the call running in another thread stops at its next wait slice
-        context.command_lock.acquire()
+        state.command_lock.acquire()
     try:
-        if context.current() is s:
+        if state.current() is s:
             _teardown(s)
     finally:
-        context.command_lock.release()
+        state.command_lock.release()
 
 
 def _request_close(s: Session) -> None:
@@ -443,7 +447,7 @@ def _teardown(s: Session) -> None:
 
     def leave_homes():
         try:
-            shareds.leave_homes(proc)
+            homes.leave_homes(proc)
         except Exception:  # the values stay where they are, valid; only their memory lingers
             log.exception("synkhronos: could not copy shared variables out of shared memory")
 
@@ -465,14 +469,14 @@ def _teardown(s: Session) -> None:
     step(proc.device.unbind)
     step(signals.restore_master_handlers, s.saved_handlers)
     step(atexit.unregister, _close_at_exit)
-    if context.current() is s:
-        context.set_current(None)
+    if state.current() is s:
+        state.set_current(None)
     if interrupts:
         raise interrupts[0]
 
 
 def _close_at_exit() -> None:
-    s = context.current()
+    s = state.current()
     if s is None or os.getpid() != s.pid:  # a child forked from the master: not its fork
         return
     nodes.abandon_at_exit(s.proc)  # an uncaught error here: the other nodes raise at once

@@ -9,8 +9,9 @@ import pickle
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
 
-from . import context, nodes
-from .context import interruptible
+from .. import _state as state
+from . import across_nodes as nodes
+from .._state import interruptible
 from .control import Command
 
 __all__ = ["distribute"]
@@ -63,7 +64,7 @@ def graph_digest(lf) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-@context.serialized
+@state.serialized
 def distribute() -> None:
     """Send every function built since the last distribute() to the workers.
 
@@ -84,7 +85,7 @@ def distribute() -> None:
         TypeError: a function cannot be pickled (the message says which).
         Any exception a worker raised while unpickling or compiling.
     """
-    s = context.session()
+    s = state.running_session()
     s.usable()
     # the master's LocalFunctions, in creation order
     new = [lf for lf in s.proc.functions.values() if lf.spec.fid not in s.distributed]

@@ -1,0 +1,136 @@
+"""The output reduction of a call: combining every process's outputs with their ops."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._arrays import concat
+from ..collectives.ops import Reducer, combine, result_dtype
+from ..errors import own_share_failed
+
+__all__ = []
+
+
+def reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
+    """Combine outputs across processes, one collective per group of outputs that
+    share an op and a communicator (see :meth:`LocalFunction.plan`)."""
+    root = proc.master_rank
+    results = [None] * n_outputs
+    failure = None
+    if proc.is_master and all(op is None for op, _, _ in groups):
+        # nothing to reduce: across nodes the node masters still meet once, so that this call
+        # is a step of its own there (a node's extra call, or its failure, is seen; join()
+        # knows which node called last)
+        inter = getattr(proc.comm, "inter", None)
+        if inter is not None:
+            inter.barrier(failed)
+    for op, comm, idx in groups:
+        if op is None:
+            if proc.is_master and outs is not None:
+                for i in idx:
+                    results[i] = outs[i]
+            continue
+        on_device = comm.device_arrays
+        if outs is None:
+            mine = None
+        elif on_device:
+            mine = [outs[i] for i in idx]
+        else:  # the avg of integers is float64 from the start, sliced or not, small or large
+            mine = [_as_result(outs[i], op) for i in idx]
+        # Every process must take part in every collective, also after one failed:
+        # a rooted collective tells only some processes that it failed, and the
+        # others would wait in the next one for a hub that had left.
+        flagged = failed or failure is not None
+        try:
+            if op == "gather":
+                got = comm.gather(mine, root=root, failed=flagged, join=lambda _, parts: concat(parts))
+                if got is not None:
+                    for i, joined in zip(idx, got):
+                        results[i] = joined
+            else:
+                got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged)
+                if got is not None:
+                    for i, r in zip(idx, got):
+                        results[i] = r
+        except Exception as err:
+            if failure is None:
+                failure = err
+    if failure is not None:
+        raise failure
+    return results if proc.is_master else None
+
+
+def reply_inline(proc, outs, ops, weight, error):
+    """The outputs of an inline call: a worker sends them back with its answer
+    (see :mod:`synkhronos._protocol.replies`); the master keeps ``(outs, its reducible
+    outputs, weight)`` for :func:`combine_inline`."""
+    if error is not None:  # (no protocol left to take part in)
+        raise own_share_failed(error)
+    mine = None if outs is None else [_as_result(outs[i], op) for i, op in enumerate(ops) if op is not None]
+    if proc.is_master:
+        return outs, mine, weight
+    proc.control.put_outputs(proc.rank, mine, weight)
+    return None
+
+
+def combine_inline(proc, own, ops) -> tuple:
+    """Master-side, after every worker answered an inline call: ``(results,
+    spilled)``, the outputs combined in rank order as the shared-memory
+    communicator would combine them, and whether a worker's outputs were too
+    big for its reply area."""
+    outs, mine, weight = own
+    ctl = proc.control
+    ranks, sets, weights, spilled = [], [], [], False
+    for r in range(proc.size):
+        if r == proc.rank:
+            got = None if mine is None else (mine, weight)
+        else:
+            got, big = ctl.outputs(r)
+            spilled = spilled or big
+        if got is not None:
+            ranks.append(r)
+            sets.append(got[0])
+            weights.append(got[1])
+    results = [None] * len(ops) if outs is None else list(outs)
+    return combine_sets(ranks, sets, weights, [(k, op) for k, op in enumerate(ops) if op is not None],
+                         results), spilled
+
+
+def combine_sets(ranks, sets, weights, reduced, results, reducers=None) -> list:
+    """Fill ``results[k]`` for each reduced output ``(k, op)`` (the ``j``-th) from
+    ``sets``, the reducible outputs of the contributing ``ranks`` in rank
+    order, with their ``weights``: joined (``gather``), a copy of the one part,
+    or :func:`combine` of them, which returns new memory for two parts or more.
+    ``reducers``, a list with an entry per reduced output, keeps the
+    :class:`~synkhronos.collectives.ops.Reducer` of each from call to call."""
+    for j, (k, op) in enumerate(reduced):
+        parts = [arrays[j] for arrays in sets]
+        if not parts:
+            results[k] = None
+        elif op == "gather":
+            results[k] = concat(parts)
+        elif len(parts) == 1:  # what combine() gives for one part, without its bookkeeping
+            results[k] = np.array(parts[0], copy=True)
+        else:
+            first = parts[0]
+            for r, p in zip(ranks[1:], parts[1:]):
+                if p.shape != first.shape or p.dtype != first.dtype:
+                    raise ValueError(f"cannot {op}-reduce: rank {ranks[0]} holds "
+                                     f"[{(str(first.dtype), first.shape)}] but rank {r} holds "
+                                     f"[{(str(p.dtype), p.shape)}] (output #{k})")
+            if reducers is None:
+                results[k] = combine(parts, op, weights)
+                continue
+            reducer = reducers[j]
+            if reducer is None or not reducer.fits(first, weights, len(parts)):
+                reducer = reducers[j] = Reducer(op, first.dtype, first.shape, weights, len(parts))
+            results[k] = reducer(parts)
+    return results
+
+
+def _as_result(out, op) -> np.ndarray:
+    """An output as an array of the dtype its reduction with ``op`` has."""
+    arr = np.asarray(out)
+    if op != "avg":  # only the avg of integers changes the dtype
+        return arr
+    return arr.astype(result_dtype(arr.dtype, op), copy=False)

@@ -1,0 +1,281 @@
+"""A collective on shared variables in every process: its specification, the
+command, the inline path for small values, and the host path through the
+shared-memory communicator (a GPU device runs its own, falling back to this one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from typing import Any
+
+import numpy as np
+
+from .._arrays import join
+from .._batching import batch_length, split, sub_batch
+from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for, same_layout
+from ..collectives.ops import cast_to
+from .._protocol.control import Command
+from .._procs.shmem import SHRINK_BYTES
+from .._protocol.data_refs import attach, forget
+from .._kept.records import InlineBody
+from .._kept.plans import PLANNED_KINDS, keep_plan, keep_worker_plan
+from .homes import assign, receive_into, resident
+
+__all__ = []
+
+
+@dataclasses.dataclass
+class CollectiveSpec:
+    kind: str
+    sids: list
+    op: str | None = None
+    rank: int | None = None
+    refs: Any = None          # Data refs of values, when the master sends values
+    batch: Any = None         # normalised batch per value (scatter, set_value)
+    in_place: bool = True
+    nd_up: int = 1
+    cpu: bool = False         # a "c_" op: the CPU path, also on a GPU device
+
+
+def send(s, spec: CollectiveSpec, plan_key=None):
+    """Run ``spec`` in every process; the workers get it as a plain tuple (a
+    dataclass takes several times longer to pickle, on every collective).
+    Small values take the inline path (:func:`_send_inline`), which keeps a
+    plan under ``plan_key`` (see :mod:`synkhronos._kept.plans`)."""
+    if spec.kind in _INLINE_KINDS:
+        got = _send_inline(s, spec, plan_key)
+        if got is not _NOT_INLINE:
+            return got
+    wire = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
+    return s.run(Command.COLLECTIVE, wire, lambda proc, _: run(proc, spec))
+
+
+def worker_collective(proc, wire: tuple):
+    if wire[0] is _INLINE:
+        kept = proc.kept.worker_plans.get(id(wire))
+        if kept is not None and kept.wire is wire and kept.run(proc):
+            return None
+        _run_inline(proc, *wire[1:])
+        if wire[1] in PLANNED_KINDS and proc.control.message_kept:  # (else it never comes again)
+            keep_worker_plan(proc, wire)
+        return None
+    return run(proc, CollectiveSpec(*wire))
+
+
+# ---------------------------------------------------------------------------
+# Small values inline: within one fork, on host memory, a collective whose
+# values fit the communicator's inline areas is one command round trip, with no
+# slot, pickled header or barrier. The master writes its values into its area
+# before it posts the command (broadcast, all_reduce); a worker reads them from
+# there, and writes its own into its area before it answers (reduce, gather,
+# all_reduce), where the master reads them once every worker answered. For
+# all_reduce every process combines every process's values itself, in rank
+# order, with the Reducer of ops.combine, as the communicator's path: the same bits
+# everywhere (with more than two processes the workers first wait for each
+# other's values: the communicator's barrier, the master's half in the
+# command). The command is the same from call to call: pickled once.
+
+#: The first item of an inline command's wire tuple (a CollectiveSpec's is a kind).
+_INLINE = None
+_INLINE_KINDS = frozenset(("broadcast", "all_reduce", "reduce", "gather"))
+#: What :func:`_send_inline` returns when the collective must take the communicator's path.
+_NOT_INLINE = object()
+
+
+def _inline_body(s, key, layout, values, got):
+    """The pickled inline command ``key`` for ``values`` (``got``: the one kept for
+    ``key``, if any), or None when they cannot go inline."""
+    if got is not None and got.layout == layout:
+        return got.body
+    for a in values:
+        if type(a) is not np.ndarray or not a.dtype.isnative or a.dtype.hasobject:
+            return None
+    if not s.proc.comm.fits_inline(values):
+        return None
+    body = pickle.dumps(([], (_INLINE,) + key), protocol=pickle.HIGHEST_PROTOCOL)
+    s.proc.kept.bodies.keep(key, InlineBody(body, layout))
+    return body
+
+
+def _send_inline(s, spec: CollectiveSpec, plan_key=None):
+    """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's;
+    a collective that went through keeps its plan under ``plan_key`` (see :mod:`synkhronos._kept.plans`)."""
+    proc = s.proc
+    comm = proc.comm
+    # workers still busy with an abandoned command might read the master's area: the full path settles them first
+    if not comm.within_fork or proc.device.keeps_values_on_device or not proc.control.all_answered():
+        return _NOT_INLINE
+    key = (spec.kind, tuple(spec.sids), spec.op)
+    kept = proc.kept.bodies.get(key)
+    vars_ = [proc.shareds[sid] for sid in spec.sids]
+    values = [v.get_value(borrow=True) for v in vars_]
+    if kept is not None and same_layout(values, kept.layout):  # the usual case in a loop
+        body, layout = kept
+    else:
+        layout = tuple((a.dtype, a.shape) for a in values)
+        body = _inline_body(s, key, layout, values, kept)
+        if body is None:
+            return _NOT_INLINE
+    kind, wire = spec.kind, (_INLINE,) + key
+    if kind in ("broadcast", "all_reduce"):
+        comm.put_inline(values, layout)
+    if kind == "broadcast":
+        s.run(Command.COLLECTIVE, wire, body=body)
+        keep_plan(s, plan_key, kind, vars_, layout, None, wire, body)
+        return None
+    if kind == "all_reduce":
+        # the master combines while the workers do: its half runs between post and collect
+        done = s.run(Command.COLLECTIVE, wire, lambda p, _: _all_reduce_here(p, key[1], vars_, values, layout,
+                                                                            spec.op), body=body)
+        if not done:
+            raise_mismatch(comm, layout, spec.op)
+        keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
+        return None
+    s.run(Command.COLLECTIVE, wire, body=body)
+    parts = comm.inline_parts(values, layout if kind == "reduce" else None)
+    if parts is None:
+        if kind == "gather":  # a worker's values did not fit (unequal lengths): the communicator's path
+            return _NOT_INLINE
+        raise_mismatch(comm, layout, spec.op)
+    if kind == "gather":
+        got = [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
+        # (the workers' values may differ in shape from the master's: the plan maps each as it is)
+        keep_plan(s, plan_key, kind, vars_, layout, spec.nd_up, wire, body,
+                  peer_layouts=[tuple((a.dtype, a.shape) for a in p) for p in parts])
+        return got
+    got = _inline_reduce(proc, parts, spec, vars_)
+    keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
+    return got
+
+
+def _inline_reduce(proc, parts, spec: CollectiveSpec, vars_) -> list:
+    """The master's reduce of the values in ``parts`` (per rank, in rank order)."""
+    got = [reduced(proc, spec.op, [p[i] for p in parts], v.type.dtype) for i, v in enumerate(vars_)]
+    if spec.in_place:
+        for v, g in zip(vars_, got):
+            assign(v, g)
+    return got
+
+
+def _all_reduce_here(proc, sids, vars_, values, layout, op) -> bool:
+    """One process's half of an inline all_reduce, once its values are in its
+    area; False, changing nothing, when some process's values differ in layout."""
+    comm = proc.comm
+    if proc.is_master:
+        comm.inline_await()
+    else:
+        comm.inline_arrive()
+    parts = comm.inline_parts(values, layout)
+    if parts is None:
+        return False
+    homes = resident(proc, sids, vars_)
+    if any(h is not v for h, v in zip(homes, values)):
+        # a value moved into its home: the move may have overwritten another of ``values`` (a
+        # call that swapped two variables left one holding the other's home), so this process's
+        # part is read from its inline area, which holds them as they were
+        parts[comm.rank] = comm.inline_values(comm.rank)
+    fold_into(homes, parts, *reducers_for(proc, op, homes))
+    return True
+
+
+def _run_inline(proc, kind, sids, op) -> None:
+    """A worker's half of an inline collective."""
+    comm = proc.comm
+    vars_ = [proc.shareds[sid] for sid in sids]
+    if kind == "broadcast":
+        for sid, var, src in zip(sids, vars_, comm.inline_values(proc.master_rank)):
+            receive_into(proc, sid, var, src)
+        return
+    # a gather's or reduce's values move into their homes (once), where the master can read them directly next time
+    values = [v.get_value(borrow=True) for v in vars_] if kind == "all_reduce" else resident(proc, sids, vars_)
+    layout = tuple((a.dtype, a.shape) for a in values)
+    comm.put_inline(values, layout)
+    if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them
+        _all_reduce_here(proc, sids, vars_, values, layout, op)
+
+
+def run(proc, spec: CollectiveSpec):
+    if spec.kind == "placement":
+        return _placement(proc, spec)
+    # the device's collective (GPU: NCCL, or the host path and back), else the host path
+    return proc.device.shared_collective(proc, spec, _run_host)
+
+
+def _placement(proc, spec: CollectiveSpec):
+    """For the master, per variable, where every process keeps its value (True: on the device)."""
+    got = proc.comm.gather([proc.device.placement(proc, spec.sids)], root=proc.master_rank)
+    if got is None:
+        return None
+    return [np.array([per_rank[i] for per_rank in got[0]]) for i in range(len(spec.sids))]
+
+
+def _run_host(proc, spec: CollectiveSpec):
+    """The collective through the shared-memory communicator, on values in host memory."""
+    vars_ = [proc.shareds[sid] for sid in spec.sids]
+    comm, root = proc.comm, proc.master_rank
+    mine = lambda: [v.get_value(borrow=True) for v in vars_]  # noqa: E731
+    kind = spec.kind
+    if kind == "broadcast":  # across nodes, other nodes' masters receive too
+        comm.broadcast(resident(proc, spec.sids, vars_) if proc.is_master else None, root=root,
+                       receive=lambda i, src: receive_into(proc, spec.sids[i], vars_[i], src))
+    elif kind in ("scatter", "set_value"):
+        _host_scatter(proc, spec, vars_)
+    elif kind == "gather":
+        # (across nodes, a node that has joined gives no parts: it is left out, as in a call)
+        return comm.gather(resident(proc, spec.sids, vars_), root=root,
+                           join=lambda i, parts: join([p for p in parts if p is not None], spec.nd_up, vars_[i]))
+    elif kind == "all_gather":
+        got = comm.all_gather(resident(proc, spec.sids, vars_))  # read in place, not via the slot
+        out = []
+        for v, parts in zip(vars_, got):
+            joined = np.concatenate([p for p in parts if p is not None], axis=0)
+            assign(v, joined)
+            out.append(joined)
+        # the caller's arrays are new memory, never the variables' own values
+        return [np.array(a, copy=True) for a in out] if proc.is_master else None
+    elif kind == "reduce":
+        got = comm.reduce(resident(proc, spec.sids, vars_), spec.op, root=root)
+        if got is not None and proc.is_master:
+            got = [np.asarray(cast_to(np.asarray(g), v.type.dtype)) for g, v in zip(got, vars_)]
+            if spec.in_place:
+                for v, g in zip(vars_, got):
+                    assign(v, g)
+            return got
+    elif kind == "all_reduce":
+        arrays = resident(proc, spec.sids, vars_)
+        got = comm.all_reduce(arrays, spec.op, in_place=True)
+        for v, g in zip(vars_, got):
+            if v.get_value(borrow=True) is not g:
+                assign(v, g)
+    elif kind == "get_value":
+        got = comm.gather(mine() if comm.rank == spec.rank else None, root=root)
+        if got is not None:
+            return [parts[spec.rank] for parts in got]
+    elif kind == "get_shapes":
+        shapes = [np.array(v.get_value(borrow=True).shape, dtype=np.int64) for v in vars_]
+        got = comm.gather(shapes, root=root)
+        if got is not None:
+            return [[tuple(int(d) for d in sh) for sh in per if sh is not None] for per in got]
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    return None
+
+
+def _host_scatter(proc, spec: CollectiveSpec, vars_) -> None:
+    """scatter (each process its rows of the staged values) and set_value (one
+    process takes them whole, or the rows of its ``batch``)."""
+    comm = proc.comm  # ranks and sizes are global across nodes
+    if spec.kind == "set_value" and comm.rank != spec.rank:
+        return
+    for v, ref, batch in zip(vars_, spec.refs, spec.batch):
+        arr = attach(proc, ref)
+        if spec.kind == "scatter":
+            lo, hi = split(batch_length(batch, len(arr)), comm.size, comm.rank)
+            arr = arr[sub_batch(batch, lo, hi)]
+        elif batch is not None:
+            arr = arr[batch]
+        assign(v, np.array(arr, copy=True))
+    # large staged values are used once: drop the mapping now (the master frees them)
+    forget(proc, [ref[0] for ref in spec.refs
+                  if math.prod(ref[3]) * np.dtype(ref[2]).itemsize >= SHRINK_BYTES])

@@ -1,0 +1,128 @@
+"""What the MPI communicator's messages carry: the header every node posts for
+a step (its size, the step's number and checksum, the reduce plan), the codes
+of its words, the reduce plans of dtypes and ops, and large messages in pieces
+(Open MPI's wheel speaks MPI 3.1: no message over 2**31 - 1 bytes)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+__all__ = []
+
+#: Seconds a wait polls MPI with only a yield in between, before it sleeps:
+#: MPI progresses only inside its calls, so a large transfer wants them often
+#: (a 64 MiB all-reduce took about 1.4x as long with 0.02 s, sleeping 100 us
+#: between polls for most of it); Open MPI's own blocking calls spin throughout.
+SPIN_SECONDS = 0.25
+#: Sleep between polls once the spin is over (seconds).
+POLL_SLEEP = 100e-6
+#: Bytes of each node's header slot in the agreement all-gather; a larger
+#: header (very many arrays) takes a second, variable-sized round.
+HEADER_SLOT = 512
+#: Reductions of at most this many bytes per node travel inside the agreement
+#: (one MPI exchange instead of two) and are combined on every node.
+INLINE_BYTES = 256
+#: The head of each node's header slot: its header's length, its step's number and key checksum,
+#: and what exchange follows (see WHATS).
+HEAD = struct.Struct("<qqqbbi")
+#: What a node's header says follows it (a node that has joined mirrors it): the
+#: exchange, by its index here, then the op's index in OPS and the root (-1: none).
+WHATS = ("", "all_reduce", "reduce", "all_gather", "gather", "broadcast", "barrier", "close")
+OPS = (None, "sum", "avg", "prod", "max", "min")
+WHAT_CODES = {w: i for i, w in enumerate(WHATS)}
+OP_CODES = {op: i for i, op in enumerate(OPS)}
+#: Bytes of a step's words (see MpiCommunicator.begin) that travel when steps differ.
+STEP_TEXT = 96
+#: The step checksum in the header of a node that has joined (see MpiCommunicator.join):
+#: crc32 checksums are never negative.
+JOINED = -1
+#: The step checksum in the last header of a node that left after a failure (see
+#: MpiCommunicator.leave).
+LEFT = -2
+#: The step checksum of a node whose step failed in its own checks before it knew its
+#: key (see MpiCommunicator.fail_step): it matches any step of the same number.
+FAILED = -3
+#: Largest failure notice (bytes); longer reasons are cut.
+NOTICE_BYTES = 2048
+
+#: Largest piece of one MPI call (bytes). MPI 3.1 (what the Open MPI 5 wheel speaks)
+#: counts elements and displacements in C ints: a message over 2**31 - 1 bytes (or
+#: elements) fails with MPI_ERR_ARG. Every transfer larger than this goes in pieces
+#: of at most this size, each its own non-blocking request (broadcast and reductions
+#: piece by piece; gathers whose total passes it, node by node and piece by piece).
+PIECE_BYTES = 1 << 30
+#: The tag of a gather's point-to-point pieces (the data communicator has no other).
+PIECE_TAG = 7
+
+#: reduce op -> MPI op name ("avg" is a weighted sum).
+MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
+
+
+def reduce_plan(dtype, op: str):
+    """How MPI reduces ``dtype`` with ``op``: ``(work dtype, MPI op name)``, or
+    None when MPI cannot (then the bytes are gathered and combined with
+    :func:`.ops.combine`, which gives the same results).
+
+    ``avg`` of integers and booleans sums in float64; booleans travel as
+    uint8, ``sum``/``max`` a logical or (MAX), ``prod``/``min`` a logical and
+    (MIN); complex numbers sum, average and multiply in MPI, their
+    ``max``/``min`` (numpy's order) are combined locally, as are float16 and
+    long doubles.
+    """
+    dtype = np.dtype(dtype)
+    if op == "avg" and dtype.kind in "biu":
+        return np.dtype(np.float64), "SUM"
+    if dtype.kind == "b":
+        return np.dtype(np.uint8), "MAX" if op in ("sum", "max") else "MIN"
+    if dtype.kind in "iu" and dtype.itemsize in (1, 2, 4, 8):
+        return dtype.newbyteorder("="), MPI_OPS[op]
+    if dtype.kind == "f" and dtype.itemsize in (4, 8):
+        return dtype.newbyteorder("="), MPI_OPS[op]
+    if dtype.kind == "c" and dtype.itemsize in (8, 16) and op in ("sum", "avg", "prod"):
+        return dtype.newbyteorder("="), MPI_OPS[op]
+    return None
+
+
+def avg_scales(weights, mine):
+    """``(pre, post)`` as :func:`.ops.combine` weighs an ``avg``: equal weights sum,
+    then multiply by the reciprocal of the count (``pre`` None); uneven weights
+    multiply each contribution by its share of the total (``post`` None)."""
+    w = [float(x) for x in weights]
+    total = sum(w)
+    if total <= 0 or all(x == w[0] for x in w):
+        return None, 1.0 / len(w)
+    return float(mine) / total, None
+
+
+def fit_into(into, layout, op):
+    """``into`` (arrays to receive an all-reduce's results) where MPI can write
+    each result there directly: C-contiguous, writeable, of the work dtype and
+    the shape; None entries elsewhere (those are copied in afterwards). None
+    when ``into`` is None."""
+    if into is None:
+        return None
+    out = []
+    for a, (dtype, shape) in zip(into, layout):
+        plan = reduce_plan(dtype, op)
+        ok = (plan is not None and isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
+              and a.dtype == plan[0] and a.shape == tuple(shape))
+        out.append(a if ok else None)
+    return out
+
+
+def spans(count: int, itemsize: int = 1):
+    """``(lo, hi)`` element ranges of at most ``PIECE_BYTES`` each (at least one element)."""
+    step = max(1, PIECE_BYTES // itemsize)
+    return [(lo, min(lo + step, count)) for lo in range(0, count, step)] or [(0, 0)]
+
+
+def pieces(flat: np.ndarray):
+    """Views of the 1-d contiguous ``flat`` of at most ``PIECE_BYTES`` each."""
+    return [flat[lo:hi] for lo, hi in spans(flat.size, flat.itemsize)]
+
+
+def as_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)

@@ -1,1 +1,0 @@
-"""The worker side: the loop every forked process runs."""
