@@ -47,7 +47,7 @@ p.add_argument("--json", default=None, help="where to write the results (default
 args = p.parse_args()
 
 from synkhronos import gpu  # noqa: E402  (imports neither CuPy nor JAX)
-from synkhronos.jax_dtypes import typed_jax_mode  # noqa: E402
+from synkhronos._integrations.jax_dtypes import typed_jax_mode  # noqa: E402
 
 missing = gpu.stack_missing()
 if missing:

@@ -52,7 +52,7 @@ PARTS = {
     "nutpie": ("nuts", "nuts2"),
     "numpyro": ("eval", "nuts", "nuts2"),
     # JAX in one process on PyMC's graph as synkhronos renders each process's share
-    # (synkhronos.xla_rewrites, its XLA flags): what the split alone brings
+    # (synkhronos._integrations.xla_rewrites, its XLA flags): what the split alone brings
     "jax-rw": ("eval",),
     "synk": ("eval", "map", "advi", "nuts", "nuts-numpyro", "nuts-nutpie", "nuts2"),
 }
@@ -140,7 +140,7 @@ def jax_eval(model, rewrite=False) -> float:
         from pymc.sampling.jax import _replace_shared_variables
         from pytensor.graph.fg import FunctionGraph
 
-        from synkhronos.xla_rewrites import render_for_xla
+        from synkhronos._integrations.xla_rewrites import render_for_xla
 
         inner = render_for_xla(FunctionGraph(model.value_vars, _replace_shared_variables([model.logp()]),
                                              clone=True))

@@ -19,11 +19,11 @@ from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
 from synkhronos._batching import split as split_evenly
-from synkhronos.graph_op import register_jax, register_numba
-from synkhronos.row_split import Coupling, hoist_data_only, split_rows
+from synkhronos._integrations.graph_op import register_jax, register_numba
+from synkhronos._integrations.row_split import Coupling, hoist_data_only, split_rows
 from synkhronos._procs.cores import available_cores
 from synkhronos._procs.xla_flags import xla_flags
-from synkhronos.xla_rewrites import FeatureMajor, feature_major, prepare_for_xla, read_by_dots_only, render_for_xla
+from synkhronos._integrations.xla_rewrites import FeatureMajor, feature_major, prepare_for_xla, read_by_dots_only, render_for_xla
 
 try:
     import pymc as pm
@@ -278,7 +278,7 @@ def _values_of_free(model, terms) -> list:
 
 
 def _split_terms(model, terms, replace, n_rows, check) -> list:
-    """Each observed term on a process's rows (:func:`synkhronos.row_split.split_rows`), with
+    """Each observed term on a process's rows (:func:`synkhronos._integrations.row_split.split_rows`), with
     PyMC's rewrite of parameter checks (-inf where a parameter is out of its support)."""
     guard = _guard(model)
     out = []
@@ -458,7 +458,7 @@ class JaxValueAndGrad(Op):
     backward pass with the forward one: on the benchmark's logistic regression
     (100,000 rows, one process, an Intel Xeon) this took 3.65 ms where
     PyTensor's symbolic gradient rendered in JAX took 4.57 ms. The graph is
-    first rewritten to forms XLA runs faster (:mod:`synkhronos.xla_rewrites`:
+    first rewritten to forms XLA runs faster (:mod:`synkhronos._integrations.xla_rewrites`:
     PyMC's Bernoulli with ``logit_p`` and ``softplus``; 5.9 ms to 3.7 ms there).
 
     Args:
@@ -547,19 +547,10 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     continuous = [v for v in rv_in if v.type.dtype.startswith("float")]
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
-    fm, jax_mode = set(), _resolve_mode(mode) == "JAX" and bool(continuous)
-    mask_in = pt.vector("rows_mask", dtype="bool") if jax_mode and check else None
-    if mask_in is not None:  # rows on axis 0 of every term: checked by split_rows (strict)
-        total = pt.add(*[pt.switch(mask_in.dimshuffle(0, *["x"] * (t.type.ndim - 1)), t, 0).sum()
-                         for t in local_terms])
-        total.name = "observed_logp"
-        row_in, inputs = row_in + [mask_in], row_in + [mask_in] + inputs[len(row_in):]
-    if jax_mode:
-        fm = _feature_major_rows(inputs, total, row_in[:len(row_leaves)])
-        stored = {row_in[i]: row_in[i].type(name=row_in[i].name) for i in fm}
-        total = graph_replace(total, {x: FeatureMajor()(d).T for x, d in stored.items()}, strict=False)
-        total.name = "observed_logp"
-        row_in, inputs = [stored.get(v, v) for v in row_in], [stored.get(v, v) for v in inputs]
+    fm, mask_in = set(), None
+    if _resolve_mode(mode) == "JAX" and continuous:
+        total, row_in, inputs, fm, mask_in = _laid_out_for_xla(local_terms, total, row_in, inputs,
+                                                               len(row_leaves), check)
     mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
         outs = jax_op(*inputs)
@@ -600,9 +591,26 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     return split
 
 
+def _laid_out_for_xla(local_terms, total, row_in, inputs, n_leaves, check) -> tuple:
+    """The share as JAX mode lays out its rows: ``(total, row_in, inputs, feature-major
+    positions, the row mask or None)``. With ``check`` (rows on axis 0 of every term, proved
+    by split_rows), each process's rows padded to blocks and the copies masked out of the
+    sum; per-row matrices read only by matrix products stored feature-major."""
+    mask_in = pt.vector("rows_mask", dtype="bool") if check else None
+    if mask_in is not None:
+        total = pt.add(*[pt.switch(mask_in.dimshuffle(0, *["x"] * (t.type.ndim - 1)), t, 0).sum()
+                         for t in local_terms])
+        row_in, inputs = row_in + [mask_in], row_in + [mask_in] + inputs[len(row_in):]
+    fm = _feature_major_rows(inputs, total, row_in[:n_leaves])
+    stored = {row_in[i]: row_in[i].type(name=row_in[i].name) for i in fm}
+    total = graph_replace(total, {x: FeatureMajor()(d).T for x, d in stored.items()}, strict=False)
+    total.name = "observed_logp"
+    return total, [stored.get(v, v) for v in row_in], [stored.get(v, v) for v in inputs], fm, mask_in
+
+
 def _feature_major_rows(inputs, total, row_in) -> set:
     """Positions in ``row_in`` of per-row matrices that the share, as XLA gets it, reads only
-    as the left side of a matrix product: stored feature-major (see :mod:`synkhronos.xla_rewrites`)."""
+    as the left side of a matrix product: stored feature-major (see :mod:`synkhronos._integrations.xla_rewrites`)."""
     candidates = [i for i, v in enumerate(row_in) if v.type.ndim == 2 and v.type.dtype.startswith("float")]
     if not candidates:
         return set()

@@ -197,7 +197,7 @@ def test_jax_rendering_one_call_per_value_and_gradient():
         import jax
         from pytensor.graph.fg import FunctionGraph
         from pytensor.link.jax.dispatch import jax_funcify
-        from synkhronos.graph_op import register_jax
+        from synkhronos._integrations.graph_op import register_jax
         import test_as_op as T
 
         register_jax()

@@ -1,4 +1,4 @@
-"""PyTensor's JAX mode as synkhronos compiles it (synkhronos/jax_dtypes.py): every output
+"""PyTensor's JAX mode as synkhronos compiles it (synkhronos/_integrations/jax_dtypes.py): every output
 and update in the graph's dtype. JAX runs in a subprocess, on the CPU: this pytest
 process forks workers in other tests, and JAX must not start before a fork."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
 _SWEEP = """
     import warnings
     import numpy as np, pytensor, pytensor.tensor as pt
-    from synkhronos.jax_dtypes import typed_jax_mode
+    from synkhronos._integrations.jax_dtypes import typed_jax_mode
 
     warnings.simplefilter("ignore")
     bad = []
@@ -62,7 +62,7 @@ def test_plain_jax_mode_differs_where_the_typed_one_does_not():
     done = run_python("""
         import warnings
         import numpy as np, pytensor, pytensor.tensor as pt
-        from synkhronos.jax_dtypes import typed_jax_mode
+        from synkhronos._integrations.jax_dtypes import typed_jax_mode
         warnings.simplefilter("ignore")
         x = pt.matrix("x", dtype="float32")
         for mode in ("JAX", typed_jax_mode("JAX")):
@@ -79,7 +79,7 @@ def test_floatx_float32_names_the_outputs_jax_narrows():
     done = run_python("""
         import warnings
         import numpy as np, pytensor, pytensor.tensor as pt
-        from synkhronos.jax_dtypes import typed_jax_mode
+        from synkhronos._integrations.jax_dtypes import typed_jax_mode
         p, y = pt.matrix("p"), pt.lvector("y")
         acc = pt.mean(pt.eq(pt.argmax(p, axis=1), y))
         acc.name = "accuracy"

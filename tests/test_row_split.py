@@ -1,4 +1,4 @@
-"""synkhronos.row_split: graphs that keep rows apart are split (the sum of the parts equals the
+"""synkhronos._integrations.row_split: graphs that keep rows apart are split (the sum of the parts equals the
 whole, on many random splits), graphs that couple rows are refused whatever the data."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytensor.tensor as pt
 import pytest
 from numpy.testing import assert_allclose
 
-from synkhronos.row_split import Coupling, split_rows
+from synkhronos._integrations.row_split import Coupling, split_rows
 
 N = 17
 rng = np.random.default_rng(0)
@@ -124,7 +124,7 @@ def test_a_parameter_check_may_read_every_row():
 def test_costly_parts_of_the_data_alone_are_computed_once():
     """``gammaln(y + 1)`` reads only the data: it becomes a per-row input computed from them;
     cheap parts (a comparison) and parts that read a parameter stay; the value is the same."""
-    from synkhronos.row_split import hoist_data_only
+    from synkhronos._integrations.row_split import hoist_data_only
 
     y = pt.lvector("y")
     mu = pt.dscalar("mu")

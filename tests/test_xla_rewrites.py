@@ -1,4 +1,4 @@
-"""synkhronos.xla_rewrites: each rewrite gives the old graph's values (and, through JAX's
+"""synkhronos._integrations.xla_rewrites: each rewrite gives the old graph's values (and, through JAX's
 autodiff, its gradients) on many random and extreme inputs, and leaves other graphs alone."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pytensor.graph.fg import FunctionGraph
 from pytensor.raise_op import Assert
 
 from conftest import run_python
-from synkhronos.xla_rewrites import rewrite_for_xla
+from synkhronos._integrations.xla_rewrites import rewrite_for_xla
 
 #: Values where softplus changes branch (-37, 18, 33.3), overflows, or is not finite.
 EDGES = np.array([-np.inf, -1e300, -800, -745, -40, -37.5, -37, -36.9, -20, -1, -1e-300, -0.0, 0.0, 1e-300,
@@ -279,7 +279,7 @@ def test_jax_values_and_gradients_equal_the_old_graph():
         from pytensor.compile.mode import get_mode
         from pytensor.graph.fg import FunctionGraph
         from pytensor.link.jax.dispatch import jax_funcify
-        from synkhronos.xla_rewrites import render_for_xla
+        from synkhronos._integrations.xla_rewrites import render_for_xla
         from test_xla_rewrites import _bernoulli_sum
 
         X, y, b, a = pt.dmatrix("X"), pt.lvector("y"), pt.dvector("b"), pt.dscalar("a")
@@ -327,7 +327,7 @@ def test_feature_major_layout_gives_back_each_process_rows():
     of exactly those rows is X[lo:hi].T, for even and uneven splits, empty shares and
     one process; bounds that do not cover the rows in order are refused."""
     from synkhronos._batching import split
-    from synkhronos.xla_rewrites import FeatureMajor, feature_major
+    from synkhronos._integrations.xla_rewrites import FeatureMajor, feature_major
 
     d = pt.dmatrix("d")
     back = pytensor.function([d], FeatureMajor()(d).T, mode=RAW)
@@ -358,7 +358,7 @@ def test_dot_on_feature_major_rows_equals_the_old_dot_in_jax():
         import jax, numpy as np, pytensor.tensor as pt
         jax.config.update("jax_enable_x64", True)
         from pytensor.graph.fg import FunctionGraph
-        from synkhronos.xla_rewrites import FeatureMajor, feature_major, render_for_xla
+        from synkhronos._integrations.xla_rewrites import FeatureMajor, feature_major, render_for_xla
 
         X, D, b, W = pt.dmatrix("X"), pt.dmatrix("D"), pt.dvector("b"), pt.dmatrix("W")
         def total(M):

@@ -115,7 +115,7 @@ class Function:
             TypeError, ValueError, IndexError: a bad input, value or gradient
                 declaration, named in the message.
         """
-        from ..graph_op import build_op, position
+        from .._integrations.graph_op import build_op, position
 
         spec = self._spec
         if given is not None and not isinstance(given, dict):

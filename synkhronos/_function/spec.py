@@ -14,7 +14,7 @@ from .._arrays import concat
 from .._batching import split
 from ..collectives.ops import cast_to, combine
 from ..devices.jax_state import jax_linker
-from ..jax_dtypes import typed_jax_mode
+from .._integrations.jax_dtypes import typed_jax_mode
 
 __all__ = []
 

@@ -64,7 +64,7 @@ from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.scalar.math import Softplus
 from pytensor.raise_op import CheckAndRaise
-from pytensor.tensor.basic import get_underlying_scalar_constant_value
+from pytensor.tensor.basic import ARange, get_underlying_scalar_constant_value
 from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.elemwise import DimShuffle
@@ -398,8 +398,21 @@ def dot_of_transposed(fgraph, node):
     return _as_output(node, pt.dot(right.T, inner).T)
 
 
+@node_rewriter([ARange])
+def arange_in_its_dtype(fgraph, node):
+    """``arange(start, stop, step)`` with bounds of a narrower dtype than its own -> the bounds
+    cast to its dtype. PyTensor 2.38 renders it in JAX as ``jnp.arange`` of the bounds as they
+    are: an ``int8`` constant start against a row count past 127 overflowed under NumPy 2
+    (``OverflowError``; PyMC's Categorical, 128 rows or more in a process)."""
+    dtype = node.op.dtype
+    if all(i.type.dtype == dtype for i in node.inputs):
+        return None
+    return _as_output(node, node.op(*[pt.cast(i, dtype) for i in node.inputs]))
+
+
 def rewrite_for_xla(fgraph):
     """Rewrite ``fgraph`` in place for XLA on the CPU; returns it."""
+    in2out(arange_in_its_dtype, name="arange_in_its_dtype").rewrite(fgraph)
     in2out(dot_of_transposed, name="dot_of_transposed").rewrite(fgraph)
     in2out(bounded_link_checks, name="bounded_link_checks").rewrite(fgraph)
     in2out(switch_of_log_sigmoids, name="switch_of_log_sigmoids").rewrite(fgraph)
