@@ -21,7 +21,7 @@ export UV_PYTHON_DOWNLOADS := never
 # $(INSTALL) <venv's python> <requirements...>
 INSTALL = $(UV) pip install -q -c constraints.txt $(FIND_LINKS:%=--find-links %) --python
 
-.PHONY: demo demo-mpi test test-pymc test-nodes bench bench-pymc docs compat venv clean
+.PHONY: demo demo-mpi test test-main test-pymc test-slow test-all test-nodes bench bench-pymc docs compat venv clean
 
 $(UV_VENV)/bin/uv:
 	$(PYTHON) -m venv $(UV_VENV)
@@ -59,10 +59,6 @@ venv: $(VENV)/.test
 demo: $(VENV)/.demo
 	$(PY) demos/train_digits.py
 
-# the long several-machines scenarios (marked long) run in make test-nodes
-test: $(VENV)/.test test-pymc
-	$(PY) -m pytest -q -m "not long" tests
-
 # synkhronos.pymc in an environment of its own: PyMC pins the PyTensor it takes (PyMC 6 takes
 # PyTensor 3 and Python 3.12; on Python 3.11 PyMC 5.28 takes PyTensor 2.38), which the main
 # environment keeps free. The newest Python found (as for make compat), else $(PYTHON).
@@ -78,7 +74,7 @@ $(PYMC_VENV)/.installed: $(PYMC_VENV)/bin/python $(DEPS)
 
 # PyMC 5.28 with PyTensor 2.38 (Python 3.11), the other PyMC users have: the model zoo and the row
 # split on PyTensor 2, without the JAX and Rust samplers (PyTensor's default backend in each process);
-# test_pymc.py's recipes (samplers, demo, bench) run on PyMC 6 only, to keep make test short
+# test_pymc.py's recipes (samplers, demo, bench) run on PyMC 6 only
 PYMC5_VENV   := .venv-pymc5
 PYMC5_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11.*/bin/python3.11) $(PYTHON))
 
@@ -89,10 +85,37 @@ $(PYMC5_VENV)/.installed: $(PYMC5_VENV)/bin/python $(DEPS)
 	$(INSTALL) $(PYMC5_VENV)/bin/python -e '.[pymc]' 'pymc>=5.28,<6' pytest pytest-timeout scipy
 	touch $@
 
+# make test runs every behaviour once; the slower variants of its scenarios (marked slow: more
+# processes or nodes, the full random sequences, PyMC's zoo on 1 and 3 processes, numpyro, demos
+# and benchmarks end to end) run in make test-slow, the long several-machines scenarios (marked
+# long) in make test-nodes: the three run every test (make test-all). A pytest that selects no
+# test exits with 5, which fails the target, as any failure does.
+# The main suite and the PyMC part run side by side (TEST_JOBS=1: one after the other): the main
+# suite waits much of its time (subprocesses starting, mpirun, deadlines), the PyMC part computes.
+# Each one's output shows when it ends.
+TEST_JOBS ?= 2
+test: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget test-main test-pymc
+
+test-main: $(VENV)/.test
+	$(PY) -m pytest -q -m "not long and not slow" tests
+
+PYMC_TESTS  := tests/test_pymc.py tests/test_pymc_zoo.py tests/test_as_op.py tests/test_xla_rewrites.py
+PYMC5_TESTS := tests/test_pymc_zoo.py tests/test_row_split.py
+
+# make test's part: the zoo on 2 processes, one sampler (nutpie) besides PyMC's own NUTS, JAX mode
+# on 2 processes; make test-slow runs the rest
 test-pymc: $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
-	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc.py tests/test_pymc_zoo.py \
-	  tests/test_as_op.py tests/test_xla_rewrites.py
-	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc_zoo.py tests/test_row_split.py
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYMC_TESTS)
+	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYMC5_TESTS)
+
+# what make test leaves out as slow (marked slow), in each environment
+test-slow: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
+	$(PY) -m pytest -q -m "slow and not long" tests
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYMC_TESTS)
+	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYMC5_TESTS)
+
+test-all: test test-slow test-nodes
 
 # the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
 # process count instead of make test's 40, messages over 2 GiB (about 10 GiB of memory), and the

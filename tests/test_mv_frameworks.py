@@ -52,6 +52,7 @@ def test_keras_and_torch_forked(server):
     passed(run([server, 2], script=SCRIPT, env=ENV, timeout=150), parts)
 
 
+@pytest.mark.slow  # make test keeps Keras on PyTorch, forked and under mpirun
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs JAX (pip install jax)")
 def test_keras_on_the_jax_backend_forked():
     """Keras on JAX, whose fit() keeps the trained state apart from the model: the callback
