@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 DEPS   := pyproject.toml setup.py constraints.txt
 
 # Installs go through uv, which resolves and downloads in parallel: the three environments of
-# make test take about half a minute where pip took 7.5. uv comes from PyPI with pip, once, into
+# make test take about a minute where pip took 7.5. uv comes from PyPI with pip, once, into
 # an environment of its own (.venv-uv); UV=/path/to/uv uses one you have. constraints.txt pins
 # this project's own environments (not the package's extras).
 UV_VENV := .venv-uv
