@@ -5,37 +5,53 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# constraints.txt pins this project's own environments (not the package's extras)
-PIP    := -m pip install -q -c constraints.txt
 DEPS   := pyproject.toml setup.py constraints.txt
 
-.PHONY: demo demo-mpi test test-pymc test-nodes bench bench-pymc docs compat venv clean
+# Installs go through uv, which resolves and downloads in parallel: the three environments of
+# make test take about a minute where pip took 7.5. uv comes from PyPI with pip, once, into
+# an environment of its own (.venv-uv); UV=/path/to/uv uses one you have. constraints.txt pins
+# this project's own environments (not the package's extras).
+UV_VENV := .venv-uv
+UV      ?= $(UV_VENV)/bin/uv
+UV_DEP  := $(filter $(UV_VENV)/bin/uv,$(UV))
+# uv reads no pip configuration: pip's find-links (a folder of wheels, such as the CPU build of
+# torch that this project's machines keep) go on to it, and it never downloads a Python
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+export UV_PYTHON_DOWNLOADS := never
+# $(INSTALL) <venv's python> <requirements...>
+INSTALL = $(UV) pip install -q -c constraints.txt $(FIND_LINKS:%=--find-links %) --python
 
-$(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+.PHONY: demo demo-mpi test test-main test-pymc test-slow test-all test-nodes bench bench-pymc docs compat venv clean
+
+$(UV_VENV)/bin/uv:
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q -c constraints.txt uv
+
+# pip in it too (--seed), for what you add by hand
+$(VENV)/bin/python: | $(UV_DEP)
+	$(UV) venv -q --seed --python $(PYTHON) $(VENV)
 
 # the headline demo: scikit-learn (its data), matplotlib (its plot), tqdm
 $(VENV)/.demo: $(VENV)/bin/python $(DEPS)
-	$(PY) $(PIP) -e '.[demo]'
+	$(INSTALL) $(PY) -e '.[demo]'
 	touch $@
 
 # the demo under mpirun: mpi4py and the Open MPI wheel
 $(VENV)/.demo-mpi: $(VENV)/bin/python $(DEPS)
-	$(PY) $(PIP) -e '.[demo,mpi-wheel]'
+	$(INSTALL) $(PY) -e '.[demo,mpi-wheel]'
 	touch $@
 
 # the whole suite runs the demos and builds the docs too
 $(VENV)/.test: $(VENV)/bin/python $(DEPS)
-	$(PY) $(PIP) -e '.[test,demo,docs]'
+	$(INSTALL) $(PY) -e '.[test,demo,docs]'
 	touch $@
 
 $(VENV)/.docs: $(VENV)/bin/python $(DEPS)
-	$(PY) $(PIP) -e '.[docs]'
+	$(INSTALL) $(PY) -e '.[docs]'
 	touch $@
 
 $(VENV)/.bench: $(VENV)/bin/python $(DEPS)
-	$(PY) $(PIP) -e '.[bench]'
+	$(INSTALL) $(PY) -e '.[bench]'
 	touch $@
 
 venv: $(VENV)/.test
@@ -43,36 +59,63 @@ venv: $(VENV)/.test
 demo: $(VENV)/.demo
 	$(PY) demos/train_digits.py
 
-# the long several-machines scenarios (marked long) run in make test-nodes
-test: $(VENV)/.test test-pymc
-	$(PY) -m pytest -q -m "not long" tests
-
 # synkhronos.pymc in an environment of its own: PyMC pins the PyTensor it takes (PyMC 6 takes
 # PyTensor 3 and Python 3.12; on Python 3.11 PyMC 5.28 takes PyTensor 2.38), which the main
 # environment keeps free. The newest Python found (as for make compat), else $(PYTHON).
 PYMC_VENV   := .venv-pymc
 PYMC_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) $(PYTHON))
 
-$(PYMC_VENV)/.installed: $(DEPS)
-	$(PYMC_PYTHON) -m venv $(PYMC_VENV)
-	$(PYMC_VENV)/bin/python -m pip install -q -e '.[pymc-samplers]' pytest pytest-timeout scipy matplotlib
+$(PYMC_VENV)/bin/python: | $(UV_DEP)
+	$(UV) venv -q --python $(PYMC_PYTHON) $(PYMC_VENV)
+
+$(PYMC_VENV)/.installed: $(PYMC_VENV)/bin/python $(DEPS)
+	$(INSTALL) $(PYMC_VENV)/bin/python -e '.[pymc-samplers]' pytest pytest-timeout scipy matplotlib
 	touch $@
 
 # PyMC 5.28 with PyTensor 2.38 (Python 3.11), the other PyMC users have: the model zoo and the row
 # split on PyTensor 2, without the JAX and Rust samplers (PyTensor's default backend in each process);
-# test_pymc.py's recipes (samplers, demo, bench) run on PyMC 6 only, to keep make test short
+# test_pymc.py's recipes (samplers, demo, bench) run on PyMC 6 only
 PYMC5_VENV   := .venv-pymc5
 PYMC5_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11.*/bin/python3.11) $(PYTHON))
 
-$(PYMC5_VENV)/.installed: $(DEPS)
-	$(PYMC5_PYTHON) -m venv $(PYMC5_VENV)
-	$(PYMC5_VENV)/bin/python -m pip install -q -e '.[pymc]' 'pymc>=5.28,<6' pytest pytest-timeout scipy
+$(PYMC5_VENV)/bin/python: | $(UV_DEP)
+	$(UV) venv -q --python $(PYMC5_PYTHON) $(PYMC5_VENV)
+
+$(PYMC5_VENV)/.installed: $(PYMC5_VENV)/bin/python $(DEPS)
+	$(INSTALL) $(PYMC5_VENV)/bin/python -e '.[pymc]' 'pymc>=5.28,<6' pytest pytest-timeout scipy
 	touch $@
 
+# make test runs every behaviour once; the slower variants of its scenarios (marked slow: more
+# processes or nodes, the full random sequences, PyMC's zoo on 1 and 3 processes, numpyro, demos
+# and benchmarks end to end) run in make test-slow, the long several-machines scenarios (marked
+# long) in make test-nodes: the three run every test (make test-all). A pytest that selects no
+# test exits with 5, which fails the target, as any failure does.
+# The main suite and the PyMC part run side by side (TEST_JOBS=1: one after the other): the main
+# suite waits much of its time (subprocesses starting, mpirun, deadlines), the PyMC part computes.
+# Each one's output shows when it ends.
+TEST_JOBS ?= 2
+test: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget test-main test-pymc
+
+test-main: $(VENV)/.test
+	$(PY) -m pytest -q -m "not long and not slow" tests
+
+PYMC_TESTS  := tests/test_pymc.py tests/test_pymc_zoo.py tests/test_as_op.py tests/test_xla_rewrites.py
+PYMC5_TESTS := tests/test_pymc_zoo.py tests/test_row_split.py
+
+# make test's part: the zoo on 2 processes, one sampler (nutpie) besides PyMC's own NUTS, JAX mode
+# on 2 processes; make test-slow runs the rest
 test-pymc: $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
-	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc.py tests/test_pymc_zoo.py \
-	  tests/test_as_op.py tests/test_xla_rewrites.py
-	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_pymc_zoo.py tests/test_row_split.py
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYMC_TESTS)
+	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYMC5_TESTS)
+
+# what make test leaves out as slow (marked slow), in each environment
+test-slow: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
+	$(PY) -m pytest -q -m "slow and not long" tests
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYMC_TESTS)
+	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYMC5_TESTS)
+
+test-all: test test-slow test-nodes
 
 # the several-machines suites (mpirun on this machine) with 300 random divergence sequences per
 # process count instead of make test's 40, messages over 2 GiB (about 10 GiB of memory), and the
@@ -120,14 +163,18 @@ COMPAT_TESTS := tests/test_function.py tests/test_correctness.py tests/test_data
                 tests/test_collectives.py tests/test_multiverso.py tests/test_port.py
 COMPAT_VENVS := .venv-compat-low .venv-compat-high
 
-.venv-compat-low/.installed: $(DEPS)
-	$(COMPAT_LOW_PYTHON) -m venv .venv-compat-low
-	.venv-compat-low/bin/python -m pip install -q -e . pytest pytest-timeout $(COMPAT_LOW)
+.venv-compat-low/bin/python: | $(UV_DEP)
+	$(UV) venv -q --python $(COMPAT_LOW_PYTHON) .venv-compat-low
+
+.venv-compat-low/.installed: .venv-compat-low/bin/python $(DEPS)
+	$(INSTALL) .venv-compat-low/bin/python -e . pytest pytest-timeout $(COMPAT_LOW)
 	touch $@
 
-.venv-compat-high/.installed: $(DEPS)
-	$(COMPAT_HIGH_PYTHON) -m venv .venv-compat-high
-	.venv-compat-high/bin/python -m pip install -q --upgrade -e . pytest pytest-timeout pytensor numpy
+.venv-compat-high/bin/python: | $(UV_DEP)
+	$(UV) venv -q --python $(COMPAT_HIGH_PYTHON) .venv-compat-high
+
+.venv-compat-high/.installed: .venv-compat-high/bin/python $(DEPS)
+	$(INSTALL) .venv-compat-high/bin/python --upgrade -e . pytest pytest-timeout pytensor numpy
 	touch $@
 
 compat: $(COMPAT_VENVS:%=%/.installed)
@@ -137,4 +184,4 @@ compat: $(COMPAT_VENVS:%=%/.installed)
 	done
 
 clean:
-	rm -rf $(VENV) $(PYMC_VENV) $(PYMC5_VENV) $(COMPAT_VENVS) docs/_build bench/results *.egg-info
+	rm -rf $(VENV) $(UV_VENV) $(PYMC_VENV) $(PYMC5_VENV) $(COMPAT_VENVS) docs/_build bench/results *.egg-info

@@ -46,9 +46,18 @@ exclude_patterns = ["_build"]
 root_doc = "index"
 language = "en"
 
-html_theme = "alabaster"
+# pydata-sphinx-theme: the pages sit in the top bar (no left column: the table of contents is
+# flat), "On this page" on the right, and code blocks wider than alabaster's fixed 940 px column.
+# docs/pymc.rst shows measured tables 122 columns wide: that page gives up the right column and
+# lists its sections at the top instead, and _theme/synk.css lets its article grow past the
+# theme's 60em, so that at 1280 px every code block and table shows whole (tests/test_docs.py).
+html_theme = "pydata_sphinx_theme"
+html_title = "synkhronos"
 html_theme_options = {
-    "description": "Data-parallel PyTensor on one machine and on several",
-    "fixed_sidebar": True,
+    "navbar_align": "left",
+    "header_links_before_dropdown": 4,
+    "secondary_sidebar_items": {"**": ["page-toc", "sourcelink"], "pymc": []},
 }
-html_static_path = []
+html_sidebars = {"**": []}
+html_static_path = ["_theme"]
+html_css_files = ["synk.css"]

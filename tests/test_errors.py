@@ -405,6 +405,7 @@ def test_dead_worker_is_noticed(fork):
 # many processes; no assert on a user's path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300, method="thread")
 def test_fork_300_processes():
     """The control block grows with the ranks (it held 248 at most, behind a bare assert)."""

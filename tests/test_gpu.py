@@ -109,7 +109,8 @@ def test_gpu_worker_killed_during_calls(n):
 
 
 @needs_jax
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2,
+                               pytest.param(3, marks=pytest.mark.slow)])
 def test_gpu_scenario_on_fake_gpu(n):
     """outputs, shareds and dtypes in one fork: every op and collective keeps the graph's
     dtype (a float32 avg came back float64 before issue 45's fix)."""
@@ -124,14 +125,15 @@ def test_fork_again_after_close_on_fake_gpu(n):
 
 
 @needs_jax
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_worker_killed_during_calls_on_fake_gpu(n):
     facts = scenario("killed", n, fake=True)
     assert facts["noticed_after_s"] < 10
 
 
 @needs_jax
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2,
+                               pytest.param(3, marks=pytest.mark.slow)])
 def test_jax_mode_on_cpu_workers(n):
     """mode="JAX" on the CPU device: JAX arrays in every process, CPU collectives."""
     facts = scenario("jax_cpu", n)

@@ -1,7 +1,8 @@
 """Model-based random test: synkhronos against a plain numpy model of every
 process's copy of every shared variable (issue 29).
 
-Each run forks n processes (1, 2, 3 and 5; the master not always rank 0),
+Each run forks n processes (1, 2, 3 and 5; the master not always rank 0; make test runs
+shorter sequences on 2 and 3, make test-slow the full ones),
 builds a fixed world of shared variables, functions and synk.data
 (tests/model_lib.py), and applies random steps to synkhronos and to the model:
 function calls (every output op, ``num_slices``, ``batch``, ``batch_s``,
@@ -56,8 +57,11 @@ from numpy.testing import assert_array_equal
 import synkhronos as synk
 from model_lib import minimise, random_steps, report, run_steps
 
-#: Steps per process count in the normal run.
+#: Steps per process count in the full run (marked slow: make test-slow).
 STEPS = {1: 1500, 2: 1000, 3: 800, 5: 500}
+#: make test's run: 2 processes (the master rank 1) and 3 (uneven splits), a quarter of the steps
+#: (a sequence of its own: the gaps and the steps' seeds follow the count).
+QUICK_STEPS = {2: 250, 3: 200}
 #: The master's rank per process count (fork(master_rank=...)): not always 0.
 MASTER = {1: 0, 2: 1, 3: 0, 5: 2}
 SEED = 2029
@@ -84,9 +88,10 @@ def _run_seed(fork, n, master, seed, count, deadline=None) -> None:
 
 
 @pytest.mark.timeout(1200, method="thread")
-@pytest.mark.parametrize("n", [1, 2, 3, 5], ids=lambda n: f"n{n}")
-def test_model_random(fork, n, request):
-    count = request.config.getoption("--model-steps") or STEPS[n]
+@pytest.mark.parametrize("n, steps", [pytest.param(n, STEPS[n], marks=pytest.mark.slow, id=f"n{n}") for n in STEPS]
+                         + [pytest.param(n, c, id=f"n{n}-quick") for n, c in QUICK_STEPS.items()])
+def test_model_random(fork, n, steps, request):
+    count = request.config.getoption("--model-steps") or steps
     seed = int(os.environ.get("SYNK_MODEL_SEED", SEED * 10 + n))
     master = int(os.environ.get("SYNK_MODEL_MASTER", MASTER[n]))
     _run_seed(fork, n, master, seed, count)

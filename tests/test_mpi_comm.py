@@ -105,7 +105,7 @@ def test_reduce_plan_matches_result_dtypes(op):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_collective_against_numpy(tmp_path, n):
     """Every op x bool/int32/int64/float32/float64 x small/0-d/MiB, None
     contributions, uneven weights, in_place, several arrays a call, gathers
@@ -119,7 +119,7 @@ def test_every_collective_against_numpy(tmp_path, n):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_collective_in_pieces(tmp_path, n):
     """The same job with every transfer over 4,099 bytes split into pieces, as a
     message over 2 GiB is (MPI 3.1 counts in C ints): reductions piece by piece
@@ -204,7 +204,7 @@ def test_dead_node_stops_the_job_through_sigterm(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_hierarchical_over_nodes_of_two(tmp_path, n):
     """HierarchicalCommunicator over n MPI ranks that each host a node of 2
     processes (shared-memory communicator, ranks as threads): every op and

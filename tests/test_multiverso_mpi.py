@@ -32,7 +32,7 @@ def passed(r, name, n):
     assert r.stragglers == [], f"processes left: {r.stragglers}"
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_tables_stress_and_mv_shared_under_mpirun(n):
     """In one job: Multiverso's array and matrix tests, size 1, fewer values than ranks, init
     values, float64, out=, duplicate row ids and bad inputs; concurrent adds without barriers
@@ -46,7 +46,7 @@ def test_tables_under_mpirun_over_tcp():
     passed(run(["async_all", 0], mpi=3, timeout=150, env=TCP, osc="rdma"), "async_all", 3)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sync_server_under_mpirun(n):
     passed(run(["sync", 0], mpi=n, timeout=120), "sync", n)
 

@@ -44,7 +44,9 @@ def passed(r, parts, n=2):
     assert r.stragglers == [], f"processes left: {r.stragglers}"
 
 
-@pytest.mark.parametrize("server", ["sync", "async"])
+# the async server's run is slow (make test-slow); make test keeps the sync one, and the async
+# server's tables in test_multiverso.py
+@pytest.mark.parametrize("server", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_keras_and_torch_forked(server):
     """Forked, 2 workers: tensors in and out of tables, Keras MVCallback (freq 2 with the sync
     server, 1 with async), TorchParamManager (freq 1 / 2), and the bad arguments (sync)."""
@@ -52,6 +54,7 @@ def test_keras_and_torch_forked(server):
     passed(run([server, 2], script=SCRIPT, env=ENV, timeout=150), parts)
 
 
+@pytest.mark.slow  # make test keeps Keras on PyTorch, forked and under mpirun
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs JAX (pip install jax)")
 def test_keras_on_the_jax_backend_forked():
     """Keras on JAX, whose fit() keeps the trained state apart from the model: the callback

@@ -71,7 +71,8 @@ def test_worker_killed_on_node_one(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n, sizes", [(2, "1,2"), (3, "2,1")], ids=["np2", "np3"])
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(3, "2,1", marks=pytest.mark.slow)],
+                         ids=["np2", "np3"])
 def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
     """Node 1 calls g where the others call f, all_reduce against a call, another op,
     another variable, scatter against broadcast, set_value of another rank, one
@@ -94,7 +95,9 @@ def test_one_process_node_failure_reaches_the_others(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n, sizes, seed", [(2, "1,2", 35000), (3, "2,1", 36000)], ids=["np2", "np3"])
+@pytest.mark.parametrize("n, sizes, seed",
+                         [(2, "1,2", 35000), pytest.param(3, "2,1", 36000, marks=pytest.mark.slow)],
+                         ids=["np2", "np3"])
 def test_random_divergence(tmp_path, n, sizes, seed):
     """Random sequences of calls and collectives (two functions, all_reduce and reduce
     with every op, broadcast with and without values, gather, get_value, set_value of
@@ -172,7 +175,8 @@ def test_broken_node_tells_the_others_at_once(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n, sizes", [(2, "1,2"), (3, "2,1")], ids=["np2", "np3"])
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(3, "2,1", marks=pytest.mark.slow)],
+                         ids=["np2", "np3"])
 def test_uneven_inputs_with_join(tmp_path, n, sizes):
     """Nodes with 2, 4 (and 1) batches, each calling synk.join() when its batches run out:
     every step's avg (flat over the rows passed), sum, max, min, gather, integer avg and

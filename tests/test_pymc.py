@@ -112,7 +112,7 @@ def _in_a_fresh_process(code: str, timeout: float = 240) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_jax_mode_equals_pymc(n):
     """Each process's share by JAX's autodiff (JaxValueAndGrad, the default where JAX is
     installed): logp and gradient equal PyMC's to 1e-10 on 2 and 3 processes (the master's
@@ -276,10 +276,11 @@ def test_parallel_chains_refused_clearly(fork):
         pm.sample(10, tune=10, chains=2, cores=2, nuts_sampler="pymc", progressbar=False)
 
 
-@pytest.mark.parametrize("sampler", ["numpyro", "nutpie"])
+@pytest.mark.parametrize("sampler", [pytest.param("numpyro", marks=pytest.mark.slow), "nutpie"])
 def test_other_nuts_samplers(fork, sampler):
     """numpyro through the Op's JAX rendering (one distributed call per value and gradient),
-    nutpie through PyTensor's Numba backend (the Op in object mode)."""
+    nutpie through PyTensor's Numba backend (the Op in object mode). numpyro's is slow (make
+    test-slow): make test keeps the Op's JAX rendering in test_as_op.py."""
     pytest.importorskip(sampler)
     fork(2)
     spm = _spm()
@@ -300,6 +301,7 @@ def test_other_nuts_samplers(fork, sampler):
     assert np.all(np.abs(post.mean(axis=0) - mode_["b"]) < 4 * post.std(axis=0))
 
 
+@pytest.mark.slow
 def test_demo_runs_and_passes_its_checks():
     import subprocess
     import sys
@@ -312,6 +314,7 @@ def test_demo_runs_and_passes_its_checks():
     assert "All PyMC checks passed." in done.stdout
 
 
+@pytest.mark.slow
 def test_bench_quick_synk_case(tmp_path):
     """bench/pymc_bench.py runs its synkhronos case end to end (small) and writes its JSON."""
     import json

@@ -37,9 +37,12 @@ def no_leaks():
     yield
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3])
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.slow), 2,
+                                        pytest.param(3, marks=pytest.mark.slow)])
 def zoo_fork(request):
-    """One fork per process count for the whole zoo (a fork per model would cost minutes)."""
+    """One fork per process count for the whole zoo (a fork per model would cost minutes). make test
+    takes the zoo on 2 processes; on 1 and 3 (the findings' shapes, set_data) it is marked slow
+    and make test-slow runs it."""
     import warnings
 
     from conftest import child_pids, shm_names
@@ -172,11 +175,13 @@ def test_set_data_with_coords_follows_the_rows(zoo_fork):
     assert_same_density(model, dp, rng, n_points=3)
 
 
+@pytest.mark.slow
 def test_zoo_in_jax_mode():
     """The findings' shapes through JAX's autodiff (the default where JAX is installed; PyMC 6
     gave a different logp there for the group-index model), on 2 processes, in a fresh Python
     (JAX must start after fork()); mode="JAX" where PyTensor cannot render an op is a
-    ValueError that names it."""
+    ValueError that names it. Slow (a JAX compile per shape): make test keeps JAX mode's
+    representative, test_pymc.py::test_jax_mode_equals_pymc[2]."""
     pytest.importorskip("jax")
     from test_pymc import _in_a_fresh_process
 
@@ -249,6 +254,7 @@ JAX_LAYOUT = ("logistic_regression", "categorical_softmax", "bool_data_observed"
               "negative_binomial_glm", "mixture_of_dists")
 
 
+@pytest.mark.slow  # JAX's compile per model: about 10 s; make test keeps test_pymc.py's layout test
 def test_zoo_in_jax_mode_on_three_processes():
     """JAX mode's layout of each process's rows against PyMC, on 3 processes at row counts
     that split unevenly (203 rows, then 65 after pm.set_data where the model takes it): the
