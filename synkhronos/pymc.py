@@ -32,9 +32,9 @@ except ImportError as err:  # pragma: no cover - the extra is missing
     raise ImportError("synkhronos.pymc needs PyMC: pip install 'synkhronos[pymc]'") from err
 
 try:
-    from pytensor.graph.traversal import graph_inputs, io_toposort
+    from pytensor.graph.traversal import graph_inputs
 except ImportError:  # pragma: no cover - PyTensor 2
-    from pytensor.graph.basic import graph_inputs, io_toposort
+    from pytensor.graph.basic import graph_inputs
 
 __all__ = ["data_parallel", "default_mode", "DataParallelModel", "JaxValueAndGrad", "SAMPLERS"]
 
