@@ -556,9 +556,8 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
         outs = jax_op(*inputs)
         total, grads = outs[0], outs[1:]
         total.name = "observed_logp"
-    else:
-        if fm:  # pragma: no cover - _resolve_mode and _jax_if_it_renders decide alike
-            raise AssertionError("feature-major rows outside JAX mode")
+    else:  # (a layout made for JAX that "auto" then left, its share unrenderable, computes
+        # alike: FeatureMajor's perform reads the rows back, the mask leaves the copies out)
         grads = pytensor.grad(total, continuous) if continuous else []
     for g, v in zip(grads, continuous):
         g.name = f"d_observed_logp/d_{v.name}"
@@ -628,7 +627,7 @@ def _jax_if_it_renders(mode, inputs, total, wrt) -> tuple:
     """``(mode, the share's JaxValueAndGrad or None)``, ``"auto"`` resolved: JAX where it is
     installed and PyTensor's JAX backend renders every op of the share, else PyTensor's
     default. ``mode="JAX"`` with an op that has no JAX rendering is a ValueError that names it."""
-    if mode not in ("auto", "JAX") or (mode == "auto" and default_mode() != "JAX"):
+    if _resolve_mode(mode) != "JAX":
         return (None if mode == "auto" else mode), None
     op = JaxValueAndGrad(inputs, total, wrt)
     try:

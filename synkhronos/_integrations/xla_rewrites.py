@@ -69,6 +69,7 @@ from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.elemwise import DimShuffle
 from pytensor.tensor.math import Dot, Sum
+from pytensor.tensor.variable import TensorConstant
 
 __all__ = ["rewrite_for_xla", "prepare_for_xla", "render_for_xla", "FeatureMajor", "feature_major", "read_by_dots_only"]
 
@@ -407,7 +408,11 @@ def arange_in_its_dtype(fgraph, node):
     dtype = node.op.dtype
     if all(i.type.dtype == dtype for i in node.inputs):
         return None
-    return _as_output(node, node.op(*[pt.cast(i, dtype) for i in node.inputs]))
+    # a constant stays a constant (PyTensor 2's JAX arange wants its bounds concrete)
+    bounds = [i if i.type.dtype == dtype else
+              pt.constant(np.asarray(i.data, dtype=dtype)) if isinstance(i, TensorConstant) else pt.cast(i, dtype)
+              for i in node.inputs]
+    return _as_output(node, node.op(*bounds))
 
 
 def rewrite_for_xla(fgraph):
