@@ -10,6 +10,7 @@ its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -264,3 +265,25 @@ bound_gpu: str | None = None
 #: In a worker: JAX was already running in the master when it forked this process,
 #: so JAX cannot run here (its threads did not come along: it aborts or hangs).
 jax_inherited: bool = False
+
+#: The threads of this process now inside an XLA host callback: a distributed function
+#: rendered in JAX (Function.as_op under numpyro or blackjax) runs the master's share there.
+#: JAX cannot run inside its own callback (the outer computation holds what the inner one
+#: needs: it hangs, now and then; jax-ml/jax#24255), so such a share runs without JAX.
+_xla_callback = threading.local()
+
+
+@contextlib.contextmanager
+def inside_xla_callback():
+    """Marks this thread as inside an XLA host callback while the block runs."""
+    before = getattr(_xla_callback, "inside", False)
+    _xla_callback.inside = True
+    try:
+        yield
+    finally:
+        _xla_callback.inside = before
+
+
+def in_xla_callback() -> bool:
+    """Whether this thread is inside an XLA host callback (see :func:`inside_xla_callback`)."""
+    return getattr(_xla_callback, "inside", False)

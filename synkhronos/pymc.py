@@ -14,16 +14,19 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Apply, Variable
 from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.op import Op
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.graph.replace import clone_replace, graph_replace
 from pytensor.tensor.variable import TensorConstant
 
 import synkhronos as synk
 from synkhronos._batching import split as split_evenly
 from synkhronos._integrations.graph_op import register_jax, register_numba
+from synkhronos.devices.jax_state import HOST_REWRITES
 from synkhronos._integrations.row_split import Coupling, hoist_data_only, split_rows
 from synkhronos._procs.cores import available_cores
 from synkhronos._procs.xla_flags import xla_flags
-from synkhronos._integrations.xla_rewrites import FeatureMajor, feature_major, prepare_for_xla, read_by_dots_only, render_for_xla
+from synkhronos._integrations.xla_rewrites import (FeatureMajor, feature_major, feature_major_as_reshape, prepare_for_xla,
+                                                   read_by_dots_only, render_for_xla)
 
 try:
     import pymc as pm
@@ -469,7 +472,9 @@ class JaxValueAndGrad(Op):
     Its outputs are the value, then one gradient per ``wrt``, each of its
     variable's type. The Op holds the graph itself (it pickles to the workers
     with the function) and renders it in JAX in each process. Outside JAX
-    mode, ``perform`` runs the same JAX function.
+    mode, ``perform`` runs the same JAX function, except in ``host_mode``
+    (the master's share inside an XLA callback, where JAX cannot run), whose
+    rewrites expand the Op into the value and its symbolic gradient.
     """
 
     def __init__(self, inputs, output, wrt):
@@ -529,10 +534,29 @@ class JaxValueAndGrad(Op):
 
 
 def _register_value_and_grad() -> None:
+    from pytensor.compile import optdb
+    from pytensor.graph.rewriting.basic import in2out
     from pytensor.link.jax.dispatch import jax_funcify
 
     if JaxValueAndGrad not in jax_funcify.registry:
         jax_funcify.register(JaxValueAndGrad)(lambda op, node=None, **kwargs: op.jax_function())
+    if "synk_value_and_grad_without_jax" not in optdb:  # before the rewrites of the expanded graph
+        optdb.register("synk_value_and_grad_without_jax", in2out(_value_and_grad_without_jax),
+                       HOST_REWRITES, position=0.1)
+        optdb.register("synk_feature_major_as_reshape", in2out(feature_major_as_reshape),
+                       HOST_REWRITES, position=0.2)
+
+
+@node_rewriter([JaxValueAndGrad])
+def _value_and_grad_without_jax(fgraph, node):
+    """:class:`JaxValueAndGrad` as PyTensor's own graph: the value and its symbolic gradient
+    (partial derivatives: taken on the inner graph, whose inputs are independent). Only in
+    ``host_mode``: a share inside an XLA callback, where JAX cannot run."""
+    op = node.op
+    wrt = [op.inner_inputs[i] for i in op.wrt]
+    grads = pytensor.grad(op.inner_output, wrt, disconnected_inputs="ignore") if wrt else []
+    outs = clone_replace([op.inner_output, *grads], dict(zip(op.inner_inputs, node.inputs)))
+    return [o if o.type.dtype == v.type.dtype else pt.cast(o, v.type.dtype) for o, v in zip(outs, node.outputs)]
 
 
 def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, rv_in, n_rows, mode,

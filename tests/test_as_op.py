@@ -21,7 +21,13 @@ def _logistic(X, y, theta):
     return (y * eta - pt.log1p(pt.exp(eta))).sum()
 
 
-def _value_and_grad_function(op="sum"):
+def _logistic_value_and_grad(X, y, theta):
+    """:func:`_logistic`'s value and gradient in numpy."""
+    eta = X @ theta
+    return float((y * eta - np.log1p(np.exp(eta))).sum()), X.T @ (y - 1.0 / (1.0 + np.exp(-eta)))
+
+
+def _value_and_grad_function(op="sum", mode=MODE):
     """Summed log-likelihood and its gradient ("sum"), or their means over rows ("avg")."""
     X, y, theta = pt.dmatrix("X"), pt.dvector("y"), pt.dvector("theta")
     logp = _logistic(X, y, theta)
@@ -30,7 +36,7 @@ def _value_and_grad_function(op="sum"):
     logp.name = "logp" if op == "sum" else "mean_ll"  # (a mean named logp would warn)
     dlogp = pytensor.grad(logp, theta)
     dlogp.name = "d" + logp.name
-    f = synk.function([X, y, theta], [(logp, op), (dlogp, op)], bcast_inputs=[theta], mode=MODE)
+    f = synk.function([X, y, theta], [(logp, op), (dlogp, op)], bcast_inputs=[theta], mode=mode)
     synk.distribute()
     return f, (X, y, theta)
 
@@ -215,6 +221,65 @@ def test_jax_rendering_one_call_per_value_and_gradient():
         ref = pytensor.function([t], [ref_cost, pytensor.grad(ref_cost, t)], mode=T.MODE)(np.array([0.1, -0.2, 0.3]))
         assert_allclose(value, ref[0], rtol=1e-10)
         assert_allclose(grad, ref[1], rtol=1e-10)
+        synk.close()
+        print("OK")
+    """, [here, here.parent], timeout=240, JAX_PLATFORMS="cpu")
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def test_a_jax_mode_function_inside_jax_runs_the_masters_share_without_jax():
+    """A function of JAX mode whose Op runs inside a JAX program: the master's share would run
+    JAX inside XLA's callback, which JAX does not support (it hangs, now and then: seen with
+    numpyro, jax-ml/jax#24255). There it runs a copy compiled without JAX, kept beside the JAX
+    one: a jitted loop of 300 evaluations ends with PyTensor's values, the callback ran only
+    the host copy, and a direct call still runs the JAX copy (and keeps its plan)."""
+    pytest.importorskip("jax")
+    here = Path(__file__).resolve().parent
+    done = run_python("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        import pytensor
+        import pytensor.tensor as pt
+        from numpy.testing import assert_allclose
+        import synkhronos as synk
+        synk.fork(3, device="cpu")
+        import jax
+        from pytensor.graph.fg import FunctionGraph
+        from pytensor.link.jax.dispatch import jax_funcify
+        from synkhronos.devices.jax_state import jax_linker
+        import test_as_op as T
+
+        f, (X, y, theta) = T._value_and_grad_function(mode="JAX")
+        rng = np.random.default_rng(8)
+        Xv, yv = T._data(rng, 41, 3)
+        op = f.as_op(given={X: synk.data(Xv), y: yv}, grads={0: [1]})
+        t = pt.dvector("t")
+        jfn = jax_funcify(FunctionGraph([t], [op(t)[0]], clone=True))
+        value_and_grad = jax.value_and_grad(lambda x: jfn(x)[0])
+
+        @jax.jit
+        def loop(x0):
+            def step(i, carry):
+                x, total = carry
+                v, g = value_and_grad(x)
+                return x - 1e-3 * g, total + v
+            return jax.lax.fori_loop(0, 300, step, (x0, 0.0))
+
+        x0 = np.array([0.1, -0.2, 0.3])
+        x_end, total = loop(x0)
+        x, want = x0, 0.0
+        for _ in range(300):
+            v, g = T._logistic_value_and_grad(Xv, yv, x)
+            x, want = x - 1e-3 * g, want + v
+        assert_allclose(x_end, x, rtol=1e-9)
+        assert_allclose(total, want, rtol=1e-9)
+        compiled = f._local._compiled
+        assert any(k[-1] for k in compiled) and all(
+            jax_linker(fn.maker.linker) != k[-1] for k, fn in compiled.items()), compiled
+        direct = f(Xv, yv, x0)
+        assert_allclose(direct[0], T._logistic_value_and_grad(Xv, yv, x0)[0], rtol=1e-10)
+        assert f._planned, "the direct call keeps its plan"
         synk.close()
         print("OK")
     """, [here, here.parent], timeout=240, JAX_PLATFORMS="cpu")

@@ -368,6 +368,61 @@ def feature_major_model(rng, n=31):
     return model
 
 
+def test_inside_an_xla_callback_the_masters_share_runs_without_jax():
+    """numpyro and blackjax evaluate a data-parallel model through the Op's JAX rendering, an
+    XLA host callback, inside which JAX cannot run (pm.sample(nuts_sampler="numpyro") hung
+    there now and then: jax-ml/jax#24255). There the master's share is compiled again
+    without JAX (host_mode: the value and gradient expanded symbolically, a feature-major
+    matrix read by a reshape): on 3 processes with padded blocks, the jitted value and
+    gradient equal PyMC's at random points, only the host copy ran in the callback, and
+    direct calls (outside JAX) still run the JAX share."""
+    pytest.importorskip("jax")
+    _in_a_fresh_process("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        from numpy.testing import assert_allclose
+        import pymc as pm
+        import synkhronos as synk
+        synk.fork(3, device="cpu")
+        import jax
+        from pymc.sampling.jax import get_jaxified_logp
+        from synkhronos.devices.jax_state import jax_linker
+        import test_pymc as T
+        spm = T._spm()
+        rng = np.random.default_rng(5)
+        n = 157
+        with pm.Model() as studentt:
+            X = pm.Data("X", rng.standard_normal((n, 3)))
+            b = pm.Normal("b", 0, 1, shape=3)
+            nu = pm.Gamma("nu", 2, 0.1)
+            s = pm.HalfNormal("s", 2)
+            pm.StudentT("y", nu=nu, mu=X @ b, sigma=s, observed=rng.standard_t(4, n))
+        for model in (T.feature_major_model(rng, n=200), studentt):
+            dp = spm.data_parallel(model, mode="JAX")
+            split = dp.synk_split
+            assert split.feature_major == {0} and split.padded, (split.feature_major, split.padded)
+            names = [v.name for v in dp.value_vars]
+            # (PyMC names it backwards: negative_logp=True, its default, is the log-density)
+            value_and_grad = jax.jit(jax.value_and_grad(get_jaxified_logp(dp)))
+            ref_logp, ref_dlogp = model.compile_logp(), model.compile_dlogp()
+            for point in T._points(model, 5, seed=n):
+                value, grads = value_and_grad([point[k] for k in names])
+                assert_allclose(value, ref_logp(point), rtol=1e-10)
+                ref = dict(zip([v.name for v in model.continuous_value_vars], T._split(model, ref_dlogp(point))))
+                scale = max(np.abs(np.concatenate(list(ref.values()))).max(), 1.0)
+                for k, g in zip(names, grads):
+                    assert_allclose(np.ravel(g), ref[k], rtol=1e-10, atol=1e-10 * scale, err_msg=k)
+            compiled = split.op.fn.fn._local._compiled
+            host = [fn for key, fn in compiled.items() if key[-1]]
+            assert host and not any(jax_linker(fn.maker.linker) for fn in host), compiled
+            assert all(jax_linker(fn.maker.linker) for key, fn in compiled.items() if not key[-1]), compiled
+            T._assert_same_density(model, dp, n_points=2)  # outside JAX: the JAX share
+        synk.close()
+        print("OK")
+    """)
+
+
 def test_feature_major_rows_follow_set_data_to_another_row_count():
     """In JAX mode a per-row matrix read by a matrix product goes to the processes
     feature-major, and each process's rows are padded to a 64-row block: on 3 processes at

@@ -284,7 +284,9 @@ class Function:
                 exception names the ranks of each). Across nodes the same holds
                 in every process of every node.
         """
-        plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs)
+        # inside an XLA callback the share runs a copy compiled without JAX, which no plan keeps
+        plannable = _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs) \
+            and not state.in_xla_callback()
         s = state.current()
         # across nodes: a call that fails here before its step reached the others still takes it
         before = None if s is None or s is not self._owner else nodes.steps_begun(s.proc)

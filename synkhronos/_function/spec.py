@@ -13,7 +13,7 @@ from .. import _state as state
 from .._arrays import concat
 from .._batching import split
 from ..collectives.ops import cast_to, combine
-from ..devices.jax_state import jax_linker
+from ..devices.jax_state import host_mode, jax_linker
 from .._integrations.jax_dtypes import typed_jax_mode
 
 __all__ = []
@@ -80,9 +80,11 @@ class LocalFunction:
 
         ``values`` returns the update values instead of applying them;
         ``sliced`` takes one more input, the rows of the sliceable shared
-        variables to use.
+        variables to use. Inside an XLA host callback a function of JAX mode
+        is compiled again without JAX (``host_mode``): JAX cannot run there.
         """
-        key = (subset, values, sliced)
+        host = state.in_xla_callback() and is_jax_mode(self.spec.kwargs.get("mode"))
+        key = (subset, values, sliced, host)
         fn = self._compiled.get(key)
         if fn is None:
             spec = self.spec
@@ -97,6 +99,8 @@ class LocalFunction:
             if subset is not None:  # as in PyTensor, a subset need not use every input
                 kwargs = {**kwargs, "on_unused_input": "ignore"}
             jax_mode = is_jax_mode(kwargs.get("mode"))
+            if host:
+                kwargs, jax_mode = {**kwargs, "mode": host_mode()}, False
             if state.jax_inherited and jax_mode:
                 raise RuntimeError(
                     f"function {spec.name or '?'} compiles in JAX mode, but JAX was already running in the "

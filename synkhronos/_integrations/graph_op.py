@@ -15,6 +15,8 @@ from pytensor.graph.basic import Apply, Variable
 from pytensor.graph.op import Op
 from pytensor.scalar import upcast
 
+from .. import _state as state
+
 __all__ = ["SynkOp", "build_op", "register_jax", "register_numba"]
 
 #: The live Ops of this process by token: a pickled Op (Numba's object mode pickles what
@@ -262,7 +264,8 @@ def _jax_funcify_synk(op, node=None, **kwargs):
 
     def call(*args):
         out = [[None] for _ in node.outputs]
-        op.perform(node, [np.asarray(a) for a in args], out)
+        with state.inside_xla_callback():  # the master's share runs without JAX here
+            op.perform(node, [np.asarray(a) for a in args], out)
         return tuple(o[0] for o in out)
 
     def result_shapes(args):

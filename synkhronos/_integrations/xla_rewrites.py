@@ -357,6 +357,14 @@ def _jax_feature_major(stored):
     return stored.reshape(stored.shape[1], stored.shape[0])
 
 
+@node_rewriter([FeatureMajor])
+def feature_major_as_reshape(fgraph, node):
+    """:class:`FeatureMajor` as PyTensor's own reshape (a view of C-ordered storage in
+    every backend), for a graph laid out for JAX that runs without it."""
+    (stored,) = node.inputs
+    return [pt.reshape(stored, (stored.shape[1], stored.shape[0]))]
+
+
 def feature_major(x: np.ndarray, bounds, out: np.ndarray | None = None) -> np.ndarray:
     """``x`` (rows by features) laid out for :class:`FeatureMajor`: for each ``(lo, hi)``
     of ``bounds`` (the processes' rows, in order, covering ``x``), rows ``lo:hi`` of
