@@ -62,6 +62,28 @@ def test_planned_calls_match_pytensor_as_values_and_shapes_change(forked, rng):
         d.free_memory()
 
 
+def test_inputs_with_static_shapes_are_planned_and_still_checked(forked, rng):
+    """An input with a static shape (PyMC's ``shape=K`` parameters, ``pt.tensor(shape=...)``)
+    is planned like the others when its value has that shape: random loops equal plain
+    PyTensor, and a value of another shape is refused with PyTensor's error on every call,
+    planned or not, never computed."""
+    x = pt.dmatrix("x")
+    w = pt.tensor("w", dtype="float64", shape=(3,))
+    c = pt.tensor("c", dtype="float64", shape=(None, 2))
+    f = synk.function([x, w, c], [((x @ w).sum(), "sum"), ((x @ w).max() + c.sum(), "max")],
+                      bcast_inputs=[w, c], mode=MODE)
+    for i in range(60):
+        rows = int(rng.choice([1, 3, 8]))
+        x_, w_, c_ = rng.standard_normal((rows, 3)), rng.standard_normal(3), rng.standard_normal((i % 4, 2))
+        _check(f(x_, w_, c_), f.as_pytensor(x_, w_, c_), f"call {i} ({rows} rows, {forked} processes)")
+        if i % 20 == 19:
+            assert f._planned, "calls with static-shaped inputs are planned"
+            with pytest.raises(TypeError, match="shape"):
+                f(x_, rng.standard_normal(4), c_)
+            with pytest.raises(TypeError, match="shape"):
+                f(x_, w_, rng.standard_normal((2, 3)))
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_lanes_give_the_bits_of_the_communicator_path(forked, rng, dtype):
     """The same graph twice: one function's outputs ride back inline (its planned

@@ -53,7 +53,9 @@ class Function:
         # per input: (dtype, ndim, plain), plain when PyTensor checks its type by
         # dtype and ndim alone: an ndarray that already has both needs no
         # conversion (the common case, made fast)
-        self._types = [(np.dtype(v.type.dtype), v.type.ndim, plain_input(v)) for v in spec.inputs]
+        # per input: dtype, ndim, and its static shape (None for an input without one)
+        self._types = [(np.dtype(v.type.dtype), v.type.ndim, None if plain_input(v) else tuple(v.type.shape))
+                       for v in spec.inputs]
 
     @property
     def name(self) -> str:
@@ -192,8 +194,8 @@ class Function:
         return values
 
     def _check_value(self, i, value):
-        dtype, ndim, plain = self._types[i]
-        if plain and type(value) is np.ndarray and value.dtype == dtype and value.ndim == ndim:
+        dtype, ndim, static = self._types[i]
+        if static is None and type(value) is np.ndarray and value.dtype == dtype and value.ndim == ndim:
             return value
         var = self._spec.inputs[i]
         label = f"input {var.name or i!r} of function {self.name!r}"
@@ -375,14 +377,16 @@ class Function:
 
     def _plan_key(self, args):
         """What a planned call must match: per input its shape (a numpy array of
-        the input's dtype and ndim) or its synk.data ref; None when a value
-        needs the full checks."""
+        the input's dtype and ndim, and of its static shape where it has one) or
+        its synk.data ref; None when a value needs the full checks."""
         if len(args) != len(self._types):
             return None
         key = []
-        for value, (dtype, ndim, plain) in zip(args, self._types):
+        for value, (dtype, ndim, static) in zip(args, self._types):
             if type(value) is np.ndarray:
-                if not plain or value.dtype != dtype or value.ndim != ndim or not value.flags.aligned:
+                if value.dtype != dtype or value.ndim != ndim or not value.flags.aligned:
+                    return None
+                if static is not None and any(s is not None and s != d for s, d in zip(static, value.shape)):
                     return None
                 key.append(value.shape)
             elif isinstance(value, Data):
