@@ -572,6 +572,11 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
     fm, mask_in = set(), None
+    if _resolve_mode(mode) == "JAX" and "jax" not in sys.modules:
+        # the master's share on its own cores, with the workers' flags: set before anything
+        # below imports JAX (laying out, rendering), which reads them once (until 2026-11-27
+        # it was set after, so never: the master ran XLA's default threads and vectors)
+        os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
     if _resolve_mode(mode) == "JAX" and continuous:
         total, row_in, inputs, fm, mask_in = _laid_out_for_xla(local_terms, total, row_in, inputs,
                                                                len(row_leaves), check)
@@ -586,8 +591,6 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     for g, v in zip(grads, continuous):
         g.name = f"d_observed_logp/d_{v.name}"
     kwargs = {"on_unused_input": "ignore"}
-    if mode == "JAX" and "jax" not in sys.modules:  # the master's share: its own cores only
-        os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
     if mode is not None:
         kwargs["mode"] = mode
     f = synk.function(row_in + glob_in + rv_in, [(total, "sum")] + [(g, "sum") for g in grads],
