@@ -97,9 +97,10 @@ TEST_JOBS ?= 2
 test: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget test-main test-pymc
 
-# the linter first (pyproject.toml's [tool.ruff]), then the suite
+# the linter and the type checker first (pyproject.toml's [tool.ruff] and [tool.mypy]), then the suite
 test-main: $(VENV)/.test
 	$(PY) -m ruff check synkhronos
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not long and not slow" tests
 
 PYMC_TESTS  := tests/test_pymc.py tests/test_pymc_zoo.py tests/test_as_op.py tests/test_xla_rewrites.py

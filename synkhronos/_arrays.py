@@ -14,7 +14,7 @@ import numpy as np
 try:
     from numpy.lib.array_utils import byte_bounds
 except ImportError:  # numpy < 2
-    byte_bounds = np.byte_bounds
+    byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
            "round_up", "packed_views"]

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import warnings
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from ._procs.shmem import disown, unlink_prefix
 from .devices.jax_state import jax_backends_up
 from ._procs.cores import available_cores, core_groups, keep_freed_memory, limit_threads, pin
 from ._protocol.worker_loop import serve, serve_profiled
+
+if TYPE_CHECKING:
+    from .collectives.base import Communicator
 
 __all__ = ["fork", "close", "master_free"]
 
@@ -127,8 +131,8 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
         nodes.share_host_cores()
     cores = available_cores()
     n_parallel = _check_parallel(n_parallel, units or cores, cores, master_rank)
-    device = devices.create(device_cls, units, n_parallel, master_rank)  # binds the master to its unit
-    proc = _open_master(device, n_parallel, master_rank, profile_dir)
+    dev = devices.create(device_cls, units, n_parallel, master_rank)  # binds the master to its unit
+    proc = _open_master(dev, n_parallel, master_rank, profile_dir)
     proc.launched = nodes.launched()  # under mpirun/srun: join the other nodes after forking
     threads = max(1, cores // n_parallel)
     groups = core_groups(n_parallel) if pin_cores is not False else None
@@ -147,7 +151,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
     s.saved_handlers = signals.install_master_handlers()
     if groups is not None:
         s.saved_affinity = pin(groups[master_rank])
-    proc.comm.check = s.check
+    cast("Communicator", proc.comm).check = s.check  # (_open_master opened it)
     log.debug("forked %d workers: %s", len(pids), pids)
     s.begin_wait()  # fork(timeout=...) counts from here for the waits of the start (never from 0.0)
     try:
@@ -156,7 +160,7 @@ def fork(n_parallel: int | None = None, device: str = "auto", master_rank: int =
             s.on_step = functools.partial(nodes.begin_step, proc)
             s.on_break = functools.partial(nodes.broke, proc)
         atexit.register(_close_at_exit)  # after join: it runs before MPI is finalised at exit
-        device.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
+        dev.start(s)  # GPU: every process opens its GPU; NCCL when each has its own
     except BaseException:
         close()
         raise

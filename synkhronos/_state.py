@@ -15,9 +15,16 @@ import functools
 import itertools
 import os
 import threading
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import Aborted, Interrupted, MasterGone
 from ._kept.records import Kept
+
+if TYPE_CHECKING:
+    from ._procs.lease import Lease
+    from ._protocol.control import ControlBlock
+    from ._protocol.session import Session
+    from .collectives.base import Communicator
 
 __all__ = []
 
@@ -33,14 +40,14 @@ class Process:
         self.device = device  # devices.Device: every decision that depends on the device
         self.is_master = rank == master_rank
         self.master_pid = os.getpid() if self.is_master else os.getppid()
-        self.control = None   # control.ControlBlock
-        self.comm = None
-        self.functions = {}   # function id -> local executor
-        self.function_digests = {}  # across nodes: digest of a function -> functions built with it, less one
-        self.shareds = {}     # shared-variable id -> this process's variable
-        self.data_cache = {}  # data id -> (attached Segment, {(dtype, shape): view})
-        self.profile_dir = None  # workers write cProfile stats here (fork(profile_workers=...))
-        self.lease = None     # shmem.Lease: this process's lock on the fork's lock file
+        self.control: ControlBlock | None = None
+        self.comm: Communicator | None = None
+        self.functions: dict[int, Any] = {}   # function id -> local executor
+        self.function_digests: dict[Any, Any] = {}  # across nodes: digest of a function -> functions built with it, less one
+        self.shareds: dict[int, Any] = {}     # shared-variable id -> this process's variable
+        self.data_cache: dict[int, Any] = {}  # data id -> (attached Segment, {(dtype, shape): view})
+        self.profile_dir: str | None = None  # workers write cProfile stats here (fork(profile_workers=...))
+        self.lease: Lease | None = None     # this process's lock on the fork's lock file
         self.kept = Kept()    # every record that lets a call or collective skip checks (_kept/records.py)
         self.launched = False  # started by mpirun/srun: joins the other nodes (_protocol/across_nodes.py)
 
@@ -56,7 +63,7 @@ class Process:
     def check_master(self) -> None:
         """Worker-side check between wait slices inside a collective."""
         self.check_parent()
-        if self.control.aborted():
+        if cast("ControlBlock", self.control).aborted():  # (a worker has its control block from its start)
             raise Aborted("the master abandoned this command")
 
     def close(self) -> None:
@@ -136,8 +143,8 @@ class SpinPolicy:
 spin = SpinPolicy()
 
 
-#: The master's running session (session.Session), None when no fork runs here.
-_current = None
+#: The master's running session, None when no fork runs here.
+_current: Session | None = None
 #: The master's pid when this process was forked from it by the user after
 #: synk.fork() (its fork is not ours to use), else None.
 inherited_from: int | None = None
@@ -146,7 +153,7 @@ inherited_from: int | None = None
 command_lock = threading.RLock()
 
 
-def current():
+def current() -> Session | None:
     """The running session, or None."""
     return _current
 
@@ -205,7 +212,7 @@ def refuse_nested(what) -> None:
                            "supported: make the call after the running one returns")
 
 
-def running_session():
+def running_session() -> Session:
     """The running fork; RuntimeError before fork() and in a process the user
     forked from the master."""
     if _current is None:
@@ -248,7 +255,7 @@ mpi_finalize_registered = False
 
 #: The start of MPI (launch.mpi): MPI_Init's thread while it runs, whether MPI was
 #: initialised here, and what MPI_Init raised.
-mpi_start = {"thread": None, "ours": None, "error": None}
+mpi_start: dict[str, Any] = {"thread": None, "ours": None, "error": None}
 
 #: Headers of nodes that left, waiting for the others' next exchange when their
 #: communicator was freed: MPI completes them later (MPI_Finalize waits for them),
@@ -257,7 +264,7 @@ mpi_leaving: list = []
 #: The duplicates of MPI_COMM_WORLD (and their requests) that a fork() gave up making (its
 #: timeout passed): the other nodes' next try meets these, so the next one here waits for
 #: them instead of starting others (_protocol/across_nodes.py, collectives/mpi.py).
-mpi_pending_dup = None
+mpi_pending_dup: tuple | None = None
 
 #: The GPU (a CUDA_VISIBLE_DEVICES value) this process was bound to, or None.
 bound_gpu: str | None = None

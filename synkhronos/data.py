@@ -59,7 +59,7 @@ class Data:
             call's ``batch`` selects positions in it rather than indices.
     """
 
-    def __init__(self, dtype, ndim: int, minibatch: bool = False, name=None, oversize: float = 1.0):
+    def __init__(self, dtype, ndim: int | np.integer, minibatch: bool = False, name=None, oversize: float = 1.0):
         self._proc = state.running_session().proc
         self._uid = state.next_data_id()
         self._gen = 0
@@ -72,7 +72,7 @@ class Data:
         state.running_session().data_memory[self._uid] = self._mem
         weakref.finalize(self, self._mem.forget).atexit = False
         self._alloc = 0
-        self._shrink = None  # scratch only: see _fit
+        self._shrink: Shrink | None = None  # scratch only: see _fit
         self._oversize = _check_oversize(oversize)
         self.minibatch = bool(minibatch)
         self.name = name

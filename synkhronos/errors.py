@@ -7,6 +7,7 @@ import pickle
 import signal
 import sys
 import traceback
+from types import FrameType
 
 __all__ = ["SynkError", "RemoteTraceback", "WorkerError", "WorkerDiedError", "SynkTimeoutError",
            "WorkerFailedError", "NodeFailedError", "StepMismatchError"]
@@ -229,7 +230,8 @@ def as_interrupt(err: BaseException) -> BaseException:
     Numba-compiled function, a C thunk) turns a Ctrl-C, or the master's
     interrupt in a worker, into SystemError ("returned a result with an
     exception set"). Returns that KeyboardInterrupt or Interrupted, else ``err``."""
-    cause, seen = err, 0
+    cause: BaseException | None = err
+    seen = 0
     while isinstance(cause, BaseException) and seen < 8:
         if isinstance(cause, (KeyboardInterrupt, Interrupted)):
             return cause if cause is err else cause.with_traceback(err.__traceback__)
@@ -249,7 +251,7 @@ def own_share_failed(exc: BaseException) -> BaseException:
     finish the call as they would after any process's error, so the master
     waits for them instead of stopping them, and every process applies its
     updates exactly when its own share ran without error. Returns ``exc``."""
-    exc._synk_own_share_failed = True
+    setattr(exc, "_synk_own_share_failed", True)  # (read back with getattr: any exception takes it)
     return exc
 
 
@@ -267,7 +269,8 @@ def short_repr(value, limit: int = 80, ellipsis: str = "(...)") -> str:
 def user_stacklevel() -> int:
     """For warnings.warn: the level of the first caller outside synkhronos."""
     here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(here):
         frame, level = frame.f_back, level + 1
     return level

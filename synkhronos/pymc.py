@@ -6,6 +6,8 @@ import dataclasses
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytensor
@@ -16,7 +18,7 @@ from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.graph.replace import clone_replace, graph_replace
-from pytensor.tensor.variable import TensorConstant
+from pytensor.tensor.variable import TensorConstant, TensorVariable
 
 import synkhronos as synk
 from synkhronos._batching import split as split_evenly
@@ -37,7 +39,7 @@ except ImportError as err:  # pragma: no cover - the extra is missing
 try:
     from pytensor.graph.traversal import graph_inputs
 except ImportError:  # pragma: no cover - PyTensor 2
-    from pytensor.graph.basic import graph_inputs
+    from pytensor.graph.basic import graph_inputs  # type: ignore[no-redef, unused-ignore]  # (the other PyTensor's)
 
 __all__ = ["data_parallel", "default_mode", "DataParallelModel", "JaxValueAndGrad", "SAMPLERS"]
 
@@ -65,17 +67,17 @@ class _Split:
     count, written at the split and again, for every copy, after any ``pm.set_data`` of
     per-row data (:func:`_follow_data`)."""
 
-    term: object          # the summed observed log-likelihood, a graph of the model's value variables
+    term: Variable | None  # the summed observed log-likelihood, a graph of the model's value variables
     op: object            # the SynkOp
     rows: list            # (model data variable or constant, its synk.data, the value it was copied from)
     n_rows: int
     observed: list        # names of the observed variables it replaces
-    checker: object = None  # the numerical check of the split, run again after pm.set_data
+    checker: _Checker | None = None  # the numerical check of the split, run again after pm.set_data
     derived: list = dataclasses.field(default_factory=list)  # synk.data of per-row parts computed once
-    derive: object = None   # computes them from the per-row data (rows' order), after every change
+    derive: Callable | None = None  # computes them from the per-row data (rows' order), after every change
     feature_major: frozenset = frozenset()  # positions in rows whose copy is laid out feature-major
     padded: bool = False    # each process's rows padded to a block of BLOCK_ROWS rows
-    mask: object = None     # synk.data of the row mask of the padded blocks
+    mask: synk.Data | None = None  # synk.data of the row mask of the padded blocks
 
     def bounds(self, n: int) -> list:
         """Each process's ``(lo, hi)`` of a call's ``n`` scattered rows: ``batching.split`` over
@@ -120,7 +122,13 @@ class _Split:
         return mask
 
 
-class DataParallelModel:
+if TYPE_CHECKING:  # what DataParallelModel is mixed into (object at run time)
+    from pymc import Model as _PyMCModel
+else:
+    _PyMCModel = object
+
+
+class DataParallelModel(_PyMCModel):
     """Mixed into a clone of a PyMC model by :func:`data_parallel`: its log-density
     takes the observed variables' term from the fork; all else is PyMC's."""
 
@@ -136,7 +144,7 @@ class DataParallelModel:
             # one variable's terms, or elementwise terms: PyMC's own, on the master's copy of the data
             return super().logp(vars=vars, jacobian=jacobian, sum=sum)
         rest = [v for v in varlist if all(v is not o for o in observed)]
-        total = self.synk_split.term
+        total = cast(Variable, self.synk_split.term)  # (made before the model is returned)
         if rest:
             total = super().logp(vars=rest, jacobian=jacobian, sum=True) + total
         total.name = ("__logp" if jacobian else "__logp_nojac") + (f"_{self.name}" if self.name else "")
@@ -402,7 +410,7 @@ class _Checker:
         self.model, self.row_leaves, self.glob, self.values = model, row_leaves, glob, values
         wrt = [v for v in inputs[len(row_leaves) + len(glob):] if v.type.dtype.startswith("float")]
         sums = [t.sum() for t in local_terms]
-        grads = [pytensor.grad(s, wrt, disconnected_inputs="ignore") for s in sums]
+        grads = [cast(list, pytensor.grad(s, wrt, disconnected_inputs="ignore")) for s in sums]  # (wrt a list)
         self.fn = pytensor.function(inputs, sums + [g for gs in grads for g in gs], mode="FAST_COMPILE",
                                     on_unused_input="ignore")
         self.n_wrt = len(wrt)
@@ -495,9 +503,9 @@ class JaxValueAndGrad(Op):
     def make_node(self, *inputs):
         if len(inputs) != len(self.inner_inputs):
             raise ValueError(f"{self}: {len(self.inner_inputs)} inputs expected, got {len(inputs)}")
-        inputs = [t.type.filter_variable(v) for t, v in zip(self.inner_inputs, inputs)]
+        filtered = [t.type.filter_variable(v) for t, v in zip(self.inner_inputs, inputs)]
         outputs = [self.inner_output.type()] + [self.inner_inputs[i].type() for i in self.wrt]
-        return Apply(self, inputs, outputs)
+        return Apply(self, filtered, outputs)
 
     def jax_function(self):
         """The JAX function ``(*inputs) -> (value, *gradients)`` (imports JAX)."""
@@ -629,7 +637,7 @@ def _laid_out_for_xla(local_terms, total, row_in, inputs, n_leaves, check) -> tu
         row_in, inputs = row_in + [mask_in], row_in + [mask_in] + inputs[len(row_in):]
     fm = _feature_major_rows(inputs, total, row_in[:n_leaves])
     stored = {row_in[i]: row_in[i].type(name=row_in[i].name) for i in fm}
-    total = graph_replace(total, {x: FeatureMajor()(d).T for x, d in stored.items()}, strict=False)
+    total = graph_replace(total, {x: cast(TensorVariable, FeatureMajor()(d)).T for x, d in stored.items()}, strict=False)
     total.name = "observed_logp"
     return total, [stored.get(v, v) for v in row_in], [stored.get(v, v) for v in inputs], fm, mask_in
 

@@ -135,7 +135,7 @@ def join() -> int:
         return 0
     saved = inter.check
 
-    def check():  # the node's workers, and close() from a signal handler or another thread
+    def check() -> None:  # the node's workers, and close() from a signal handler or another thread
         saved_poll()
         if s.close_requested:
             raise _CloseDuringJoin()

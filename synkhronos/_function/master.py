@@ -6,6 +6,7 @@ import dataclasses
 import os
 import pickle
 import warnings
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from pytensor.scalar import upcast
@@ -27,6 +28,10 @@ from .reduce import combine_inline
 from .spec import CallSpec, FunctionSpec, LocalFunction
 from .worker import Lane, Share, execute_call, plain_input, share_of
 
+if TYPE_CHECKING:
+    from .._kept.records import Table
+    from .._protocol.session import Session
+
 __all__ = ["Function"]
 
 
@@ -45,10 +50,10 @@ class Function:
         self._spec = spec
         self._local = local
         self._scratch: dict = {}
-        self._owner = None  # the Session (fork) it was built for
+        self._owner: Session | None = None  # the fork it was built for
         self._cast_warned: set = set()  # (input position, dtype) of synk.data cast already
         self._spilled: set = set()  # output subsets whose outputs were too big to ride inline
-        self._planned = None  # planned calls: _plan_key -> _Plan (the fork's kept.calls_of(fid), once built)
+        self._planned: Table | None = None  # planned calls: _plan_key -> _Plan (the fork's kept.calls_of(fid), once built)
         self._input_names = [getattr(v, "name", None) for v in spec.inputs]
         # per input: (dtype, ndim, plain), plain when PyTensor checks its type by
         # dtype and ndim alone: an ndarray that already has both needs no
@@ -299,7 +304,7 @@ class Function:
                     return self._call_planned(plan, args)
             return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
         except Exception as err:
-            if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
+            if before is not None and s is not None and os.getpid() == s.pid:  # (never in a child the user forked)
                 nodes.failed_step(s, before, f"call {self.name}", err)
             raise
 
@@ -312,7 +317,8 @@ class Function:
                 f"function {self.name!r} was built for a fork that was closed (synk.close()); "
                 "build it again with synk.function() after this synk.fork()")
         s.usable()
-        self._planned.clear()  # this call may move scratch memory that a plan writes into
+        # this call may move scratch memory that a plan writes into (synk.function set _planned with _owner)
+        cast("Table", self._planned).clear()
         spec = self._spec
         batch_s = self._check_batch_s(batch_s, s.n_parallel)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
@@ -360,7 +366,7 @@ class Function:
             results, spilled = combine_inline(s.proc, results, self._local.plan(s.proc, call.subset)[0])
             if spilled:  # outputs this big reduce faster through the communicator
                 self._spilled.add(call.subset)
-                self._planned.clear()
+                cast("Table", self._planned).clear()  # (synk.function set it with _owner)
         results = s.proc.device.to_user(results, device_outputs)
         if call.subset is not None:
             return results
@@ -402,12 +408,14 @@ class Function:
         key = self._plan_key(args)
         if key is None or any(v is not a for v, a in zip(values, args)):
             return  # a value was converted: the checks must run every time
+        # (_call checked that this fork built it: synk.function set both)
+        owner, planned = cast("Session", self._owner), cast("Table", self._planned)
         copies, mine = [], []
         for i in range(len(args)):
             if not isinstance(args[i], np.ndarray):
                 continue
             kind, ref = call.inputs[i]
-            rows = None if kind == "b" else split(call.n_rows, self._owner.n_parallel, self._owner.proc.rank)
+            rows = None if kind == "b" else split(call.n_rows, owner.n_parallel, owner.proc.rank)
             mine.append((i, None if rows is None else slice(*rows)))
             if ref is not None:
                 d = self._scratch[i]
@@ -419,11 +427,11 @@ class Function:
                 pieces = [...] if rows is None else [slice(lo, hi) for lo, hi in ((0, rows[0]), (rows[1], call.n_rows))
                                                      if hi > lo]
                 copies.append((i, dst, pieces))
-        proc = self._owner.proc
+        proc = owner.proc
         share = share_of(proc, call, keep=True, own_keys=own.keys())
-        self._planned.keep(key, _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
-                                 copies, mine, share if share.fn is not None else None,
-                                 Lane.of(proc, call, share)))
+        planned.keep(key, _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
+                                copies, mine, share if share.fn is not None else None,
+                                Lane.of(proc, call, share)))
 
     def _call_planned(self, plan, args):
         s = state.running_session()
@@ -433,8 +441,8 @@ class Function:
                 dst[rows] = value[rows]
         call, lane = plan.call, plan.lane
         if lane is not None:
-            own = [(i, args[i] if rows is None else args[i][rows]) for i, rows in plan.mine]
-            outs, mine = s.run(Command.CALL, plan.wire, body=plan.body, local=lambda proc, _: lane.run(proc, own))
+            own_pairs = [(i, args[i] if rows is None else args[i][rows]) for i, rows in plan.mine]
+            outs, mine = s.run(Command.CALL, plan.wire, body=plan.body, local=lambda proc, _: lane.run(proc, own_pairs))
             results = lane.combine(outs, mine)
             if results is None:  # out of the ordinary: the general path sorts it out
                 return self._finish(s, call, (outs, mine, lane.weight), False)
@@ -512,7 +520,7 @@ class Function:
         items = list(batch_s) if per_rank else [batch_s] * n
         if per_rank and len(items) != n:
             raise ValueError(f"batch_s has {len(items)} entries, one per process expected ({n})")
-        out = []
+        out: list[slice | np.ndarray | None] = []
         for item in items:
             if item is None or isinstance(item, slice):
                 check_batch(item, 1 << 62)

@@ -70,10 +70,14 @@ def is_jax_mode(mode) -> bool:
 class LocalFunction:
     """One process's compiled copies of a function, and how it runs its share."""
 
+    #: Across nodes: the function's identity (``across_nodes.function_identity``), set
+    #: by synk.function in the master (None on one node).
+    node_identity: tuple | None
+
     def __init__(self, spec: FunctionSpec):
         self.spec = spec
-        self._compiled = {}
-        self._plans = {}
+        self._compiled: dict[tuple, Any] = {}
+        self._plans: dict[tuple | None, tuple] = {}
 
     def compiled(self, subset=None, values=False, sliced=False):
         """The PyTensor function for an output subset.
@@ -153,7 +157,9 @@ class LocalFunction:
         split_arg = list(b for b in spec.bcast) + ([False] if sliced else [])
         fn = self.compiled(subset, values=True, sliced=sliced)
         n_out = len(ops)
-        outs_parts, upd_parts, weights = [[] for _ in range(n_out)], [[] for _ in spec.updates], []
+        outs_parts: list[list] = [[] for _ in range(n_out)]
+        upd_parts: list[list] = [[] for _ in spec.updates]
+        weights: list[int] = []
         for k in range(num_slices):
             lo, hi = split(n_rows, num_slices, k)
             if hi == lo:

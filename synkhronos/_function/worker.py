@@ -4,7 +4,7 @@ the reply (the master runs the same for its own share)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -96,7 +96,8 @@ class Lane:
         spec = proc.functions[call.fid].spec
         ops = proc.functions[call.fid].plan(proc, call.subset)[0]
         chosen = range(len(spec.outputs)) if call.subset is None else call.subset
-        self.fn, self.args, self.trust, self.weight = share.fn, share.args, share.trust, share.weight
+        # (Lane.of: a kept share, its fn set, has its inputs too)
+        self.fn, self.args, self.trust, self.weight = share.fn, cast(list, share.args), share.trust, share.weight
         self.reduced = [(k, op) for k, op in enumerate(ops) if op is not None]
         # per reduced output: the dtype it is sent in, where its reduction changes it (avg of
         # ints); None when no output's does
@@ -107,7 +108,7 @@ class Lane:
         self.areas = [None if r == proc.rank else proc.control.reply_area(r)
                       for r in range(proc.size)] if proc.is_master else None
         self.ranks = list(range(proc.size))
-        self.reducers = [None] * len(self.reduced)  # master: each output's Reducer, kept
+        self.reducers: list[Any] = [None] * len(self.reduced)  # master: each output's Reducer, kept
         self.kept = None  # master: what the last combine checked, see _keep
 
     def run(self, proc, own=()):
@@ -144,7 +145,7 @@ class Lane:
             if results is not None:
                 return results
         sets, weights = [], []
-        for area in self.areas:
+        for area in cast(list, self.areas):  # (master-side: the workers' reply areas)
             if area is None:
                 sets.append(mine)
                 weights.append(self.weight)
@@ -169,11 +170,12 @@ class Lane:
         single process (combine copies then)."""
         if len(sets) < 2:
             return None
-        workers = [(area, arrays, weight) for area, arrays, weight in zip(self.areas, sets, weights)
+        areas = cast(list, self.areas)  # (master-side: the workers' reply areas)
+        workers = [(area, arrays, weight) for area, arrays, weight in zip(areas, sets, weights)
                    if area is not None]
         steps = [(k, j, concat if op == "gather" else self.reducers[j].run)
                  for j, (k, op) in enumerate(self.reduced)]
-        return (workers, [None if arrays is mine else arrays for arrays in sets], self.areas.index(None),
+        return (workers, [None if arrays is mine else arrays for arrays in sets], areas.index(None),
                 [(a.shape, a.dtype) for a in mine], steps)
 
     @staticmethod
@@ -244,7 +246,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
     if share.active and error is None:
         try:
             if share.fn is not None:
-                args = share.args
+                args = cast(list, share.args)  # (share_of keeps the inputs with the function)
                 if own:
                     args = list(args)
                     for i, value in own.items():

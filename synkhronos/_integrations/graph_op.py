@@ -73,7 +73,7 @@ def build_op(fn, inputs, outputs, bcast, fixed, grads) -> SynkOp:
             names = [inputs[i].name or f"#{i}" for i in free]
             raise ValueError(f"grads: output {var.name or j!r} needs one gradient output (or None) per "
                              f"free input {names}, got {len(gouts)}")
-        row = []
+        row: list[int | None] = []
         for k, g in zip(free, gouts):
             if g is None:
                 row.append(None)
@@ -286,7 +286,7 @@ def _jax_funcify_synk(op, node=None, **kwargs):
 
     def bwd(res, cotangents):
         outs, args = res
-        grads = []
+        grads: list = []  # numpy float0 zeros and JAX arrays
         for k, a in enumerate(args):
             if not jax.numpy.issubdtype(a.dtype, jax.numpy.inexact):  # data: no gradient
                 grads.append(np.zeros(a.shape, dtype=jax.dtypes.float0))

@@ -122,7 +122,8 @@ def _linker_class():
     class TypedJAXLinker(JAXLinker):
         """PyTensor's JAX linker, each node's result in its output's dtype."""
 
-        def fgraph_convert(self, fgraph, input_storage, storage_map, **kwargs):
+        # JAXLinker's own signature, which already differs from JITLinker's
+        def fgraph_convert(self, fgraph, input_storage, storage_map, **kwargs):  # type: ignore[override]
             # the parent's conversion replaces shared random generators and finds the inputs
             # used as static shapes; its function is then rendered again, node by node, typed
             super().fgraph_convert(fgraph, input_storage=input_storage, storage_map=storage_map, **kwargs)

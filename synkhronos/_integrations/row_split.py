@@ -13,13 +13,15 @@ rows, an op with no rule) is a :class:`Coupling`, whatever the data's values are
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.mode import Mode
 from pytensor.compile.builders import OpFromGraph
-from pytensor.graph.basic import Constant
+from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.tensor.basic import Alloc, ARange, Join, Split
 from pytensor.tensor.blockwise import Blockwise
@@ -30,15 +32,16 @@ from pytensor.tensor.shape import Reshape, Shape, Shape_i, SpecifyShape
 from pytensor.tensor.special import LogSoftmax, Softmax
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
 
+# (the type: ignores: mypy reads one PyTensor, the name is in some releases only)
 try:
-    from pytensor.tensor.subtensor import AdvancedSubtensor1
+    from pytensor.tensor.subtensor import AdvancedSubtensor1  # type: ignore[attr-defined, unused-ignore]
 except ImportError:  # PyTensor 3: AdvancedSubtensor only
-    AdvancedSubtensor1 = AdvancedSubtensor
+    AdvancedSubtensor1 = AdvancedSubtensor  # type: ignore[misc, assignment, unused-ignore]
 
 try:
     from pytensor.graph.traversal import graph_inputs, io_toposort
 except ImportError:  # pragma: no cover - PyTensor 2
-    from pytensor.graph.basic import graph_inputs, io_toposort
+    from pytensor.graph.basic import graph_inputs, io_toposort  # type: ignore[no-redef, unused-ignore]  # (the other PyTensor's)
 
 __all__ = ["Coupling", "hoist_data_only", "split_rows"]
 
@@ -162,7 +165,7 @@ def _equals(var, n) -> bool:
         return False
     try:  # Python's linker, no rewrites: a few shape entries, evaluated at once
         value = var.data if isinstance(var, Constant) else \
-            pytensor.function([], var, mode=Mode(linker="py", optimizer=None))()
+            pytensor.function([], var, mode=Mode(linker="py", optimizer=None))()  # type: ignore[arg-type]  # None: no rewrites
     except Exception:  # noqa: BLE001 - not a number known now
         return False
     return np.ndim(value) == 0 and value == n
@@ -427,7 +430,8 @@ class _NamedOps:
         return type(op).__name__ in self.names
 
 
-_RULES = (
+#: (op classes, or a _NamedOps: isinstance's second argument) -> the op's rule
+_RULES: tuple[tuple[Any, Callable[..., list]], ...] = (
     (Elemwise, _elemwise),
     (DimShuffle, _dimshuffle),
     ((CAReduce, _NamedOps("LogSumExp")), _reduce),
@@ -460,7 +464,7 @@ def hoist_data_only(outputs, row_inputs) -> tuple[list, list]:
     instead of at every evaluation: XLA folds such parts for a peer that holds the data as
     constants)."""
     rows, consts = set(row_inputs), set()
-    costly = {}
+    costly: dict[Variable, bool] = {}
     frontier = []
     for node in io_toposort(list(graph_inputs(outputs)), outputs):
         if all(isinstance(i, Constant) or i in consts for i in node.inputs):

@@ -56,6 +56,8 @@ out) and :func:`dot_of_transposed` writes ``dot(X, w)`` on it as ``dot(w.T, XT).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytensor.scalar as ps
 import pytensor.tensor as pt
@@ -69,7 +71,7 @@ from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.elemwise import DimShuffle
 from pytensor.tensor.math import Dot, Sum
-from pytensor.tensor.variable import TensorConstant
+from pytensor.tensor.variable import TensorConstant, TensorVariable
 
 __all__ = ["rewrite_for_xla", "prepare_for_xla", "render_for_xla", "FeatureMajor", "feature_major", "read_by_dots_only"]
 
@@ -215,6 +217,12 @@ def _scalar(var):
     return var.reshape(()) if var.type.ndim else var
 
 
+def _isfinite(var):
+    """``pt.isfinite(var)``, which PyTensor 2 lacks: there, neither NaN nor an infinity."""
+    isfinite = getattr(pt, "isfinite", None)
+    return isfinite(var) if isfinite is not None else ~(pt.isnan(var) | pt.isinf(var))
+
+
 @node_rewriter([Sum])
 def sum_of_log_terms(fgraph, node):
     """``sum(a - k * log_term)`` -> ``sum(a) - k * sum(log_term)`` (and ``+``, and n-ary sums of
@@ -245,13 +253,14 @@ def sum_of_log_terms(fgraph, node):
         part = pt.sum(_masked(mask, log_term), dtype=dtype)
         if factors:  # a factor that is not finite: NaN (the old sum is NaN or an infinity there)
             k = pt.mul(*[_scalar(f) for f in factors]) if len(factors) > 1 else _scalar(factors[0])
-            part = pt.switch(pt.isfinite(k), k * part, pt.constant(np.nan, dtype=dtype))
+            part = pt.switch(_isfinite(k), k * part, pt.constant(np.nan, dtype=dtype))
         part = part if sign > 0 else -part
         total = part if total is None else total + part
     if rest:
         kept = rest[0] if len(rest) == 1 else pt.add(*rest)
         if kept.type.broadcastable != inner.type.broadcastable:  # row-constant: one per row, as before
-            kept = pt.broadcast_to(kept, full.shape)  # (the shape of a log term, computed anyway)
+            # (the shape of a log term, computed anyway: there is one, checked above)
+            kept = pt.broadcast_to(kept, cast(TensorVariable, full).shape)
         total = pt.sum(_masked(mask, kept), dtype=dtype) + total
     return _as_output(node, pt.cast(total, dtype))
 
@@ -333,7 +342,8 @@ class FeatureMajor(Op):
 
     __props__ = ()
 
-    def make_node(self, stored):
+    # an Op's own inputs, as PyTensor's Ops take them (Op.make_node's *inputs is the general form)
+    def make_node(self, stored):  # type: ignore[override]
         stored = pt.as_tensor_variable(stored)
         if stored.type.ndim != 2:
             raise TypeError(f"FeatureMajor takes a matrix, got {stored} of {stored.type.ndim} dimensions")

@@ -46,6 +46,8 @@ before every answer.
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
@@ -249,7 +251,8 @@ class _AllReducePlan(_Plan):
         return True
 
     def _direct_all_reduce(self) -> None:
-        for i, (home, parts, outs) in enumerate(zip(self.homes, self.parts, self.outs)):
+        # (direct: find_homes found the parts and outs)
+        for i, (home, parts, outs) in enumerate(zip(self.homes, typing.cast(list, self.parts), typing.cast(list, self.outs))):
             if self.casts[i] or parts[0] is not home:
                 np.copyto(home, cast_to(self.reducers[i].run(parts), home.dtype))
             else:  # into the first part itself: every later part is another process's memory
@@ -270,7 +273,7 @@ class _BroadcastPlan(_Plan):
             return False
         s = self.s
         if mode is _DIRECT:
-            for value, outs in zip(values, self.outs):
+            for value, outs in zip(values, typing.cast(list, self.outs)):  # (direct: find_homes found them)
                 for dst in outs:
                     dst[...] = value
             return True
@@ -298,7 +301,7 @@ class _ReadPlan(_Plan):
         s = self.s
         me, proc, gather = s.proc.rank, s.proc, self.kind == "gather"
         got = []
-        for value, parts, var in zip(values, self.parts, self.vars_):
+        for value, parts, var in zip(values, typing.cast(list, self.parts), self.vars_):  # (direct: found by find_homes)
             parts = list(parts)
             parts[me] = value  # the master's value now (the plan's part is its value back then)
             if gather:

@@ -51,9 +51,13 @@ use): they hold memory, they let nothing skip a check.
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
+from collections.abc import Hashable
+from typing import Any, NamedTuple, TypeVar
 
 __all__ = ["Table", "Mode", "Kept", "KeptCall", "Published", "InlineBody", "Resolved"]
+
+
+_R = TypeVar("_R")
 
 
 class Table(dict):
@@ -67,7 +71,7 @@ class Table(dict):
             raise ValueError(f"a Table needs a capacity of at least 1, got {capacity}")
         self.capacity = capacity
 
-    def keep(self, key, record):
+    def keep(self, key: Hashable, record: _R) -> _R:
         """Keep ``record`` under ``key`` (dropping the oldest record when full); return it."""
         if key not in self and len(self) >= self.capacity:
             del self[next(iter(self))]
@@ -130,7 +134,7 @@ REDUCERS = 256
 class Kept:
     """Every record of one process that lets a call or collective skip checks (see above)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.generation = 1
         self.resolved = Table(RESOLVED)
         self.bodies = Table(BODIES)

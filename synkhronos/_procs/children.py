@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Callable, Iterable
 
 from ..errors import WorkerDiedError
 from .waits import wait_until
@@ -58,7 +59,7 @@ class Children:
         self.pids = dict(pids or {})
         self.exited: dict[int, int | None] = {}
 
-    def spawn(self, ranks, in_child) -> int | None:
+    def spawn(self, ranks: Iterable[int], in_child: Callable[[int], object]) -> int | None:
         """Fork one child per rank of ``ranks``; each runs ``in_child(rank)``, then
         returns its rank from here (None in this process)."""
         sys.stdout.flush()
@@ -98,7 +99,7 @@ class Children:
         """rank -> pid of every child not yet seen to end."""
         return {r: p for r, p in self.pids.items() if r not in self.exited}
 
-    def signal(self, sig: int, ranks=None) -> None:
+    def signal(self, sig: int, ranks: Iterable[int] | None = None) -> None:
         """Send ``sig`` to the children of ``ranks`` (default: every one still alive)."""
         for rank in (self.alive() if ranks is None else ranks):
             pid = self.pids.get(rank)

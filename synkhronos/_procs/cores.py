@@ -105,7 +105,7 @@ def limit_threads(n: int, worker: bool = False):
         def restore():
             limits.restore_original_limits()
             restore_env(saved_env.items())
-            if saved_numba is not None:
+            if saved_numba is not None and numba is not None:  # (saved only where numba is)
                 try:
                     numba.set_num_threads(saved_numba)
                 except Exception:

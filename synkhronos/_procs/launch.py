@@ -121,9 +121,9 @@ def mpi(timeout: float | None = None, check=None):
                 MPI.Init_thread(MPI.THREAD_SERIALIZED)
                 st["ours"] = True
                 return MPI
-            st["thread"] = threading.Thread(target=_Start.run, args=(lib, MPI.THREAD_SERIALIZED, st),
-                                            name="synkhronos-mpi-init", daemon=True)
-            st["thread"].start()
+            st["thread"] = started = threading.Thread(target=_Start.run, args=(lib, MPI.THREAD_SERIALIZED, st),
+                                                      name="synkhronos-mpi-init", daemon=True)
+            started.start()
     thread = st["thread"]
     if thread is not None:
         if not wait_until(lambda: not thread.is_alive(), check, timeout=timeout, max_sleep=0.01):

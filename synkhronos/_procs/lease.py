@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import struct
+from typing import cast
 
 from .shmem import SHM_DIR, LOCK_NAME, known_prefixes, new_prefix, unlink_prefix
 
@@ -42,7 +43,7 @@ class Lease:
         except OSError as err:  # a stale-name cleanup elsewhere took it between open and lock
             os.close(fd)
             raise OSError(f"the synkhronos lock file {path} was removed by another process") from err
-        self.fd = fd
+        self.fd: int | None = fd  # None once closed
 
     @classmethod
     def new(cls) -> "Lease":
@@ -58,11 +59,11 @@ class Lease:
                 return cls(new_prefix(), create=True)
             except OSError as err:
                 error = err
-        raise error
+        raise cast(OSError, error)  # (every try failed)
 
     def hold(self, rank: int) -> None:
         """Hold this process's rank byte (see the class docstring)."""
-        fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        fcntl.lockf(cast(int, self.fd), fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)  # (not closed)
 
     def let_go(self, rank: int) -> None:
         """Drop this process's rank byte: the others now see it gone."""
@@ -76,7 +77,7 @@ class Lease:
         """Whether the process of ``rank`` holds its byte (F_GETLK: a probe that took
         the byte, even for a moment, would make a second prober believe it alive)."""
         query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, rank, 1, 0)
-        reply = fcntl.fcntl(self.fd, fcntl.F_GETLK, query)
+        reply = fcntl.fcntl(cast(int, self.fd), fcntl.F_GETLK, query)  # (not closed)
         return _FLOCK.unpack(reply)[0] != fcntl.F_UNLCK
 
     def last_out(self) -> bool:

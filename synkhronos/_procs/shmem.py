@@ -10,8 +10,11 @@ import os
 import re
 import secrets
 import struct
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import posix_ipc
 
 from .. import _state as state
@@ -44,7 +47,7 @@ class Shrink:
 
     __slots__ = ("streak",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.streak = 0
 
     def __call__(self, size: int, need: int) -> bool:
@@ -64,7 +67,7 @@ def new_prefix() -> str:
     return f"{_ROOT}.{os.getpid()}.{secrets.token_hex(8)}."
 
 
-def _libc():
+def _libc() -> tuple[Callable[..., Any], Callable[..., Any]]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -100,10 +103,10 @@ class _Mapping:
         self.addr, self.size = addr, size
 
     @property
-    def __array_interface__(self):
+    def __array_interface__(self) -> dict:
         return {"data": (self.addr, False), "shape": (self.size,), "typestr": "|u1", "version": 3}
 
-    def __del__(self, _munmap=_libc_munmap):
+    def __del__(self, _munmap: Callable[..., Any] = _libc_munmap) -> None:
         if self.addr is not None:
             _munmap(self.addr, self.size)
 
@@ -125,7 +128,7 @@ class Segment:
         self.name = name
         self.owner = create
         if create:
-            size = max(int(size), 1)
+            size = max(int(cast(int, size)), 1)  # (a segment is created with its size)
             shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
             try:
                 reserve(shm.fd, size, what or name)
@@ -144,10 +147,10 @@ class Segment:
             raise
         finally:
             shm.close_fd()
-        self._mv = memoryview(self._map)
+        self._mv = memoryview(self._map)  # type: ignore[arg-type, unused-ignore]  # numpy < 2.5's stubs: a Buffer on 3.12+ only
         self.size = size
 
-    def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
+    def array(self, dtype: npt.DTypeLike, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         """A numpy view of part of the segment (no copy)."""
         dtype = np.dtype(dtype)
         count = math.prod(shape)
@@ -172,7 +175,7 @@ class Segment:
     def close(self) -> None:
         """Drop this mapping (unmapped now, or when the last array of it is gone);
         unlink too when this process created the segment."""
-        self._map = self._mv = None
+        self._map = self._mv = None  # type: ignore[assignment]  # closed: never used again
         if self.owner:
             unlink_segment(self.name)
             self.owner = False
@@ -248,7 +251,7 @@ def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
     return create_semaphore(name) if create else posix_ipc.Semaphore("/" + name)
 
 
-def close_semaphores(sems, unlink: bool) -> None:
+def close_semaphores(sems: Iterable[posix_ipc.Semaphore], unlink: bool) -> None:
     """Close every semaphore of ``sems``; unlink them too when ``unlink`` (their creator)."""
     for sem in sems:
         if unlink:  # before close(): posix_ipc refuses to unlink a closed semaphore
@@ -317,7 +320,7 @@ def disown(prefix: str) -> None:
 
 def known_prefixes() -> list[str]:
     """The prefixes of the synkhronos names in /dev/shm, each once."""
-    seen = {}
+    seen: dict[str, None] = {}  # (a dict: the prefixes in the order found)
     for entry in _entries():
         m = _NAME_RE.match(entry)
         if m is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from typing import Any
 
 from .. import _state
 from ..errors import Interrupted, MasterGone
@@ -76,7 +77,7 @@ def _on_interrupt(signum, frame):  # pragma: no cover - worker only
 
 def install_master_handlers() -> dict:
     """Make the master clean up before it dies of a signal left at its default action."""
-    saved = {}
+    saved: dict[int, Any] = {}
     if threading.current_thread() is not threading.main_thread():
         return saved  # signal handlers can only be set from the main thread
     for sig in FATAL_SIGNALS:

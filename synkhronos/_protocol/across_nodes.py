@@ -60,12 +60,12 @@ def share_host_cores() -> None:
     pinning do not pile onto the same cores. A copy the launcher bound (its
     affinity is less than every core) is left as it is."""
     for size_var, rank_var in HOST_VARS:
-        size, rank = os.environ.get(size_var, ""), os.environ.get(rank_var, "")
-        if size.isdigit() and rank.isdigit():
+        size_text, rank_text = os.environ.get(size_var, ""), os.environ.get(rank_var, "")
+        if size_text.isdigit() and rank_text.isdigit():
             break
     else:
         return
-    size, rank = int(size), int(rank)
+    size, rank = int(size_text), int(rank_text)
     try:
         cores = sorted(os.sched_getaffinity(0))
     except AttributeError:
@@ -117,7 +117,7 @@ def connect(proc, check) -> None:
     the other nodes' masters and make ``proc.comm`` the communicator over every
     process of every node (the workers wait for it in :func:`connect_worker`)."""
     plan = getattr(proc.device, "plan", None)
-    if getattr(plan, "nccl", False):
+    if plan is not None and getattr(plan, "nccl", False):
         # NCCL over every GPU of every node is designed (docs: Several machines),
         # not built: across nodes a GPU fork reduces through the host path
         warnings.warn("synkhronos: across nodes, GPU outputs and collectives go through the CPU "
@@ -209,6 +209,7 @@ def check_same_functions(proc, entries) -> None:
         return
     inter.begin(("distribute",), "distribute()")
     error = None
+    mine: list | str  # this node's entries, or what went wrong
     try:
         mine = list(entries())
     except Exception as err:  # noqa: BLE001 - the others must hear of it, not wait
@@ -325,7 +326,7 @@ def stepped(what: str):
             try:
                 return fn(*args, **kwargs)
             except Exception as err:
-                if before is not None and os.getpid() == s.pid:  # (never in a child the user forked)
+                if before is not None and s is not None and os.getpid() == s.pid:  # (never in a child the user forked)
                     failed_step(s, before, what, err)
                 raise
         return wrapper

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import pickle
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import numpy as np
 import posix_ipc
@@ -116,10 +117,10 @@ class ControlBlock:
         self._replies = {r: ReplyArea(replies[r]) for r in range(size) if r != master_rank}
         self._out_seq = 0
         self._top = 0               # master: the generation of the newest body written
-        self._last_body = None      # master: the kept body of the last command
-        self._kept = {}             # master: kept body (bytes) -> its generation
-        self._message = (-1, None)  # worker: (body generation, its unpickled message)
-        self._kept_messages = {}    # worker: generation -> unpickled message, of kept bodies
+        self._last_body: bytes | None = None  # master: the kept body of the last command
+        self._kept: dict[bytes, int] = {}     # master: kept body -> its generation
+        self._message: tuple[int, Any] = (-1, None)  # worker: (body generation, its unpickled message)
+        self._kept_messages: dict[int, Any] = {}  # worker: generation -> unpickled message, of kept bodies
         self.message_kept = False   # worker: whether the master may send the last message again
         self._overflow: Segment | None = None
         self._overflow_gen = 0
@@ -130,7 +131,7 @@ class ControlBlock:
 
     # -- master side -------------------------------------------------------
 
-    def post(self, cmd: Command, payload, body: bytes | None = None) -> None:
+    def post(self, cmd: Command, payload: Any, body: bytes | None = None) -> None:
         """Write a command and its payload, then wake every worker.
 
         ``body``, when given, is ``payload`` pickled already, by a caller that
@@ -142,16 +143,15 @@ class ControlBlock:
         loop that alternates between several functions and collectives.
         """
         words = self._words
-        fresh = False
+        fresh: int | None = None  # the generation of a body written now, if one was
         if body is None or body is not self._last_body:  # (the very last message again: all in place)
             keep = body is not None
-            if not keep:
+            if body is None:
                 body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
             n = len(body)
             gen = self._kept.get(body) if keep else None
-            fresh = gen is None or gen <= self._top - KEEP_WINDOW
-            if fresh:
-                gen = self._write_body(cmd, body, n, keep)
+            if gen is None or gen <= self._top - KEEP_WINDOW:
+                gen = fresh = self._write_body(cmd, body, n, keep)
             words[_W_BODY] = gen
             words[_W_LEN] = n
             self._last_body = body if keep else None
@@ -162,10 +162,10 @@ class ControlBlock:
         words[_W_SEQ] += 1
         for sem in self.go.values():
             sem.release()
-        if fresh and words[_W_KEEP]:  # sent: from now on the workers hold it
-            self._kept[body] = gen
+        if fresh is not None and words[_W_KEEP]:  # sent: from now on the workers hold it
+            self._kept[body] = fresh
             if len(self._kept) > 2 * KEEP_WINDOW:
-                self._kept = {b: g for b, g in self._kept.items() if g > gen - KEEP_WINDOW}
+                self._kept = {b: g for b, g in self._kept.items() if g > fresh - KEEP_WINDOW}
 
     def _write_body(self, cmd: Command, body: bytes, n: int, keep: bool) -> int:
         """Put a new body where the workers read it; returns its generation."""
@@ -188,7 +188,7 @@ class ControlBlock:
         words[_W_PAYGEN] = self._top
         return self._top
 
-    def outputs(self, rank: int):
+    def outputs(self, rank: int) -> tuple[tuple[list, float] | None, bool]:
         """Master-side, once worker ``rank`` answered: ``(got, big)``, ``got`` the
         ``(arrays, weight)`` it sent back with :meth:`put_outputs` (views of its
         reply area) or None when it had nothing to add, ``big`` whether they
@@ -285,7 +285,7 @@ class ControlBlock:
     def aborted(self) -> bool:
         return self._words[_W_ABORT] != 0
 
-    def receive(self, rank: int, check: Callable[[], None]):
+    def receive(self, rank: int, check: Callable[[], None]) -> tuple[Command, Any]:
         """Block until the next command for this worker; return ``(cmd, payload)``."""
         acquire(self.go[rank], check, spin=state.spin.idle)
         words = self._words
@@ -302,7 +302,7 @@ class ControlBlock:
         self._message = (gen, message)
         return cmd, message
 
-    def _unpickle(self, gen: int):
+    def _unpickle(self, gen: int) -> Any:
         """The message of a new body (generation ``gen``), kept if the master keeps it."""
         words = self._words
         if words[_W_PAYGEN] != gen:  # never: the master sends a generation alone only while it is kept here
@@ -311,7 +311,7 @@ class ControlBlock:
         n = words[_W_LEN]
         overflow = words[_W_GEN]
         if overflow == 0:
-            body = self._payload[:n]
+            body: bytes | memoryview = self._payload[:n]
         else:
             seg = Segment(f"{self.prefix}pay{overflow}")
             body = bytes(seg.buffer()[:n])
@@ -324,7 +324,7 @@ class ControlBlock:
                 self._kept_messages = {g: m for g, m in kept.items() if g > gen - KEEP_WINDOW}
         return message
 
-    def put_outputs(self, rank: int, arrays, weight: float) -> bool:
+    def put_outputs(self, rank: int, arrays: Sequence[np.ndarray] | None, weight: float) -> bool:
         """Worker-side, before :meth:`reply`: send ``arrays`` (a list of numpy
         arrays, or None for nothing to add) back with the answer. Arrays too
         big for the reply area go through a segment of their own, which the
@@ -372,7 +372,7 @@ class ControlBlock:
         self._payload.release()
         self._words.release()
         # views keep the mapping alive: drop every one, so the block is unmapped now
-        self._words = self._replies = None
+        self._words = self._replies = None  # type: ignore[assignment]  # closed: never used again
         self._kept = {}
         self._last_body = None
         self._message = (-1, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+from typing import cast
 
 import cloudpickle
 from pytensor.compile.sharedvalue import SharedVariable
@@ -60,7 +61,7 @@ def graph_digest(lf) -> str:
     script that built the same function."""
     from pytensor.printing import debugprint  # the graph as text, ids in graph order
 
-    text = debugprint(lf.compiled(), file="str", print_type=True)
+    text = cast(str, debugprint(lf.compiled(), file="str", print_type=True))  # (file="str": a str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -92,7 +93,7 @@ def distribute() -> None:
     if not new:
         return
     known = dict(s.shared_ids)
-    fresh = []
+    fresh: list[tuple[int, SharedVariable]] = []  # (sid, variable)
     for lf in new:
         for var in shared_variables(lf):
             if id(var) not in known and all(v is not var for _, v in fresh):

@@ -46,19 +46,19 @@ class ReplyArea:
 
     def __init__(self, area: np.ndarray):
         self._buf = area
-        self._mv = memoryview(area)
+        self._mv = memoryview(area)  # type: ignore[arg-type, unused-ignore]  # numpy < 2.5's stubs: a Buffer on 3.12+ only
         self._cap = area.nbytes
         self._words = area.view(np.int64)
         # the header's words one at a time: a memoryview reads and writes them
         # in a third of a numpy element access's time, on every call
         self._head = self._mv[:_HEAD * 8].cast("q")
         self._weight = self._mv[:_HEAD * 8].cast("d")  # word 1, the weight, as a float
-        self._layout = None    # writer: the layout in the header now, and views where its arrays go
-        self._dst = []
+        self._layout: tuple | None = None  # writer: the layout in the header now, and views where its arrays go
+        self._dst: list[np.ndarray] = []
         self._layouts = Table(_MAX_LAYOUTS)     # writer: layout -> (its version, the views where its arrays go)
         self._versions = int(self._head[3])  # writer: the last version given (never given twice)
         self._version = -1     # reader: the header version its views were made for
-        self._views = []
+        self._views: list[np.ndarray] = []
         self._seen = Table(_MAX_LAYOUTS)        # reader: version -> views, of the layouts read before
 
     def put(self, arrays, weight: float) -> bool:
@@ -69,8 +69,8 @@ class ReplyArea:
                 return False
         elif (arrays or self._layout != ()) and not self._switch(arrays):  # (after put_elsewhere: None)
             return False
-        for a, dst in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
-            dst[...] = a
+        for a, view in zip(arrays, self._dst):  # the same dtype and shape: a plain copy
+            view[...] = a
         self._weight[1] = weight
         self._head[0] = INLINE
         return True

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from .. import _state
 from .._procs import signals
@@ -51,26 +51,26 @@ class Session:
         self.threads = threads       # the master's thread cap while forked (limit_threads)
         self.freed = False           # inside synk.master_free(): the cap and binding lifted
         self.broken: BaseException | None = None
-        self.distributed = set()     # ids of functions the workers hold
-        self.shared_ids = {}         # id(shared variable) -> sid
-        self.shared_vars = {}        # sid -> shared variable (keeps them alive)
-        self.dropped = []            # Data uids whose old mappings workers should close
-        self.saved_affinity = None   # the master's cores before fork() pinned it
-        self.collective_scratch = {}  # staging Data for values the master sends
-        self.data_memory = {}        # Data uid -> its shared memory, while the Data lives
-        self.in_flight = None        # thread id while a command runs (nested calls are refused)
+        self.distributed: set[int] = set()  # ids of functions the workers hold
+        self.shared_ids: dict[int, int] = {}  # id(shared variable) -> sid
+        self.shared_vars: dict[int, Any] = {}  # sid -> shared variable (keeps them alive)
+        self.dropped: list[int] = []  # Data uids whose old mappings workers should close
+        self.saved_affinity: set[int] | None = None  # the master's cores before fork() pinned it
+        self.collective_scratch: dict[tuple, Any] = {}  # staging Data for values the master sends
+        self.data_memory: dict[int, Any] = {}  # Data uid -> its shared memory, while the Data lives
+        self.in_flight: int | None = None  # thread id while a command runs (nested calls are refused)
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it
         self.timeout: float | None = None  # fork(timeout=...): longest wait for the workers
         self.close_requested = False  # close() came during a command (another thread, a handler)
         self.closed = False
-        self.saved_handlers = {}     # signal -> the disposition fork() replaced in the master
+        self.saved_handlers: dict[int, Any] = {}  # signal -> the disposition fork() replaced in the master
         self._needs_reset = False    # the abort flag was raised: reset before the next command
         self._wait_start = 0.0
         self._next_warning = 0.0
         self._next_signal = 0.0
         self._next_alive = 0.0       # check_alive(): when the workers' liveness is checked next
-        self.on_step = None          # across nodes: on_step(cmd, payload) starts each command's step
-        self.on_break = None         # across nodes: on_break(err) tells the others this fork broke
+        self.on_step: Callable[[Command, Any], None] | None = None  # across nodes: starts each command's step
+        self.on_break: Callable[[BaseException], None] | None = None  # across nodes: tells the others this fork broke
 
     @property
     def n_parallel(self) -> int:

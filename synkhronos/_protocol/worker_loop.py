@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 from functools import partial
+from typing import Any, Callable
 
 from .control import Command
 from .data_refs import forget
@@ -45,7 +46,7 @@ def _open_device(proc, msg) -> None:
 
 
 #: The worker half of every command: ``HANDLERS[cmd](proc, payload)``.
-HANDLERS = {
+HANDLERS: dict[Command, Callable[[Any, Any], Any]] = {
     Command.DISTRIBUTE: partial(receive_functions, make_local=LocalFunction),
     Command.CALL: worker_call,
     Command.COLLECTIVE: worker_collective,

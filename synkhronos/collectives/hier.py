@@ -24,7 +24,7 @@ of its contributing processes' weights, so it equals the flat average.
 from __future__ import annotations
 
 import pickle
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from .base import Communicator
 from .ops import cast_to, result_dtype
 
 from ..errors import PeerFailed
+
+if TYPE_CHECKING:
+    from .mpi import MpiCommunicator
 
 __all__ = ["HierarchicalCommunicator", "NodeCommunicator", "MASTERS"]
 
@@ -69,7 +72,7 @@ class HierarchicalCommunicator(Communicator):
     device_arrays = False
     supports_resident = False
 
-    def __init__(self, local: Communicator, inter: Communicator | None):
+    def __init__(self, local: Communicator, inter: MpiCommunicator | None):
         is_master = local.rank == local.master_rank
         if is_master != (inter is not None):
             raise ValueError("the node master (local.rank == local.master_rank) takes the inter-node "
@@ -79,7 +82,7 @@ class HierarchicalCommunicator(Communicator):
         self._lm = local.master_rank
         self._alone = local.size == 1  # a node of one process: no local steps at all
         shape = None
-        if is_master:
+        if inter is not None:  # (the node master)
             parts = inter.all_gather([np.array([local.size, local.master_rank], dtype=np.int64)])[0]
             table = np.stack(parts)
             shape = [table, np.array([inter.rank, inter.master_rank], dtype=np.int64)]
@@ -173,7 +176,7 @@ class HierarchicalCommunicator(Communicator):
 
     def barrier(self) -> None:
         self._local.barrier()
-        if self._is_master:
+        if self._inter is not None:  # (the node master)
             self._inter.barrier()
         self._local.barrier()
 
@@ -216,6 +219,7 @@ class HierarchicalCommunicator(Communicator):
             return self._node_part(arrays, op, weight, failed)
 
         def middle(value, bad):
+            inter = cast("MpiCommunicator", self._inter)  # (middle runs in the node master)
             part, wsum = value if value is not None else (None, None)
             w = 1.0 if wsum is None else wsum
             if root is None or root is MASTERS:
@@ -225,14 +229,13 @@ class HierarchicalCommunicator(Communicator):
                     np.may_share_memory(p, a) for p, a in zip(part, arrays)))
                 if in_place and root is None and fresh and arrays is not None:
                     # straight into this master's own arrays, which the node then shares
-                    return self._inter.all_reduce(part, op, weight=w, failed=bad, into=list(arrays))
-                return self._inter.all_reduce(part, op, weight=w, failed=bad,
-                                              in_place=bool(in_place or fresh))
-            out = self._inter.reduce(part, op, root_node, weight=w, failed=bad)
+                    return inter.all_reduce(part, op, weight=w, failed=bad, into=list(arrays))
+                return inter.all_reduce(part, op, weight=w, failed=bad, in_place=bool(in_place or fresh))
+            out = inter.reduce(part, op, root_node, weight=w, failed=bad)
             return out
 
         if root is None:
-            def share(value, bad):
+            def share_everywhere(value, bad):
                 receive = None
                 if in_place and arrays is not None and not self._is_master:
                     def receive(i, a):
@@ -245,7 +248,7 @@ class HierarchicalCommunicator(Communicator):
                             np.copyto(dst, cast_to(src, dst.dtype))
                     return list(arrays)
                 return out
-            return self._steps(first, middle, share)
+            return self._steps(first, middle, share_everywhere)
         if root is MASTERS:
             return self._steps(first, middle, self._verdict)
 
@@ -280,9 +283,10 @@ class HierarchicalCommunicator(Communicator):
 
         def middle(parts, bad):
             # the node's parts as two arrays: a pickled layout, then every present part's bytes
+            inter = cast("MpiCommunicator", self._inter)  # (middle runs in the node master)
             lays, chunks = [], []
             for per_array in parts or ():
-                lay = []
+                lay: list[tuple | None] = []
                 for p in per_array:
                     if p is None:
                         lay.append(None)
@@ -294,9 +298,9 @@ class HierarchicalCommunicator(Communicator):
             head = np.frombuffer(pickle.dumps(lays, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             blob = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
             if root is None or root is MASTERS:
-                got = self._inter.all_gather([head, blob], failed=bad)
+                got = inter.all_gather([head, blob], failed=bad)
             else:
-                got = self._inter.gather([head, blob], root_node, failed=bad)
+                got = inter.gather([head, blob], root_node, failed=bad)
             if got is None:
                 return None
             # a node that has joined (synk.join()) gave nothing: a head saying so, which the
@@ -321,7 +325,7 @@ class HierarchicalCommunicator(Communicator):
         return self._steps(first, middle, share)
 
     def _unpack(self, packed, join):
-        per_node = []
+        per_node: list[tuple[list, np.ndarray]] = []
         for node in range(self.nodes):
             lays = None if packed[2 * node] is None else pickle.loads(np.asarray(packed[2 * node]).tobytes())
             if lays is None:  # a node that has joined (synk.join()): nothing of its own
@@ -333,7 +337,7 @@ class HierarchicalCommunicator(Communicator):
             raise ValueError(f"cannot gather: the nodes hold different numbers of arrays "
                              f"{[len(lays) for lays, _ in per_node]}")
         n = counts.pop() if counts else 0
-        parts = [[] for _ in range(n)]
+        parts: list[list] = [[] for _ in range(n)]
         for node, (lays, blob) in enumerate(per_node):
             offset = 0
             for i in range(n):
@@ -370,8 +374,9 @@ class HierarchicalCommunicator(Communicator):
             return arrays if self.rank == root else None
 
         def middle(value, bad):
+            inter = cast("MpiCommunicator", self._inter)  # (middle runs in the node master)
             bad = bad or (self.rank == root and bool(failed))
-            return self._inter.broadcast(value if on_root_node else None, root_node, failed=bad)
+            return inter.broadcast(value if on_root_node else None, root_node, failed=bad)
 
         def share(value, bad):
             if relay:  # the node has the values already: only the verdict travels
@@ -412,7 +417,7 @@ class NodeCommunicator(HierarchicalCommunicator):
     homes (``resident`` and the rest) are the node's own communicator's.
     """
 
-    def __init__(self, local: Communicator, inter: Communicator | None):
+    def __init__(self, local: Communicator, inter: MpiCommunicator | None):
         super().__init__(local, inter)
         self.first_master = self.master_rank
         self.master_rank = local.master_rank
@@ -420,7 +425,7 @@ class NodeCommunicator(HierarchicalCommunicator):
         self.supports_resident = local.supports_resident
 
     @property
-    def inter(self) -> Communicator | None:
+    def inter(self) -> MpiCommunicator | None:
         """The communicator among node masters (in a node master), else None."""
         return self._inter
 

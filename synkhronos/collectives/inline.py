@@ -69,14 +69,15 @@ class InlineArea:
         self._words = area.view(np.int64)
         # the header's words one at a time: a memoryview reads and writes them
         # in a third of a numpy element access's time, on every collective
-        self._head = memoryview(area)[:_HEAD * 8].cast("q")
-        self._layout = None      # writer: the layout in the header now, and views where its arrays go
-        self._wviews = []
+        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
+        self._head = memoryview(area)[:_HEAD * 8].cast("q")  # type: ignore[arg-type, unused-ignore]
+        self._layout: tuple | None = None  # writer: the layout in the header now, and views where its arrays go
+        self._wviews: list[np.ndarray] = []
         self._layouts = Table(_MAX_LAYOUTS)       # writer: layout -> (its version, its views), of the layouts that fit
         self._versions = int(self._head[2])  # writer: the last version given
         self._version = -1       # reader: the header version its views were made for
-        self._rviews = []
-        self._rlayout = ()
+        self._rviews: list[np.ndarray] | None = []
+        self._rlayout: tuple = ()
         self._seen = Table(_MAX_LAYOUTS)          # reader: version -> (layout, views or None) of layouts read before
 
     def fits(self, layout) -> bool:
@@ -156,7 +157,7 @@ class InlineArea:
             ndim = int(words[w + 1])
             layout.append((np.dtype(name), tuple(int(d) for d in words[w + 2:w + 2 + ndim])))
             w += 2 + ndim
-        fits = area_bytes(layout) <= self._cap
+        fits = self.fits(layout)  # (always a layout the writer could write: its size is known)
         return tuple(layout), (self._views(layout, w) if fits else None)
 
 

@@ -46,7 +46,7 @@ import functools
 import math
 import pickle
 import zlib
-from typing import Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
@@ -103,16 +103,18 @@ class MpiCommunicator(Communicator):
         self.rank = comm.Get_rank()
         self.size = size
         self.master_rank = int(master_rank)
-        self._comm = None
-        self._notices = None        # the failure channel between nodes (launch.Notices)
+        # the duplicate of comm (mpi4py) and the failure channel between nodes (launch.Notices):
+        # None before they are made and once closed (every use follows _enter's check, or is in a step)
+        self._comm: Any = None
+        self._notices: Any = None
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
         self.begun = 0              # steps begun here (a caller compares it to see whether it began one)
         self._exchanges = 0         # exchanges of headers in this step so far
-        self._failed = None         # why this step failed on every node (known from an exchange), if it did
+        self._failed: str | None = None  # why this step failed on every node (known from an exchange), if it did
         self.pre_begun = False      # a step begun before its command (see nodes.from_first_node)
         self._words = "fork()"      # what this step is, in words
         self._crcs: dict = {}       # step key -> its checksum
-        self.waiting = None         # what this node master waits for the other nodes in, if it does
+        self.waiting: str | None = None  # what this node master waits for the other nodes in, if it does
         self.joined: list = []      # the nodes that had joined (join()) at the last exchange
         self.ended: str | None = None  # why no step can be made any more (a node left, the others closed)
         self._leaving = None        # this node's last header (leave()): (request, buffers)
@@ -161,7 +163,8 @@ class MpiCommunicator(Communicator):
         length, its step's number, ``mark`` and ``plan``), then ``blob`` when it fits.
         ``(request, (slot, slots))``: the request and the buffers it uses."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)
+        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
+        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)  # type: ignore[arg-type, unused-ignore]
         if len(blob) <= HEADER_SLOT - HEAD.size:
             slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
@@ -233,20 +236,21 @@ class MpiCommunicator(Communicator):
 
     # -- agreement ---------------------------------------------------------
 
-    def begin(self, key: tuple, words) -> None:
+    def begin(self, key: tuple | None, words) -> None:
         """This node starts its next step. Its number and ``key`` (what must be the
         same on every node: the kind of step, the function or variables, the op, as
         a checksum) travel in every exchange of the step, so nodes in different steps
         raise :class:`StepMismatchError`, every one of them, at their first exchange,
         never combine what they should not. ``words`` (a string, or a function and
         its arguments that make it, as a tuple) name the step in that error: they
-        travel only then."""
+        travel only then. ``key`` None: a step that failed before it knew its key,
+        its checksum FAILED (which matches any step of its number)."""
         crc = self._crcs.get(key)
         if crc is None and key is not None:
             crc = self._crcs[key] = zlib.crc32(repr(key).encode())
             if len(self._crcs) > 4096:
                 self._crcs.clear()
-        self.step = (self.step[0] + 1, crc)
+        self.step = (self.step[0] + 1, FAILED if crc is None else crc)
         self._words = words
         self.begun += 1
         self._exchanges = 0
@@ -263,8 +267,7 @@ class MpiCommunicator(Communicator):
         or when no step can be made any more; errors here are dropped (the caller
         raises its own)."""
         if not begun:
-            self.begin(None, f"{what} (failed here: {reason})"[:STEP_TEXT])
-            self.step = (self.step[0], FAILED)
+            self.begin(None, f"{what} (failed here: {reason})"[:STEP_TEXT])  # (checksum FAILED)
         if self._exchanges or self._failed is not None or self._comm is None or self.broken is not None \
                 or self.ended is not None:
             return
@@ -550,7 +553,9 @@ class MpiCommunicator(Communicator):
         """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep)``."""
         MPI = self._MPI
         mpi_op = {name: getattr(MPI, name) for name in ("SUM", "PROD", "MAX", "MIN")}
-        reqs, jobs, keep = [], [], []
+        reqs: list = []
+        keep: list = []
+        jobs = []
         for i, (dtype, shape) in enumerate(layout):
             plan = reduce_plan(dtype, op)
             count = math.prod(shape)
@@ -619,7 +624,8 @@ class MpiCommunicator(Communicator):
                 dtype, shape = lay
                 if sizes[r] == 0:
                     return np.empty(shape, dtype=dtype)
-                return recv[displs[r]:displs[r] + sizes[r]].view(dtype).reshape(shape)
+                got = cast(np.ndarray, recv)  # (read where the parts were received)
+                return got[displs[r]:displs[r] + sizes[r]].view(dtype).reshape(shape)
 
         return Parts()
 
@@ -685,7 +691,8 @@ class MpiCommunicator(Communicator):
         n = counts.pop() if counts else 0
 
         def start():
-            reqs, keep = [], []
+            reqs: list = []
+            keep: list = []
             views = [self._start_gather(None if arrays is None else arrays[i], metas, i, root, reqs, keep)
                      for i in range(n)]
             return reqs, views, keep

@@ -338,7 +338,7 @@ class NcclCommunicator(Communicator):
         self._wait()
         out = []
         for i, ((_, recv), slot) in enumerate(zip(bufs, slots)):
-            parts = []
+            parts: list = []
             for r, lay in enumerate(lays):
                 if lay is None:
                     parts.append(None)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from .._kept.records import Table
 
 __all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to",
            "agreed_layout", "identity", "Reducer", "kept_reducer"]
@@ -133,7 +138,8 @@ class Reducer:
         self.op, self.dtype, self.shape, self.n = op, np.dtype(dtype), tuple(shape), n
         self.weights = None if weights is None else list(weights)
         self.scalar_path = not self.shape and self.dtype.kind in _SCALAR_KINDS.get(op, "")
-        self.convert, self.scales, self.equal = None, None, True
+        self.convert, self.equal = None, True
+        self.scales: list = []  # avg: the weights as fractions, scalars of the result's dtype
         if op == "avg":
             rdtype = result_dtype(self.dtype, op)
             if self.dtype != rdtype:  # integers and booleans: in float64 (PyTensor's mean of ints)
@@ -221,7 +227,7 @@ class Reducer:
         return acc
 
 
-def kept_reducer(cache: dict, op: str, parts) -> Reducer:
+def kept_reducer(cache: Table, op: str, parts) -> Reducer:
     """The :class:`Reducer` of equally weighted ``parts`` (equal dtypes and shapes,
     checked by the caller) with ``op``, kept in ``cache`` (``proc.kept.reducers``, a
     :class:`~synkhronos._kept.records.Table`) from call to call."""

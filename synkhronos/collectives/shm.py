@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 import posix_ipc
@@ -74,7 +74,7 @@ class ShmCommunicator(Communicator):
         self._resident_ids: dict[int, str] = {}                   # id(view) -> segment name
         self._named: dict[str, Segment] = {}                      # peers' resident segments
         self._resident_gen = 0
-        self._last_meta = None     # (key, pickled header, offsets, end) of the last publish
+        self._last_meta: tuple | None = None  # (key, pickled header, offsets, end) of the last publish
         self._slot_views = Table(64)
         self._read_cache: dict = {}  # rank -> (segment, header bytes, parsed views)
         self._result: Segment | None = None
@@ -276,7 +276,7 @@ class ShmCommunicator(Communicator):
             self._slot_gen[self.rank] = gen
         self._slot.set_int(len(meta))
         self._slot.set_bytes(8, meta)
-        if arrays is not None:
+        if layout is not None:  # (arrays given)
             for a, off, (_, _, name) in zip(arrays, offsets, layout):
                 if a.nbytes and name is None:
                     np.copyto(self._slot_view(off, a.dtype, a.shape), a, casting="no")
@@ -284,12 +284,13 @@ class ShmCommunicator(Communicator):
     def _slot_view(self, offset, dtype, shape):
         view = self._slot_views.get((offset, dtype, shape))
         if view is None:
-            view = self._slot_views.keep((offset, dtype, shape), self._slot.array(dtype, shape, offset))
+            slot = cast(Segment, self._slot)  # (_publish made it)
+            view = self._slot_views.keep((offset, dtype, shape), slot.array(dtype, shape, offset))
         return view
 
     def _peer(self, rank: int) -> Segment:
         if rank == self.rank:
-            return self._slot
+            return cast(Segment, self._slot)  # (read after _publish)
         gen = int(self._slot_gen[rank])
         seg = self._peer_slots.get(rank)
         if seg is None or not seg.name.endswith(f".{gen}"):
@@ -309,6 +310,7 @@ class ShmCommunicator(Communicator):
         if cached is not None and cached[0] is seg and cached[1] == raw:
             return cached[2]  # same segment, same header: the same views
         layout, weight, failed = pickle.loads(raw)
+        result: tuple
         if layout is None:
             result = (None, weight, failed, False)
         else:
@@ -354,7 +356,7 @@ class ShmCommunicator(Communicator):
             if self._result is not None:
                 self._result.close()
             self._result = new
-        return self._result
+        return cast(Segment, self._result)  # (made above, if there was none)
 
     # -- collectives -------------------------------------------------------
 
@@ -455,7 +457,8 @@ class ShmCommunicator(Communicator):
         for _ in range(self.size - 1):
             acquire(self._arrive, self.check)
         views = {r: self._read(r) for r in range(self.size)}
-        waiting, fast = [], []
+        waiting: list[int] = []
+        fast: list[int] = []
         for r, (arrs, *_) in views.items():
             if r != self.master_rank:
                 big = arrs is not None and sum(a.nbytes for a in arrs) >= CHUNK_THRESHOLD
@@ -595,7 +598,7 @@ class ShmCommunicator(Communicator):
         """Per rank, the layout of the arrays in its area (``own_layout`` for
         this process): for an error that names them. None where not even the
         layout fit."""
-        out = []
+        out: list[tuple | None] = []
         for r in range(self.size):
             if r == self.rank:
                 out.append(tuple(own_layout))
@@ -631,21 +634,21 @@ class ShmCommunicator(Communicator):
             seg.close()
         self._owned.clear()
         self._resident_ids.clear()
-        for seg in (self._slot, self._result):
-            if seg is not None:
-                seg.close()
+        for own in (self._slot, self._result):
+            if own is not None:
+                own.close()
         self._slot = self._result = None
         # cached views keep their mappings alive: drop them, so the memory goes now
         self._slot_views.clear()
         self._read_cache.clear()
         self._last_meta = None
-        self._board = self._slot_gen = None
-        self._areas = None
+        self._board = self._slot_gen = None  # type: ignore[assignment]  # closed: never used again
+        self._areas = None  # type: ignore[assignment]  # (the same)
         self._inline_seg.close()
         self._peer_homes.clear()
         for words in self._home_words:
             words.release()
-        self._home_words = self._home_names = None
+        self._home_words = self._home_names = None  # type: ignore[assignment]  # closed: never used again
         self._homes_seg.close()
         close_semaphores([self._arrive, *self._depart.values(), *self._release.values()], unlink=self._create)
         self._board_seg.close()

@@ -14,7 +14,7 @@ from .gpu import GpuDevice
 __all__ = ["Device", "CpuDevice", "GpuDevice", "DEVICES", "choose", "create"]
 
 #: ``fork(device=...)`` name -> Device class.
-DEVICES = {"cpu": CpuDevice, "gpu": GpuDevice}
+DEVICES: dict[str, type[Device]] = {"cpu": CpuDevice, "gpu": GpuDevice}
 #: What ``device="auto"`` tries, in order: the first with units to use, else the last.
 AUTO = ("gpu", "cpu")
 #: The most GPUs the GPU path has run on (docs/gpu-validation.rst: one H100, 2026-11-26, NCCL
@@ -55,6 +55,6 @@ def _warn_unvalidated(units: int) -> None:
     warnings.warn(unvalidated_gpus(units), UserWarning, stacklevel=user_stacklevel())
 
 
-def create(cls, units: int, n_parallel: int, master_rank: int) -> Device:
+def create(cls: type[Device], units: int, n_parallel: int, master_rank: int) -> Device:
     """The master's device for a fork of ``n_parallel`` processes (warnings, plan, bind the master)."""
     return cls.create(units, n_parallel, master_rank)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..collectives import BACKENDS
+from ..collectives import BACKENDS, Communicator
 
 __all__ = ["Device"]
 
@@ -22,7 +22,7 @@ class Device:
     #: The ``collectives.BACKENDS`` key of the host-memory communicator.
     host_backend = "shm"
     #: The device communicator (GPU: NCCL when every process has a GPU of its own), or None.
-    comm = None
+    comm: Communicator | None = None
     #: synk.function's default PyTensor mode on this device (None: PyTensor's own).
     default_mode: str | None = None
     #: on_device() is allowed: shared-variable values may stay on the device.

@@ -11,11 +11,12 @@ import dataclasses
 import logging
 import os
 import warnings
+from typing import cast
 
 import numpy as np
 
 from .._arrays import concat, is_device_array, join, to_jax, to_numpy
-from ..collectives import BACKENDS
+from ..collectives import BACKENDS, Communicator
 from ..collectives.nccl import new_unique_id
 from ..collectives.ops import cast_to
 from .._protocol.control import Command
@@ -74,7 +75,7 @@ class GpuDevice(Device):
     def __init__(self, plan: gpu_stack.GpuPlan):
         self.plan = plan
         self.state: GpuState | None = None   # once this process opened its GPU
-        self.comm = None                     # NcclCommunicator when every process has a GPU of its own
+        self.comm: Communicator | None = None  # NcclCommunicator when every process has a GPU of its own
 
     @classmethod
     def units(cls, required: bool) -> int:
@@ -122,7 +123,8 @@ class GpuDevice(Device):
         """
         if self.state is None:
             return
-        on_jax, elsewhere = set(), set()
+        on_jax: set[int] = set()
+        elsewhere: set[int] = set()
         for lf in proc.functions.values():
             fn = lf.compiled()
             used = {id(inp.variable) for inp in fn.maker.inputs if inp.shared}
@@ -150,7 +152,7 @@ class GpuDevice(Device):
         """Make ``value`` (a CuPy array) the value of ``var``: on the device for a placed
         variable, in host memory for the others."""
         value = cast_to(value, var.type.dtype)  # rounded into integers, never truncated
-        if sid in self.state.placed:
+        if sid in cast(GpuState, self.state).placed:  # (the NCCL paths run once the GPU is open)
             var.container.storage[0] = to_jax(value)
         else:
             var.set_value(to_numpy(value), borrow=True)
@@ -176,30 +178,34 @@ class GpuDevice(Device):
         finally:
             self.keep_on_device(proc)  # also a value the master was given (broadcast, set_value)
 
+    def _nccl(self) -> Communicator:
+        """The NCCL communicator (:meth:`shared_collective` takes the NCCL paths only once it is open)."""
+        return cast(Communicator, self.comm)
+
     def _assign_all(self, spec, vars_, got) -> None:
         for sid, v, g in zip(spec.sids, vars_, got):
             self._assign_on_device(sid, v, g)
 
     def _nccl_broadcast(self, proc, spec):
         vars_, values = _values(proc, spec)
-        got = self.comm.broadcast(values if proc.is_master else None, root=proc.master_rank)
+        got = self._nccl().broadcast(values if proc.is_master else None, root=proc.master_rank)
         if not proc.is_master:
             self._assign_all(spec, vars_, got)
 
     def _nccl_gather(self, proc, spec):
         vars_, values = _values(proc, spec)
-        return self.comm.gather(values, root=proc.master_rank, join=lambda i, parts: join(
+        return self._nccl().gather(values, root=proc.master_rank, join=lambda i, parts: join(
             [to_numpy(p) for p in parts], spec.nd_up, vars_[i]))
 
     def _nccl_all_gather(self, proc, spec):
         vars_, values = _values(proc, spec)
-        got = self.comm.all_gather(values, join=lambda i, parts: concat(parts))
+        got = self._nccl().all_gather(values, join=lambda i, parts: concat(parts))
         self._assign_all(spec, vars_, got)
         return [to_numpy(g) for g in got] if proc.is_master else None
 
     def _nccl_reduce(self, proc, spec):
         vars_, values = _values(proc, spec)
-        got = self.comm.reduce(values, spec.op, root=proc.master_rank)
+        got = self._nccl().reduce(values, spec.op, root=proc.master_rank)
         if got is not None and proc.is_master:
             if spec.in_place:
                 self._assign_all(spec, vars_, got)
@@ -208,7 +214,7 @@ class GpuDevice(Device):
 
     def _nccl_all_reduce(self, proc, spec):
         vars_, values = _values(proc, spec)
-        self._assign_all(spec, vars_, self.comm.all_reduce(values, spec.op))
+        self._assign_all(spec, vars_, self._nccl().all_reduce(values, spec.op))
 
     # -- outputs -----------------------------------------------------------
 

@@ -27,6 +27,7 @@ updates, for reference and for code that runs without synkhronos.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import numpy as np
 import pytensor
@@ -139,7 +140,7 @@ def _grads(loss_or_grads, params) -> list:
     if not isinstance(loss_or_grads, Variable) or loss_or_grads.type.ndim != 0:
         raise TypeError(f"loss_or_grads must be a scalar PyTensor loss or a list of gradients, "
                         f"got {loss_or_grads!r}")
-    return pytensor.grad(loss_or_grads, params)
+    return cast(list, pytensor.grad(loss_or_grads, params))  # (params a list: a list)
 
 
 def _const(value, dtype):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from .. import _state
 from .._procs.launch import launched
 from ..errors import SynkError
 from .shm_tables import ShmStore
 from .spmd import ForkedWorld
+
+if TYPE_CHECKING:
+    from .mpi_world import MpiWorld
 
 __all__ = ["init", "shutdown", "barrier", "workers_num", "worker_id", "server_id",
            "is_master_worker", "under_launcher"]
@@ -18,7 +22,7 @@ __all__ = ["init", "shutdown", "barrier", "workers_num", "worker_id", "server_id
 class _State:
     """What ``init()`` made in this process."""
 
-    def __init__(self, world, sync: bool):
+    def __init__(self, world: ForkedWorld | MpiWorld, sync: bool):
         self.world = world
         self.sync = sync
         self.tables: list = []
@@ -57,7 +61,7 @@ def _default_workers() -> int:
     return _gpus() or _cores()
 
 
-def _make_world(num_workers):
+def _make_world(num_workers: int | None) -> ForkedWorld | MpiWorld:
     """The backend, chosen here and only here: MPI under a launcher, else forked workers."""
     if under_launcher():
         from .mpi_world import MpiWorld  # imports mpi4py: only under a launcher
@@ -69,9 +73,9 @@ def _make_world(num_workers):
                              "processes; leave num_workers out under mpirun")
         return world
     n = _default_workers() if num_workers is None else num_workers
-    world = ForkedWorld(n, ShmStore)
-    world.start()
-    return world
+    forked = ForkedWorld(n, ShmStore)
+    forked.start()
+    return forked
 
 
 def init(sync: bool = False, num_workers: int | None = None) -> None:
@@ -199,7 +203,7 @@ def is_master_worker() -> bool:
     return _ids("is_master_worker()").rank == 0
 
 
-def _ids(what: str):
+def _ids(what: str) -> ForkedWorld | MpiWorld:
     state = _state.multiverso_server()
     if state is None:
         raise SynkError(f"{what} was called before multiverso.init()")

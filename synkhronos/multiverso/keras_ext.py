@@ -14,6 +14,8 @@ every ``freq`` training batches. Keras is optional (``pip install
 
 from __future__ import annotations
 
+from typing import cast
+
 from .pytensor_ext.param_manager import MVModelParamManager
 
 try:
@@ -135,4 +137,4 @@ class MVCallback(keras.callbacks.Callback):
         self.cur_n = (self.cur_n + 1) % self.freq
         if self.cur_n == 0:
             _ = self.model  # JAX: attaches the trained state to the model before it is read
-            self.kpm.sync_all_param()
+            cast(KerasParamManager, self.kpm).sync_all_param()  # (on_train_begin made it)

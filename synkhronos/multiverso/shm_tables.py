@@ -153,7 +153,7 @@ class ShmStore:
         """Every add is applied before it returns: nothing to wait for."""
 
     def close(self) -> None:
-        self.data = self.arrived = self.copied = None
+        self.data = self.arrived = self.copied = None  # type: ignore[assignment]  # closed: never used again
         if self.seg is not None:
             self.seg.close()  # rank 0 created it and unlinks it; the others only unmap
             self.seg = None

@@ -38,6 +38,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
@@ -123,6 +124,11 @@ class TableWorld:
     ``mpi_world.MpiWorld`` share (not :class:`synkhronos.World`, a node's place)."""
 
     closed = False
+
+    if TYPE_CHECKING:  # what each world defines
+        def check(self, what: str = "this call") -> None: ...
+        def _publish(self, kind: int, arg: int) -> None: ...
+        def _deadlock(self, what: str, stuck: dict) -> None: ...
 
     def wait_until(self, pred, what: str, waiting=None, also=None) -> None:
         """Poll ``pred`` until it holds, raising when a peer fails meanwhile.

@@ -52,7 +52,7 @@ class TorchParamManager(MVModelParamManager):
         if not isinstance(buffers, bool):
             raise TypeError(f"TorchParamManager: buffers must be True or False, got {buffers!r}")
         self._torch = torch
-        self._tensors = list(model.parameters())
+        self._tensors: list[torch.Tensor] = list(model.parameters())
         if buffers:
             self._tensors += [b for b in model.buffers() if b.is_floating_point()]
         super().__init__(model)

@@ -124,11 +124,11 @@ def mv_shared(*args, **kwargs):
     mvs = MVSharedVariable(var)
     var.mv_shared_var = mvs
     var.mv_sync = mvs.mv_sync
-    mv_shared.shared_vars.append(mvs)
+    mv_shared.shared_vars.append(mvs)  # type: ignore[attr-defined]  # (mypy knows no function attributes)
     return var
 
 
-mv_shared.shared_vars = []  # every MVSharedVariable made by mv_shared, as in Multiverso
+mv_shared.shared_vars = []  # type: ignore[attr-defined]  # every MVSharedVariable made by mv_shared, as in Multiverso
 
 
 def sync_all_mv_shared_vars() -> None:
@@ -138,5 +138,5 @@ def sync_all_mv_shared_vars() -> None:
         SynkError: called before ``mv.init()`` or after ``mv.shutdown()``.
         WorkerFailedError: another worker failed.
     """
-    for sv in mv_shared.shared_vars:
+    for sv in mv_shared.shared_vars:  # type: ignore[attr-defined]  # (see above)
         sv.mv_sync()
