@@ -562,7 +562,7 @@ def _value_and_grad_without_jax(fgraph, node):
     ``host_mode``: a share inside an XLA callback, where JAX cannot run."""
     op = node.op
     wrt = [op.inner_inputs[i] for i in op.wrt]
-    grads = pytensor.grad(op.inner_output, wrt, disconnected_inputs="ignore") if wrt else []
+    grads = cast(list, pytensor.grad(op.inner_output, wrt, disconnected_inputs="ignore")) if wrt else []  # (wrt a list)
     outs = clone_replace([op.inner_output, *grads], dict(zip(op.inner_inputs, node.inputs)))
     return [o if o.type.dtype == v.type.dtype else pt.cast(o, v.type.dtype) for o, v in zip(outs, node.outputs)]
 
