@@ -103,11 +103,12 @@ test-main: $(VENV)/.test
 	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not long and not slow" tests
 
-PYMC_TESTS  := tests/test_pymc.py tests/test_pymc_zoo.py tests/test_as_op.py tests/test_xla_rewrites.py
+PYMC_TESTS  := tests/test_pymc.py tests/test_pymc_zoo.py tests/test_xla_rewrites.py
 PYMC5_TESTS := tests/test_pymc_zoo.py tests/test_row_split.py
 
 # make test's part: the zoo on 2 processes, one sampler (nutpie) besides PyMC's own NUTS, JAX mode
-# on 2 processes; make test-slow runs the rest
+# on 2 processes; make test-slow runs the rest, and Function.as_op on PyMC's PyTensor (make test
+# runs it in the main environment)
 test-pymc: $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
 	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYMC_TESTS)
 	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYMC5_TESTS)
@@ -116,6 +117,7 @@ test-pymc: $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
 test-slow: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
 	$(PY) -m pytest -q -m "slow and not long" tests
 	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYMC_TESTS)
+	$(PYMC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_as_op.py
 	$(PYMC5_VENV)/bin/python -m pytest -q -p no:cacheprovider -m slow $(PYMC5_TESTS)
 
 test-all: test test-slow test-nodes

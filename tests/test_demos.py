@@ -81,9 +81,10 @@ def test_train_digits_short(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None
                     or importlib.util.find_spec("keras") is None,
                     reason="needs PyTorch and Keras 3 (pip install -e '.[test,demo]')")
-# the Keras demo is slow (make test-slow): make test keeps the PyTorch one, and Keras's callback
-# in test_mv_frameworks.py
-@pytest.mark.parametrize("name", ["mv_torch_digits", pytest.param("mv_keras_digits", marks=pytest.mark.slow)])
+# both demos are slow (make test-slow): make test keeps Keras's callback and PyTorch's param
+# manager in test_mv_frameworks.py and test_multiverso.py
+@pytest.mark.parametrize("name", [pytest.param("mv_torch_digits", marks=pytest.mark.slow),
+                                  pytest.param("mv_keras_digits", marks=pytest.mark.slow)])
 def test_parameter_server_demos_short(name, tmp_path):
     """A short run of each framework demo on the tables: 1 worker (a child process), then 2."""
     rc, out, err, pid = run_script(ROOT / "demos" / f"{name}.py", "--workers", "2", "--epochs", "3",

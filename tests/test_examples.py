@@ -48,7 +48,7 @@ gpu_scenarios._install_fake()
 """
 
 
-@pytest.mark.parametrize("where", ["here", "fake GPU"])
+@pytest.mark.parametrize("where", ["here", pytest.param("fake GPU", marks=pytest.mark.slow)])
 def test_readme_first_script_prints_what_the_readme_says(tmp_path, where):
     """The README's first script, run as a user would (from another directory), prints the
     lines the README shows under it, and nothing on stderr; where a GPU is usable,

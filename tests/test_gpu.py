@@ -294,6 +294,7 @@ def test_auto_warns_once_that_several_gpus_are_unvalidated(monkeypatch):
         assert devices.choose("auto", None) == (devices.CpuDevice, 0)   # no GPU: nothing to say
 
 
+@pytest.mark.slow
 def test_auto_warning_with_the_fake_gpu_stack(tmp_path):
     """With the CuPy stand-in counting two GPUs (and an importable jax), the real probe finds
     them and auto warns once, at the caller's line; one GPU, or none, says nothing."""

@@ -64,7 +64,9 @@ def test_keras_on_the_jax_backend_forked():
 
 
 @needs_mpi
-@pytest.mark.parametrize("server", ["sync", pytest.param("async", marks=pytest.mark.long)])
+# (make test-slow and make test-nodes: make test runs the forked telling)
+@pytest.mark.parametrize("server", [pytest.param("sync", marks=pytest.mark.slow),
+                                    pytest.param("async", marks=pytest.mark.long)])
 def test_keras_and_torch_under_mpirun(server):
     """The same under ``mpirun -np 2`` (tables in MPI windows), with the other freq values."""
     parts = ["tensors", "keras", "torch"] + (["errors"] if server == "sync" else [])
