@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["collective_rows", "targets", "targets_18", "format_report", "plot"]
+__all__ = ["collective_rows", "targets", "targets_18", "targets_48", "fakegpu_lines", "format_report", "plot"]
 
 PEERS = (("synk", "synkhronos"), ("mpi", "Open MPI"), ("gloo", "torch gloo"))
 OPS = ("all_reduce", "broadcast", "gather", "reduce")
@@ -199,6 +199,32 @@ def targets_18(parts) -> list[dict]:
     return out
 
 
+def targets_48(parts) -> list[dict]:
+    """Issue 48's target measured on the CuPy stand-in (bench/fakegpu_bench.py, part fakegpu)."""
+    t = _get(parts, "fakegpu", "target")
+    name = "stand-in: synk.all_reduce 4 B ≤ 2× the stand-in's allReduce (issue 48)"
+    if not t:
+        return [_target(name, None, None, "≤ 2", None, "fakegpu part missing")]
+    rows = parts["fakegpu"]["rows"]
+    return [_target(name, rows["synk.all_reduce 4 B"]["best_s"], t["ratio"], "≤ 2", t["ratio"] <= 2.0,
+                    f"synk {fmt_time(rows['synk.all_reduce 4 B']['best_s'])} vs stand-in allReduce "
+                    f"{fmt_time(rows['stand-in allReduce 4 B']['best_s'])} (best of {parts['fakegpu']['rounds']} "
+                    f"rounds of {parts['fakegpu']['reps']})")]
+
+
+def fakegpu_lines(res) -> list[str]:
+    """bench/fakegpu_bench.py's table: its rows, the per-call overheads, the target."""
+    out = [f"Stand-in GPU (tests/fakegpu CuPy, JAX on the CPU), 1 process: best of {res['rounds']} rounds "
+           f"of {res['reps']} calls; {res['cores']} cores, {res['cpu']}, load {res['loadavg'][0]:.2f}"]
+    rows = [[label, fmt_time(r["best_s"]), fmt_time(sorted(r["rounds_s"])[len(r["rounds_s"]) // 2])]
+            for label, r in res["rows"].items()]
+    rows += [[f"overhead, {k}", fmt_time(v), ""] for k, v in res["overhead_s"].items()]
+    out += _table(["what", "best", "median round"], rows)
+    t = res["target"]
+    out.append(f"  [{t['status']:>7}] {t['target']}: ratio {t['ratio']:.3g} (want ≤ {t['limit']:g})")
+    return out
+
+
 def _floor_after(parts, gap: str) -> str:
     """The Python floor's round trip after ``gap`` (a busy master), as the after-idle goals quote it."""
     f, tight = _med(parts, "local", "python_floor_after_busy", gap), _med(parts, "local", "python_floor_all_reduce")
@@ -313,7 +339,13 @@ def format_report(result) -> str:
             ["first distributed call (workers' first)", fmt_time(fc["workers_first_call_s"])],
             ["later distributed calls", fmt_time(fc["distributed_steady_call_s"])]])
 
-    for title, key in (("Targets", "targets"), ("Goals (microsecond calls)", "targets_18")):
+    fg = parts.get("fakegpu")
+    if fg and "rows" in fg:
+        out.append("")
+        out += fakegpu_lines(fg)
+
+    for title, key in (("Targets", "targets"), ("Goals (microsecond calls)", "targets_18"),
+                       ("Issue 48 (stand-in GPU)", "targets_48")):
         out.append("")
         out.append(title + (" (quick run: smoke only, not a measurement)" if meta["quick"] else ""))
         for t in result.get(key, []):

@@ -1,6 +1,6 @@
 """One command for the whole benchmark: synkhronos against its peers, on this machine.
 
-    python bench/run.py [--quick] [--only synk,mpi,gloo,local] [--results DIR]
+    python bench/run.py [--quick] [--only synk,mpi,gloo,local,fakegpu] [--results DIR]
 
 Runs each part in its own subprocess, with a time limit (a part that fails
 or is not installed is reported and skipped, never fatal):
@@ -10,11 +10,14 @@ or is not installed is reported and skipped, never fatal):
           process on one core and on all cores (--part train);
   mpi     Open MPI through mpi4py: ``mpirun -n 2 --mca btl self,sm``;
   gloo    torch.distributed with gloo on 127.0.0.1, 2 processes;
-  local   numpy copy (the floor), POSIX semaphore round trip, Pool(2).map.
+  local   numpy copy (the floor), POSIX semaphore round trip, Pool(2).map;
+  fakegpu synkhronos's GPU path on tests/fakegpu's CuPy stand-in, 1 process, JAX
+          on the CPU (bench/fakegpu_bench.py; needs jax): stand-in allReduce
+          against synk.all_reduce 4 B, per-call rows of gpu_bench.py.
 
 Writes ``DIR/bench-<time>.json`` and ``DIR/latest.json`` (every part's raw
 results, the table, the targets), prints the table and the targets of issue
-6 with MET / NOT MET, and draws ``collectives.png``, ``training.png`` and
+6 (and 18, 48) with MET / NOT MET, and draws ``collectives.png``, ``training.png`` and
 ``per_call.png`` in DIR (default bench/results).
 """
 
@@ -39,8 +42,9 @@ sys.path.insert(0, str(HERE))
 import benchlib as bl  # noqa: E402
 import report  # noqa: E402
 
-PARTS = ("synk", "mpi", "gloo", "local")
-ALIASES = {"pool": "local", "numpy": "local", "torch": "gloo", "openmpi": "mpi", "synkhronos": "synk"}
+PARTS = ("synk", "mpi", "gloo", "local", "fakegpu")
+ALIASES = {"pool": "local", "numpy": "local", "torch": "gloo", "openmpi": "mpi", "synkhronos": "synk",
+           "stand-in": "fakegpu"}
 
 
 def parse_args(argv=None):
@@ -187,6 +191,17 @@ def local_part(run: Runner, tmp: Path, quick: bool) -> dict:
     return run.part("local (numpy copy, semaphores, Pool)", cmd, path, timeout=120)
 
 
+def fakegpu_part(run: Runner, tmp: Path, quick: bool) -> dict:
+    """bench/fakegpu_bench.py: one process, keeps to one core (JAX on one thread)."""
+    if importlib.util.find_spec("jax") is None:
+        return {"skipped": "jax is not installed (pip install jax: a CPU build is enough)"}
+    if importlib.util.find_spec("synkhronos") is None:
+        return {"skipped": "synkhronos is not importable (pip install -e .)"}
+    path = tmp / "fakegpu.json"
+    cmd = [sys.executable, str(HERE / "fakegpu_bench.py"), "--json", str(path)] + (["--quick"] if quick else [])
+    return run.part("fakegpu (stand-in GPU, 1 process)", cmd, path, timeout=240, cores_used=1)
+
+
 def synk_parts(run: Runner, tmp: Path, quick: bool, fresh_cache: bool) -> dict:
     """synkhronos with 2 processes, then the 1-process training baselines.
 
@@ -305,6 +320,10 @@ def main(argv=None) -> int:
                 print(f"[bench] gloo: skipped: {parts['gloo']['skipped']}", flush=True)
         if "synk" in args.only:
             parts.update(synk_parts(runner, tmp, args.quick, fresh))
+        if "fakegpu" in args.only:
+            parts["fakegpu"] = fakegpu_part(runner, tmp, args.quick)
+            if "skipped" in parts["fakegpu"]:
+                print(f"[bench] fakegpu: skipped: {parts['fakegpu']['skipped']}", flush=True)
     meta["loadavg_after"] = os.getloadavg()
     meta["foreign_cpu_share"] = bl.ForeignLoad.since(load)
     meta["wall_s"] = time.perf_counter() - t_start
@@ -313,6 +332,7 @@ def main(argv=None) -> int:
     result["training"] = report.training_rows(parts)
     result["targets"] = report.targets(parts)
     result["targets_18"] = report.targets_18(parts)
+    result["targets_48"] = report.targets_48(parts)
 
     plots = []
     if not args.no_plots:

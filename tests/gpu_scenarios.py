@@ -26,24 +26,11 @@ OPS = ("avg", "sum", "prod", "max", "min", "gather", None)
 
 
 def _install_fake() -> None:
-    """CuPy stand-in and JAX on the CPU, as the GPU device of every process of the fork."""
-    fake = str(HERE / "fakegpu")
-    sys.path.insert(0, fake)
-    os.environ["PYTHONPATH"] = os.pathsep.join([fake] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from synkhronos.devices import gpu as gpu_device
+    """CuPy stand-in and JAX on the CPU, as the GPU device of every process of the fork
+    (tests/fakegpu/install.py, shared with bench/fakegpu_bench.py)."""
+    from fakegpu.install import install
 
-    def fake_state(self):
-        import cupy
-        import jax
-
-        assert getattr(cupy, "FAKE", False)
-        self.jax_device = jax.devices("cpu")[0]
-        self.cupy_device = cupy.cuda.Device(0)
-        self.cupy_device.use()
-        self.placed = {}
-
-    gpu_device.GpuState.__init__ = fake_state
+    install()
 
 
 def _is_jax(x) -> bool:

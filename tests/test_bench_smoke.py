@@ -92,3 +92,28 @@ def test_nodes_bench_quick(tmp_path):
     assert result["jobs"]["synk 2x2"]["processes"] == 4 and result["jobs"]["synk 2x2"]["nodes"] == 2
     assert [t["name"].split(":")[0] for t in result["targets"]] == ["synk 2x1 vs mpi 2", "synk 2x2 vs mpi 4"]
     assert (tmp_path / "nodes.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax (a CPU build is enough)")
+def test_fakegpu_bench_quick_through_run(tmp_path):
+    """bench/run.py --quick --only fakegpu runs bench/fakegpu_bench.py on the CuPy stand-in:
+    every row measured, the issue-48 target judged, the table printed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(RUN), "--quick", "--only", "fakegpu", "--no-plots",
+                           "--results", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, f"bench/run.py failed:\n{done.stdout}\n{done.stderr}"
+    result = json.loads((tmp_path / "latest.json").read_text())
+    part = result["parts"]["fakegpu"]
+    assert "error" not in part and "skipped" not in part, part
+    assert set(part["rows"]) == {"stand-in allReduce 4 B", "synk.all_reduce 4 B",
+                                 "plain JAX-mode call + np.asarray", "plain JAX-mode call + block_until_ready",
+                                 "synk call, numpy outputs", "synk call, device_outputs=True"}
+    for row in part["rows"].values():
+        assert len(row["rounds_s"]) == part["rounds"] and row["best_s"] == min(row["rounds_s"]) > 0
+    assert part["target"]["status"] in ("MET", "NOT MET")
+    assert part["all_reduce_ratio"] == pytest.approx(
+        part["rows"]["synk.all_reduce 4 B"]["best_s"] / part["rows"]["stand-in allReduce 4 B"]["best_s"])
+    assert [t["status"] for t in result["targets_48"]] == [part["target"]["status"]]
+    assert "Stand-in GPU" in done.stdout and "Issue 48 (stand-in GPU)" in done.stdout

@@ -25,6 +25,7 @@ from synkhronos._arrays import concat
 from synkhronos.collectives import PeerFailed, ShmCommunicator
 from synkhronos.collectives.nccl import avg_factors, reduce_plan
 from synkhronos.collectives.ops import combine
+from synkhronos.errors import SynkError
 from synkhronos._procs.shmem import new_prefix, unlink_prefix
 
 FAKE = Path(__file__).resolve().parent / "fakegpu"
@@ -325,3 +326,105 @@ def test_mismatched_layouts_are_a_value_error_in_every_rank(world):
 def test_barrier(world):
     comms = world(3)
     assert run(3, lambda r: comms[r].barrier()) == {0: None, 1: None, 2: None}
+
+
+# ---------------------------------------------------------------------------
+# One rank: nobody to agree with (issue 48).
+
+
+def _count_exchanges(monkeypatch, comm):
+    """Count every shared-memory exchange the communicator's ShmCommunicator makes."""
+    counts = {"all_gather": 0, "_publish": 0, "barrier": 0}
+    shm = comm._shm
+    for name in counts:
+        real = getattr(shm, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            counts[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(shm, name, counting)
+    return counts
+
+
+ONE_RANK_DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32",
+                   "bool", "complex64"]
+
+
+def test_one_rank_makes_no_shared_memory_exchange_and_matches_combine(world, fake_cupy, monkeypatch):
+    (comm,) = world(1)
+    counts = _count_exchanges(monkeypatch, comm)
+    rng = np.random.default_rng(48)
+    done = 0
+    for step in range(120):
+        dtype = np.dtype(ONE_RANK_DTYPES[rng.integers(len(ONE_RANK_DTYPES))])
+        op = OPS[rng.integers(len(OPS))]
+        if dtype.kind == "c" and op not in ("sum", "avg"):
+            op = "sum"
+        shapes = [[(), (1,), (7, 3), (0, 2), (5,)][i] for i in rng.integers(5, size=rng.integers(1, 4))]
+        raw = [np.asarray(rng.standard_normal(s) + (1j * rng.standard_normal(s) if dtype.kind == "c" else 0))
+               for s in shapes]
+        vals = [(np.abs(r) if dtype.kind == "u" else r * (5 if dtype.kind in "iu" else 1)).astype(dtype)
+                for r in raw]
+        weight = float(rng.integers(1, 9))
+        if step % 3 == 0:
+            got = comm.reduce(vals, op, root=0, weight=weight)
+        else:
+            got = comm.all_reduce(vals, op, weight=weight)
+        assert len(got) == len(vals)
+        for g, v in zip(got, vals):
+            want = combine([v.copy()], op, [weight])
+            out = host(g)
+            assert out.dtype == want.dtype and out.shape == want.shape, (dtype, op, out.dtype, want.dtype)
+            assert_array_equal(out, want, err_msg=f"{dtype} {op}")
+        done += 1
+    assert comm.all_reduce(None, "sum") is None  # a rank with nothing: nobody contributes
+    gathered = comm.all_gather([np.arange(5, dtype=np.int16), np.ones((2, 3), dtype=bool)])
+    assert_array_equal(host(gathered[0][0]), np.arange(5, dtype=np.int16))
+    assert_array_equal(host(gathered[1][0]), np.ones((2, 3), dtype=bool))
+    sent = comm.broadcast([np.arange(3.0)], root=0)
+    assert_array_equal(host(sent[0]), np.arange(3.0))
+    assert done == 120 and counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
+    assert [c for c in fake_cupy.cuda.nccl.calls if c[1] in ("allReduce", "reduce")], "NCCL was not used"
+
+
+def test_one_rank_failed_raises_peer_failed_and_broken_still_raises(world, fake_cupy, monkeypatch):
+    (comm,) = world(1)
+    counts = _count_exchanges(monkeypatch, comm)
+    v = np.arange(4.0)
+    for call in (lambda: comm.all_reduce([v], "sum", failed=True),
+                 lambda: comm.reduce([v], "max", root=0, failed=True),
+                 lambda: comm.all_gather([v], failed=True),
+                 lambda: comm.broadcast([v], root=0, failed=True)):
+        with pytest.raises(PeerFailed) as caught:
+            call()
+        assert caught.value.args == ([0],)  # as the shared-memory exchange raises it
+    assert not fake_cupy.cuda.nccl.calls, "NCCL was entered"
+
+    class Unreadable:
+        dtype, shape, size = np.dtype(np.float64), (3,), 3
+
+        def __array__(self, *a, **k):
+            raise RuntimeError("boom: cannot read this array")
+
+    with pytest.raises(RuntimeError, match="boom"):  # an error preparing is raised as it is
+        comm.all_reduce([Unreadable()], "sum")
+    assert_array_equal(host(comm.all_reduce([v], "sum")[0]), v)  # usable afterwards
+    comm.abort("an earlier failure")
+    with pytest.raises(SynkError, match=r"NCCL communicator of rank 0 was aborted after an earlier failure "
+                                        r"\(an earlier failure\)"):
+        comm.all_reduce([v], "sum")
+    with pytest.raises(PeerFailed):  # a failure is reported before a broken communicator, as before
+        comm.all_reduce([v], "sum", failed=True)
+    assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
+
+
+def test_reduce_plan_is_kept():
+    reduce_plan.cache_clear()
+    first = reduce_plan(np.dtype("float32"), "avg")
+    assert reduce_plan(np.dtype("float32"), "avg") is first
+    assert reduce_plan.cache_info().hits == 1
+    with pytest.raises(TypeError):
+        reduce_plan(np.dtype("complex128"), "max")
+    with pytest.raises(TypeError):  # refusals are not kept: they raise every time
+        reduce_plan(np.dtype("complex128"), "max")

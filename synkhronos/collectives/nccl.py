@@ -11,8 +11,10 @@ error in all of them, never a process left waiting inside NCCL.
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
+from typing import NoReturn
 
 import numpy as np
 
@@ -73,9 +75,13 @@ def avg_factors(weights, mine: float) -> tuple[float, float]:
     return float(mine) / ref, ref / total
 
 
+@functools.lru_cache(maxsize=512)
 def reduce_plan(dtype, op: str):
     """How ``op`` reduces ``dtype`` through NCCL: ``(work dtype, NCCL datatype name,
     NCCL op name, result dtype, elements per array element)``.
+
+    A pure function of its arguments, so its answers are kept (per ``(dtype, op)``
+    as given; refusals are not kept and raise again).
 
     The results match the CPU path (:func:`.ops.result_dtype`): ``avg`` of
     integers and of booleans is float64;
@@ -122,6 +128,12 @@ def _check_movable(layout, what: str) -> None:
 class NcclCommunicator(Communicator):
     """Collectives over NCCL among processes that each own one GPU.
 
+    With one process (``size == 1``) there is nobody to agree with: the
+    agreement and the readiness check use this process's own description
+    (no shared-memory exchange, no pickling); a ``failed`` flag still raises
+    the :class:`PeerFailed` the exchange raises, and a broken communicator
+    still raises.
+
     Args:
         shm: the fork's shared-memory communicator: it carries the agreement
             before each collective and the liveness checks while waiting.
@@ -149,6 +161,7 @@ class NcclCommunicator(Communicator):
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self._comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         self.broken: str | None = None
+        self._consts: dict[str, int] = {}  # NCCL's constants by name, resolved once
 
     # -- agreement and waiting ---------------------------------------------
 
@@ -156,21 +169,35 @@ class NcclCommunicator(Communicator):
         """Every rank's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
 
         The pickled description travels through the shared-memory all-gather,
-        which publishes its size before its bytes.
+        which publishes its size before its bytes. With one rank the
+        description is this rank's own: nothing travels.
         """
         layout = None if arrays is None else [(np.dtype(a.dtype), tuple(int(d) for d in a.shape))
                                               for a in arrays]
+        if self.size == 1:  # as the exchange would end: a failure first, then a broken communicator
+            if failed:
+                raise PeerFailed([self.rank])
+            if self.broken is not None:
+                self._raise_broken(self.rank, self.broken)
+            return [(layout, float(weight))]
         blob = pickle.dumps((layout, float(weight), self.broken), protocol=pickle.HIGHEST_PROTOCOL)
         got = self._shm.all_gather([np.frombuffer(blob, dtype=np.uint8)], failed=failed)
         metas = [pickle.loads(part.tobytes()) for part in got[0]]
         broken = [r for r, m in enumerate(metas) if m[2] is not None]
         if broken:
-            raise SynkError(f"the NCCL communicator of rank {broken[0]} was aborted after an earlier "
-                            f"failure ({metas[broken[0]][2]}); call synk.close() and synk.fork() again")
+            self._raise_broken(broken[0], metas[broken[0]][2])
         return [(m[0], m[1]) for m in metas]
 
+    @staticmethod
+    def _raise_broken(rank: int, why: str) -> NoReturn:
+        raise SynkError(f"the NCCL communicator of rank {rank} was aborted after an earlier "
+                        f"failure ({why}); call synk.close() and synk.fork() again")
+
     def _ready(self, prepare):
-        """Run ``prepare()`` (buffers, conversions), then agree that every process succeeded."""
+        """Run ``prepare()`` (buffers, conversions), then agree that every process succeeded
+        (with one rank, its own success is everyone's: an error is raised as it is)."""
+        if self.size == 1:
+            return prepare()
         error = None
         try:
             out = prepare()
@@ -222,7 +249,10 @@ class NcclCommunicator(Communicator):
         return self._dev(a).reshape(-1).view(self._cp.uint8)
 
     def _const(self, name: str) -> int:
-        return int(getattr(self._nccl, name))
+        value = self._consts.get(name)
+        if value is None:
+            value = self._consts[name] = int(getattr(self._nccl, name))
+        return value
 
     # -- collectives -------------------------------------------------------
 
