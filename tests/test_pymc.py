@@ -78,10 +78,15 @@ def _assert_same_density(model, dp, n_points=6, seed=0):
         # dlogp ravels the value variables in each model's order: compare by name
         ref = dict(zip([v.name for v in model.continuous_value_vars], _split(model, ref_dlogp(pt_))))
         got = dict(zip([v.name for v in dp.continuous_value_vars], _split(dp, got_dlogp(pt_))))
-        assert ref.keys() == got.keys()
-        scale = max(np.abs(np.concatenate(list(ref.values()))).max(), 1.0)
-        for key in ref:  # 1e-10 relative to the gradient's largest entry
-            assert_allclose(got[key], ref[key], rtol=1e-10, atol=1e-10 * scale, err_msg=key)
+        _assert_same_gradient(got, ref)
+
+
+def _assert_same_gradient(got: dict, ref: dict):
+    """Gradients by value variable name: equal to 1e-10 relative to the reference's largest entry."""
+    assert ref.keys() == got.keys()
+    scale = max(np.abs(np.concatenate(list(ref.values()))).max(), 1.0)
+    for key in ref:
+        assert_allclose(np.ravel(got[key]), ref[key], rtol=1e-10, atol=1e-10 * scale, err_msg=key)
 
 
 def _split(model, flat):
@@ -398,26 +403,24 @@ def test_inside_an_xla_callback_the_masters_share_runs_without_jax():
             nu = pm.Gamma("nu", 2, 0.1)
             s = pm.HalfNormal("s", 2)
             pm.StudentT("y", nu=nu, mu=X @ b, sigma=s, observed=rng.standard_t(4, n))
-        for model in (studentt,):  # (its X @ b laid out feature-major, its rows padded)
-            dp = spm.data_parallel(model, mode="JAX")
-            split = dp.synk_split
-            assert split.feature_major == {0} and split.padded, (split.feature_major, split.padded)
-            names = [v.name for v in dp.value_vars]
-            # (PyMC names it backwards: negative_logp=True, its default, is the log-density)
-            value_and_grad = jax.jit(jax.value_and_grad(get_jaxified_logp(dp)))
-            ref_logp, ref_dlogp = model.compile_logp(), model.compile_dlogp()
-            for point in T._points(model, 5, seed=n):
-                value, grads = value_and_grad([point[k] for k in names])
-                assert_allclose(value, ref_logp(point), rtol=1e-10)
-                ref = dict(zip([v.name for v in model.continuous_value_vars], T._split(model, ref_dlogp(point))))
-                scale = max(np.abs(np.concatenate(list(ref.values()))).max(), 1.0)
-                for k, g in zip(names, grads):
-                    assert_allclose(np.ravel(g), ref[k], rtol=1e-10, atol=1e-10 * scale, err_msg=k)
-            compiled = split.op.fn.fn._local._compiled
-            host = [fn for key, fn in compiled.items() if key[-1]]
-            assert host and not any(jax_linker(fn.maker.linker) for fn in host), compiled
-            assert all(jax_linker(fn.maker.linker) for key, fn in compiled.items() if not key[-1]), compiled
-            T._assert_same_density(model, dp, n_points=2)  # outside JAX: the JAX share
+        model = studentt  # (its X @ b laid out feature-major, its rows padded)
+        dp = spm.data_parallel(model, mode="JAX")
+        split = dp.synk_split
+        assert split.feature_major == {0} and split.padded, (split.feature_major, split.padded)
+        names = [v.name for v in dp.value_vars]
+        # (PyMC names it backwards: negative_logp=True, its default, is the log-density)
+        value_and_grad = jax.jit(jax.value_and_grad(get_jaxified_logp(dp)))
+        ref_logp, ref_dlogp = model.compile_logp(), model.compile_dlogp()
+        for point in T._points(model, 5, seed=n):
+            value, grads = value_and_grad([point[k] for k in names])
+            assert_allclose(value, ref_logp(point), rtol=1e-10)
+            ref = dict(zip([v.name for v in model.continuous_value_vars], T._split(model, ref_dlogp(point))))
+            T._assert_same_gradient(dict(zip(names, grads)), ref)
+        compiled = split.op.fn.fn._local._compiled
+        host = [fn for key, fn in compiled.items() if key[-1]]
+        assert host and not any(jax_linker(fn.maker.linker) for fn in host), compiled
+        assert all(jax_linker(fn.maker.linker) for key, fn in compiled.items() if not key[-1]), compiled
+        T._assert_same_density(model, dp, n_points=2)  # outside JAX: the JAX share
         import os
         from synkhronos._procs.cores import available_cores
         if available_cores() == 1:  # the master's flags were set before JAX started (as a worker's)
