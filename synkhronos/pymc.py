@@ -580,12 +580,13 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
     fm, mask_in = set(), None
-    if _resolve_mode(mode) == "JAX" and "jax" not in sys.modules:
+    in_jax = _resolve_mode(mode) == "JAX"
+    if in_jax and "jax" not in sys.modules:
         # the master's share on its own cores, with the workers' flags: set before anything
         # below imports JAX (laying out, rendering), which reads them once (until 2026-11-27
         # it was set after, so never: the master ran XLA's default threads and vectors)
         os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
-    if _resolve_mode(mode) == "JAX" and continuous:
+    if in_jax and continuous:
         total, row_in, inputs, fm, mask_in = _laid_out_for_xla(local_terms, total, row_in, inputs,
                                                                len(row_leaves), check)
     mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
