@@ -8,11 +8,15 @@ same waits. Each test here runs real processes.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytensor.tensor as pt
@@ -60,30 +64,12 @@ def test_parent_death_signal_is_the_same_for_both(fork):
 def test_killed_multiverso_run_is_reclaimed():
     """Every process of an mv.init() run SIGKILLed: its names stay, with the group's lock
     file, until the next start on the machine reclaims them, as for a killed fork."""
-    r = run(["fault_kill_all", 3])
-    assert r.rc == -signal.SIGKILL, r.output[-3000:]
-    # each process prints its line: two may run together ("PREFIX synk.1.ab.PREFIX synk.1.ab."),
-    # which a greedy \S+ once read as the prefix "synk.1.ab.PREFIX" (the lock file then "missing")
-    prefix = re.search(r"PREFIX (synk\.\d+\.[0-9a-f]+\.)", r.output).group(1)
-    assert r.leftovers, "a run killed outright removed its names: nothing to reclaim"
-    assert any(name == prefix + "lock" for name in r.leftovers), \
-        f"prefix {prefix!r}; lock file missing among {len(r.leftovers)} leftovers: {r.leftovers}\n{r.output[-2000:]}"
-    removed = lease.unlink_stale()
-    assert set(r.leftovers) <= {n for n in removed}, (r.leftovers, removed)
-    assert not [n for n in os.listdir("/dev/shm") if prefix in n]
+    script = Path(__file__).resolve().parent / "mv" / "scenarios.py"
+    _killed_then_reclaimed([sys.executable, str(script), "fault_kill_all", "3"])
 
 
 def test_killed_fork_is_reclaimed(tmp_path):
-    """The same for synk.fork(): a script's master and workers SIGKILLed at once.
-
-    Every fork's start reclaims the stale names of the whole machine, so under
-    pytest-xdist another test's fork could take them before this test looks:
-    the test holds the killed group's lock file (as a live process of the group
-    would) until it has seen what was left."""
-    import fcntl
-    import subprocess
-    import sys
-
+    """The same for synk.fork(): a script's master and workers SIGKILLed at once."""
     script = tmp_path / "killed.py"
     script.write_text(
         "import os, signal, sys, synkhronos as synk\n"
@@ -91,29 +77,45 @@ def test_killed_fork_is_reclaimed(tmp_path):
         "print('PREFIX', synk._runtime.running_session().proc.prefix, flush=True)\n"
         "sys.stdin.readline()\n"
         "os.killpg(os.getpgid(0), signal.SIGKILL)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    held = None
+    _killed_then_reclaimed([sys.executable, str(script)])
+
+
+def _killed_then_reclaimed(cmd: list[str]) -> None:
+    """``cmd`` prints ``PREFIX <its names' prefix>``, then waits for a line on its stdin
+    before it SIGKILLs its whole group: it leaves its names, the lock file among them, and
+    lease.unlink_stale() removes them once the group is gone.
+
+    Every fork's start reclaims the stale names of the whole machine, so under
+    pytest-xdist another test's fork could take them before this test looks: the test
+    holds the group's lock file (as a live process of the group would) from before the
+    kill until it has seen what was left."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    held, seen = None, []
     try:
-        line = proc.stdout.readline()
-        found = re.fullmatch(r"PREFIX (synk\.\d+\.[0-9a-f]+\.)\n", line)
-        assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
+        for line in proc.stdout:
+            seen.append(line)
+            found = re.search(r"PREFIX (synk\.\d+\.[0-9a-f]+\.)", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"no prefix printed (exit {proc.wait()}):\n{''.join(seen)[-3000:]}")
         prefix = found.group(1)
         held = os.open(f"/dev/shm/{prefix}lock", os.O_RDONLY)
         fcntl.flock(held, fcntl.LOCK_SH)
         proc.stdin.write("kill\n")
         proc.stdin.flush()
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL, err[-3000:]
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, out[-3000:]
         left = [n for n in os.listdir("/dev/shm") if prefix in n]
-        assert prefix + "lock" in left and len(left) > 1, left
+        assert prefix + "lock" in left and len(left) > 1, f"a run killed outright removed its names: {left}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
         if held is not None:
             os.close(held)
-    deadline = time.monotonic() + 10  # until the workers, killed with the master, are gone
+    deadline = time.monotonic() + 10  # until the children, killed with the master, are gone
     while [n for n in os.listdir("/dev/shm") if prefix in n] and time.monotonic() < deadline:
         lease.unlink_stale()
         time.sleep(0.05)

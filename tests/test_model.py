@@ -59,9 +59,9 @@ from model_lib import minimise, random_steps, report, run_steps
 
 #: Steps per process count in the full run (marked slow: make test-slow).
 STEPS = {1: 1500, 2: 1000, 3: 800, 5: 500}
-#: make test's run: 2 processes (the master rank 1) and 3 (uneven splits), a quarter of the steps
+#: make test's run: 2 processes (the master rank 1) and 3 (uneven splits), a sixth of the steps
 #: (a sequence of its own: the gaps and the steps' seeds follow the count).
-QUICK_STEPS = {2: 250, 3: 200}
+QUICK_STEPS = {2: 160, 3: 120}
 #: The master's rank per process count (fork(master_rank=...)): not always 0.
 MASTER = {1: 0, 2: 1, 3: 0, 5: 2}
 SEED = 2029

@@ -99,7 +99,10 @@ def _split(model, flat):
     return out
 
 
-def test_logp_and_gradient_equal_pymc(forked):
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)],
+                         ids=lambda n: f"n{n}")
+def test_logp_and_gradient_equal_pymc(fork, n):
+    fork(n)
     spm = _spm()
     for model in (logistic_model(), regression_model()):
         dp = spm.data_parallel(model, mode=MODE)

@@ -605,13 +605,11 @@ def test_user_sigterm_handler_keeps_the_workers(tmp_path):
 # -- stale names: only what nobody holds (finding 11) -------------------------------
 
 
-def _fake_fork_names(pid, token, lock=True):
+def _fake_fork_names_without_a_lock(pid, token):
     prefix = f"synk.{pid}.{token}."
     seg = posix_ipc.SharedMemory("/" + prefix + "ctl", posix_ipc.O_CREX, mode=0o600, size=4096)
     seg.close_fd()
     posix_ipc.Semaphore("/" + prefix + "done", posix_ipc.O_CREX, mode=0o600).close()
-    if lock:
-        os.close(os.open(f"/dev/shm/{prefix}lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     return prefix
 
 
@@ -626,13 +624,19 @@ def _dead_pid():
 
 
 def test_names_whose_lock_is_held_are_left_alone_even_with_a_dead_pid(fork):
-    # another PID namespace sharing /dev/shm: the pid in the names means nothing here
-    prefix = _fake_fork_names(_dead_pid(), "00112233aabbccdd")
+    # another PID namespace sharing /dev/shm: the pid in the names means nothing here. The
+    # holder makes the names under its lock (locked before it has its name), so that no fork
+    # elsewhere on the machine (another pytest process) finds them stale before the test does
+    prefix = f"synk.{_dead_pid()}.00112233aabbccdd."
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import fcntl, os, sys
-            fd = os.open("/dev/shm/{prefix}lock", os.O_RDWR)
+            import posix_ipc
+            fd = os.open("/dev/shm/{prefix}lock.tmp", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
+            os.rename("/dev/shm/{prefix}lock.tmp", "/dev/shm/{prefix}lock")
+            posix_ipc.SharedMemory("/{prefix}ctl", posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+            posix_ipc.Semaphore("/{prefix}done", posix_ipc.O_CREX, mode=0o600).close()
             print("HELD", flush=True)
             sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -652,7 +656,7 @@ def test_names_whose_lock_is_held_are_left_alone_even_with_a_dead_pid(fork):
 
 
 def test_names_without_a_lock_file_are_left_alone(fork):
-    prefix = _fake_fork_names(_dead_pid(), "44556677aabbccdd", lock=False)
+    prefix = _fake_fork_names_without_a_lock(_dead_pid(), "44556677aabbccdd")
     try:
         fork(1)
         assert len(_names(prefix)) == 2
