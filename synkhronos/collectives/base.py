@@ -91,5 +91,55 @@ class Communicator(abc.ABC):
         """Byte ranges of this process's resident arrays (none by default)."""
         return []
 
+    def where(self, rank: int) -> tuple[int, int]:
+        """``(node, local rank)`` of global ``rank`` (one node by default)."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank must be 0 to {self.size - 1}, got {rank!r}")
+        return 0, rank
+
+    # -- the home board (``home_slots`` > 0 only) ---------------------------
+
+    def publish_home(self, slot: int, view) -> int:
+        """Publish resident array ``view`` of this process under ``slot``; its generation (0: none)."""
+        raise NotImplementedError(f"{type(self).__name__} has no home board (home_slots is 0)")
+
+    def home_board(self, rank: int) -> memoryview:
+        """``rank``'s home board: per slot, the generation published there (0: none)."""
+        raise NotImplementedError(f"{type(self).__name__} has no home board (home_slots is 0)")
+
+    def peer_home(self, rank: int, slot: int, gen: int, dtype, shape) -> np.ndarray | None:
+        """The array ``rank`` published under ``slot`` as generation ``gen``, or None."""
+        raise NotImplementedError(f"{type(self).__name__} has no home board (home_slots is 0)")
+
+    # -- small values inline (``within_fork`` only) -------------------------
+
+    def fits_inline(self, arrays) -> bool:
+        """Whether ``arrays`` fit this process's inline area (False: no inline channel)."""
+        return False
+
+    def put_inline(self, arrays, layout=None) -> None:
+        """Write this process's arrays into its inline area, for the others to read."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
+    def inline_values(self, rank: int) -> list:
+        """The arrays that ``rank`` wrote into its inline area."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
+    def inline_parts(self, own, layout=None) -> list | None:
+        """Every rank's inline arrays in rank order (``own`` for this process's), or None."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
+    def inline_layouts(self, own_layout) -> list:
+        """Per rank, the layout of the arrays in its inline area (None where none fit)."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
+    def inline_arrive(self) -> None:
+        """A worker, once it wrote its inline area: tell the master (and wait for the others)."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
+    def inline_await(self) -> None:
+        """The master's half of :meth:`inline_arrive`: return once every worker wrote its area."""
+        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
     def close(self) -> None:
         """Release what this process holds of the communicator."""
