@@ -348,6 +348,7 @@ def test_feature_major_layout_gives_back_each_process_rows():
         feature_major(np.zeros(3), [(0, 3)])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
 def test_dot_on_feature_major_rows_equals_the_old_dot_in_jax():
     """In JAX, as synkhronos.pymc renders a share whose per-row matrix arrives feature-major:
     dot(X, w) on FeatureMajor storage is rewritten to dot(w.T, XT).T, and the value and
