@@ -563,6 +563,7 @@ def undeclared_communicator_calls(mods: dict[str, Path], declared: set[str]) -> 
                 continue
             target = ast.unparse(node.func.value)
             method = node.func.attr
+            # (mpi4py's own Comm, also called ``comm`` here and there, has capitalised methods)
             if target.split(".")[-1] in ("comm", "inter") and method not in declared and not method[0].isupper():
                 out.setdefault(f"{name}: {method}", []).append(f"{path.name}:{node.lineno}")
     return out

@@ -625,23 +625,22 @@ def _dead_pid():
 
 def test_names_whose_lock_is_held_are_left_alone_even_with_a_dead_pid(fork):
     # another PID namespace sharing /dev/shm: the pid in the names means nothing here. The
-    # holder makes the names under its lock (locked before it has its name), so that no fork
-    # elsewhere on the machine (another pytest process) finds them stale before the test does
-    prefix = f"synk.{_dead_pid()}.00112233aabbccdd."
+    # holder's lock file is locked before it has its name, and the other names come after, so
+    # that no fork elsewhere on the machine (another pytest process) finds them stale first
+    pid, token = _dead_pid(), "00112233aabbccdd"
+    prefix = f"synk.{pid}.{token}."
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import fcntl, os, sys
-            import posix_ipc
             fd = os.open("/dev/shm/{prefix}lock.tmp", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.rename("/dev/shm/{prefix}lock.tmp", "/dev/shm/{prefix}lock")
-            posix_ipc.SharedMemory("/{prefix}ctl", posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
-            posix_ipc.Semaphore("/{prefix}done", posix_ipc.O_CREX, mode=0o600).close()
             print("HELD", flush=True)
             sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "HELD"
+        _fake_fork_names_without_a_lock(pid, token)
         before = _names(prefix)
         assert len(before) == 3
         fork(2)
