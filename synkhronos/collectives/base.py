@@ -7,7 +7,36 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Communicator"]
+__all__ = ["CommPlan", "Communicator"]
+
+
+class CommPlan(abc.ABC):
+    """What a communicator does for one kept collective: agreed once, in the
+    full-path step that made it; each later :meth:`run` carries
+    :attr:`fingerprint` (its layout, dtypes, counts and op, as every process
+    agreed them), which every process compares before anything is combined.
+
+    The engine (:mod:`synkhronos._kept.plans`) keeps a plan per collective
+    argument and runs it while its validity rule holds; ``run`` returning False
+    sends the call the full path, which agrees again (and raises there, on
+    every process, when the processes' values no longer agree).
+    """
+
+    #: The processes' common word for this plan's agreement (compared at each run).
+    fingerprint: int = 0
+    #: Results go into ``outs`` (arrays the engine gives: a spare home per value), not the values.
+    out_of_place: bool = False
+    #: Writes into the values themselves: the engine refuses to run it while
+    #: another shared variable holds one of them.
+    needs_exclusive: bool = False
+
+    @abc.abstractmethod
+    def run(self, values, outs=None) -> bool:
+        """The collective on ``values`` (one array per variable, the plan's layout):
+        True once done (results in ``values``, or in ``outs`` when
+        :attr:`out_of_place`); False, having sent nothing, when the values left the
+        plan (another type, dtype or shape). Raises as the full path would when
+        another process's step does not agree."""
 
 
 class Communicator(abc.ABC):
@@ -56,9 +85,10 @@ class Communicator(abc.ABC):
         """Combine every process's arrays with ``op``; the result on root, None elsewhere."""
 
     @abc.abstractmethod
-    def all_reduce(self, arrays, op: str, weight: float = 1.0, failed: bool = False, in_place: bool = False):
+    def all_reduce(self, arrays, op: str, weight: float = 1.0, failed: bool = False, in_place=False):
         """Combine every process's arrays with ``op``; the result everywhere
-        (``in_place``: also written into resident arrays, where supported)."""
+        (``in_place``: also written into resident arrays, where supported; a
+        list of booleans says it per array: whether that array may be written)."""
 
     @abc.abstractmethod
     def gather(self, arrays, root: int, failed: bool = False, join=None):
@@ -140,6 +170,15 @@ class Communicator(abc.ABC):
     def inline_await(self) -> None:
         """The master's half of :meth:`inline_arrive`: return once every worker wrote its area."""
         raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
+
+    def plan(self, kind: str, layout, op, step=None) -> CommPlan | None:
+        """A :class:`CommPlan` for later ``kind`` collectives of this ``layout``
+        (per array ``(dtype, shape)``) and ``op``, or None (the default): no fast
+        path here, every call takes the full path. ``step``: across nodes, the
+        step's key and words, as ``begin_step`` numbers and checks them.
+        Called only in a process that has the fork to itself (no workers),
+        right after a full-path ``kind`` on values of this layout went through."""
+        return None
 
     def close(self) -> None:
         """Release what this process holds of the communicator."""
