@@ -57,9 +57,10 @@ from .._procs.launch import Notices, mpi as _mpi
 from .._procs.waits import wait_until
 from .base import Communicator
 from . import mpi_wire
+from .._arrays import packed_views, round_up
 from .mpi_wire import (FAILED, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, as_bytes, avg_scales,
-                       fit_into, pieces, reduce_plan, spans)
+                       PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
+                       fit_into, payload_at, pieces, reduce_plan, spans)
 from .ops import agreed_layout, cast_to, combine, identity, result_dtype
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
@@ -158,17 +159,39 @@ class MpiCommunicator(Communicator):
         the latest in MPI_Finalize), so nothing is left outstanding."""
         state.mpi_leaving.append(self._post_header(b"", LEFT))
 
-    def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1)):
-        """Start the exchange of every node's header slot: this node's head (the blob's
-        length, its step's number, ``mark`` and ``plan``), then ``blob`` when it fits.
-        ``(request, (slot, slots))``: the request and the buffers it uses."""
+    def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1), payload=None):
+        """Start the exchange of every node's header slot (see :meth:`_fill_slot`), on new
+        buffers. ``(request, (slot, slots))``: the request and the buffers it uses."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
-        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)  # type: ignore[arg-type, unused-ignore]
-        if len(blob) <= HEADER_SLOT - HEAD.size:
-            slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        self._fill_slot(slot, blob, mark, plan, payload)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         return self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE]), (slot, slots)
+
+    def _fill_slot(self, slot, blob: bytes, mark: int, plan=(0, 0, -1), payload=None) -> None:
+        """This node's header slot: its head (the blob's length, its step's number, ``mark``,
+        the blob's fingerprint and ``plan``: what, op, root), then ``blob`` when it fits,
+        then ``payload`` (arrays' bytes, each on an 8-byte boundary) from :func:`payload_at`."""
+        what, op, root = plan
+        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
+        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, zlib.crc32(blob),  # type: ignore[arg-type, unused-ignore]
+                       what, op, 0, root)
+        if len(blob) <= HEADER_SLOT - HEAD.size:
+            slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        if payload is not None:
+            at = payload_at(len(blob))
+            for a in payload:
+                slot[at:at + a.nbytes] = as_bytes(a)
+                at = round_up(at + a.nbytes, 8)
+
+    @staticmethod
+    def _payload_fits(arrays, blob_length: int) -> bool:
+        """Whether ``arrays`` travel in the header slot after a blob of ``blob_length`` bytes."""
+        if sum(a.nbytes for a in arrays) > INLINE_BYTES or any(a.dtype.hasobject for a in arrays):
+            return False
+        end = payload_at(blob_length)
+        for a in arrays:
+            end = round_up(end + a.nbytes, 8)
+        return end <= HEADER_SLOT
 
     def _enter(self, what: str) -> None:
         if self._comm is None:
@@ -289,7 +312,7 @@ class MpiCommunicator(Communicator):
         self._wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
                    (mine, every))
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
-        numbers = [h[1] for h in heads if h[2] != JOINED]
+        numbers = [h.number for h in heads if h.mark != JOINED]
         if numbers:
             self.step = (max(numbers), self.step[1])
         return StepMismatchError(what, texts)
@@ -298,10 +321,10 @@ class MpiCommunicator(Communicator):
         """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
 
         With ``inline``, arrays of at most ``INLINE_BYTES`` in all travel in the
-        header too, and ``(metas, payloads)`` is returned: each node's arrays'
-        bytes, or None where they did not travel. ``what``, ``op`` and ``root``
-        tell a node that has joined (see :meth:`join`) which exchange follows.
-        A node that has joined gives ``(None, 0.0)``: nothing to add.
+        header too, and ``(metas, payloads)`` is returned: each node's arrays
+        (views of the received slots), or None where they did not travel. ``what``,
+        ``op`` and ``root`` tell a node that has joined (see :meth:`join`) which
+        exchange follows. A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
         self._enter(what)
         if self._failed is not None:
@@ -311,12 +334,14 @@ class MpiCommunicator(Communicator):
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
         # a failure may come with its reason (a string: what failed where), cut to fit
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
+        meta = (layout, float(weight), flag, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         payload = None
-        if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
-                and not any(a.dtype.hasobject for a in arrays):
-            payload = [as_bytes(a).tobytes() for a in arrays]
+        if inline and arrays is not None and not failed and self._payload_fits(arrays, len(blob)):
+            payload, meta = arrays, (layout, float(weight), flag, True)
+            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)  # (True pickles as long as False)
         plan = (WHAT_CODES.get(what, 0), OP_CODES[op], -1 if root is None else root)
-        heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
+        heads, metas = self._headers(what, meta, blob, self.step[1], plan, payload)
         try:
             self._same_step(what, heads)
             self._no_failure(what, metas)
@@ -327,21 +352,46 @@ class MpiCommunicator(Communicator):
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
 
-    def _headers(self, what: str, meta, mark: int, plan):
+    def _headers(self, what: str, meta, blob: bytes, mark: int, plan, payload=None):
         """One exchange of every node's header: ``(heads, metas)``, each node's
-        ``(blob length, step number, step checksum or JOINED, *plan)`` and its
-        ``meta`` (pickled into its slot, or in a second, sized round when too long)."""
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        MPI, size = self._MPI, self.size
-        room = HEADER_SLOT - HEAD.size
-        req, (slot, slots) = self._post_header(blob, mark, plan)
+        :class:`Head` and its ``meta`` (``(layout, weight, flag, payload views or
+        None)``; pickled into its slot as ``blob``, or in a second, sized round when
+        too long)."""
+        req, (slot, slots) = self._post_header(blob, mark, plan, payload)
         self._wait([req], what, (slot, slots), header=True)
         self._exchanges += 1
-        heads = [HEAD.unpack_from(slots[r]) for r in range(size)]
-        lens = [h[0] for h in heads]
-        marks = {h[2] for h in heads}
+        return self._read_headers(what, slots, blob, meta)
+
+    def _read_headers(self, what: str, slots, blob: bytes, meta):
+        """Every node's :class:`Head` and meta from the received ``slots`` (see
+        :meth:`_headers`). When every node's head and blob are byte for byte this
+        node's (the same step number and key, layouts, weight, flag, what, op and
+        root), every meta is ``meta``: nothing is unpickled, and the payloads are
+        views of the slots. Otherwise each is read: a node that left, that joined,
+        or whose blob did not fit, as before."""
+        n = HEAD.size + len(blob)
+        if n <= HEADER_SLOT:
+            own = slots[self.rank, :n].tobytes()
+            if all(r == self.rank or slots[r, :n].tobytes() == own for r in range(self.size)):
+                head = Head._make(HEAD.unpack_from(slots[self.rank]))
+                if head.mark != LEFT:
+                    self.joined = list(range(self.size)) if head.mark == JOINED else []
+                    layout, weight, flag, has_payload = meta
+                    at = payload_at(len(blob))
+                    return [head] * self.size, [
+                        (layout, weight, flag, packed_views(slots[r], layout, at, 8) if has_payload else None)
+                        for r in range(self.size)]
+        return self._read_headers_long(what, slots, blob)
+
+    def _read_headers_long(self, what: str, slots, blob: bytes):
+        """:meth:`_read_headers` when the slots differ: each node's head and blob read on its own."""
+        MPI, size = self._MPI, self.size
+        room = HEADER_SLOT - HEAD.size
+        heads = [Head._make(HEAD.unpack_from(slots[r])) for r in range(size)]
+        lens = [h.length for h in heads]
+        marks = {h.mark for h in heads}
         if LEFT in marks:  # its last header: it takes no step any more (no second round either)
-            node = next(r for r, h in enumerate(heads) if h[2] == LEFT)
+            node = next(r for r, h in enumerate(heads) if h.mark == LEFT)
             try:
                 reason = pickle.loads(slots[node, HEAD.size:HEAD.size + lens[node]].tobytes())[2]
             except Exception:  # noqa: BLE001
@@ -357,22 +407,27 @@ class MpiCommunicator(Communicator):
             self._wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
                        what, (send, recv))
             blobs = [recv[d:d + n].tobytes() for d, n in zip(displs, lens)]
-        self.joined = [r for r, h in enumerate(heads) if h[2] == JOINED] if JOINED in marks else []
-        return heads, [pickle.loads(b) for b in blobs]
+        self.joined = [r for r, h in enumerate(heads) if h.mark == JOINED] if JOINED in marks else []
+        metas = []
+        for r, b in enumerate(blobs):
+            layout, weight, flag, has_payload = pickle.loads(b)
+            views = packed_views(slots[r], layout, payload_at(lens[r]), 8) if has_payload else None
+            metas.append((layout, weight, flag, views))
+        return heads, metas
 
     def _same_step(self, what: str, heads) -> None:
         """StepMismatchError (on every node, after one more exchange) when the nodes that
         have not joined are in different steps. (Plain loops first: this runs at every
         exchange, and almost always finds every node in the same step.)"""
-        step = heads[0][1:3]
+        number, mark = heads[0].number, heads[0].mark
         for h in heads:
-            if h[1:3] != step:
+            if h.number != number or h.mark != mark:
                 break
         else:
             return
-        active = [h for h in heads if h[2] != JOINED]  # (a joined node's head differs)
+        active = [h for h in heads if h.mark != JOINED]  # (a joined node's head differs)
         # a node whose step failed before it knew its key (FAILED) matches any step of its number
-        if len({h[1] for h in active}) > 1 or len({h[2] for h in active if h[2] != FAILED}) > 1:
+        if len({h.number for h in active}) > 1 or len({h.mark for h in active if h.mark != FAILED}) > 1:
             raise self._mismatch(what, heads)
 
     def _no_failure(self, what: str, metas) -> None:
@@ -401,7 +456,7 @@ class MpiCommunicator(Communicator):
         Only at a step's end: never between the exchanges of one step."""
         if self._comm is None or self.broken is not None or self.ended is not None:
             return
-        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], None), protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], False), protocol=pickle.HIGHEST_PROTOCOL)
         self._leaving = self._post_header(blob, LEFT)
         # MPI moves the header only when this node next calls it (maybe not for a long
         # while: its script is busy): a notice, sent at once, tells the others now
@@ -424,20 +479,22 @@ class MpiCommunicator(Communicator):
         self._enter("join")
         self._words = "join()"
         served = 0
+        meta = (None, 0.0, False, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         while True:
-            heads, metas = self._headers("join", (None, 0.0, False, None), JOINED, (0, 0, served))
-            active = [r for r, h in enumerate(heads) if h[2] != JOINED]
+            heads, metas = self._headers("join", meta, blob, JOINED, (0, 0, served))
+            active = [r for r, h in enumerate(heads) if h.mark != JOINED]
             if not active:  # every node has joined: the same step number everywhere from here on
-                self.step = (max(h[1] for h in heads), 0)
-                return min(r for r, h in enumerate(heads) if h[5] == 0)  # served nothing: joined last
+                self.step = (max(h.number for h in heads), 0)
+                return min(r for r, h in enumerate(heads) if h.root == 0)  # served nothing: joined last
             served += 1
             try:
                 self._same_step("join", heads)
                 self._no_failure("join", metas)
             except (StepMismatchError, PeerFailed, TypeError):
                 continue  # the others raise; nothing moves
-            code, op, root = heads[active[0]][3:]
-            what, op, root = WHATS[code], OPS[op], None if root < 0 else root
+            head = heads[active[0]]
+            what, op, root = WHATS[head.what], OPS[head.op], None if head.root < 0 else head.root
             pairs = [(m[0], m[1]) for m in metas]
             try:
                 if what in ("all_reduce", "reduce"):
@@ -506,7 +563,7 @@ class MpiCommunicator(Communicator):
         as :func:`.ops.combine` does (every node the same, in node order)."""
         out = []
         for i, (dtype, shape) in enumerate(layout):
-            parts = [np.frombuffer(payloads[r][i], dtype=dtype).reshape(shape).copy() for r in present]
+            parts = [payloads[r][i] for r in present]  # (views of the received slots)
             out.append(np.asarray(combine(parts, op, weights)))
         if in_place and arrays is not None:
             for a, res in zip(arrays, out):

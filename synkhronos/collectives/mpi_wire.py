@@ -6,6 +6,7 @@ of its words, the reduce plans of dtypes and ops, and large messages in pieces
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,9 +25,30 @@ HEADER_SLOT = 512
 #: Reductions of at most this many bytes per node travel inside the agreement
 #: (one MPI exchange instead of two) and are combined on every node.
 INLINE_BYTES = 256
-#: The head of each node's header slot: its header's length, its step's number and key checksum,
-#: and what exchange follows (see WHATS).
-HEAD = struct.Struct("<qqqbbi")
+#: The head of each node's header slot (version 2, 40 bytes): its blob's length, its step's
+#: number and key checksum (or a mark: JOINED, LEFT, FAILED), the blob's fingerprint, and what
+#: exchange follows (see WHATS): its code, the op's code, padding, the root. The blob (the
+#: pickled ``(layout, weight, flag, has_payload)``) follows the head; a small reduction's
+#: payload follows the blob at :func:`payload_at`. Read it through :class:`Head`.
+HEAD = struct.Struct("<qqqqbbhi")
+
+
+class Head(NamedTuple):
+    """One node's head, as :data:`HEAD` packs it (read every field by name)."""
+
+    length: int       #: bytes of the blob
+    number: int       #: the step's number
+    mark: int         #: the step key's checksum, or JOINED, LEFT, FAILED
+    fingerprint: int  #: zlib.crc32 of the blob
+    what: int         #: the exchange that follows (an index in WHATS)
+    op: int           #: the op (an index in OPS)
+    pad: int          #: zero
+    root: int         #: the root (-1: none), or a joined node's count of exchanges served
+
+
+def payload_at(blob_length: int) -> int:
+    """Where in a header slot the payload of a blob of ``blob_length`` bytes starts."""
+    return (HEAD.size + blob_length + 7) & ~7
 #: What a node's header says follows it (a node that has joined mirrors it): the
 #: exchange, by its index here, then the op's index in OPS and the root (-1: none).
 WHATS = ("", "all_reduce", "reduce", "all_gather", "gather", "broadcast", "barrier", "close")
