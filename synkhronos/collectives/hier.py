@@ -448,6 +448,14 @@ class NodeCommunicator(HierarchicalCommunicator):
         self._at_masters(root, "broadcast")
         return super().broadcast(arrays, self.first_master, failed, receive)
 
+    def plan(self, kind, layout, op, step=None):
+        """In the node master of a node of one process: the inter-node communicator's
+        plan (:meth:`.mpi.MpiCommunicator.plan`); None elsewhere (nodes of several
+        processes take the full path)."""
+        if not self._alone or self._inter is None:
+            return None
+        return self._inter.plan(kind, layout, op, step)
+
     def reset(self) -> None:
         self._local.reset()
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import struct
 import zlib
 from typing import Any, Callable, cast
 
@@ -55,13 +56,13 @@ from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
 from .._procs.launch import Notices, mpi as _mpi
 from .._procs.waits import wait_until
-from .base import Communicator
+from .base import CommPlan, Communicator
 from . import mpi_wire
 from .._arrays import packed_views, round_up
 from .mpi_wire import (FAILED, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
                        fit_into, payload_at, pieces, reduce_plan, spans)
-from .ops import agreed_layout, cast_to, combine, identity, result_dtype
+from .ops import Reducer, agreed_layout, cast_to, combine, identity, result_dtype
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
@@ -111,6 +112,7 @@ class MpiCommunicator(Communicator):
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
         self.begun = 0              # steps begun here (a caller compares it to see whether it began one)
         self._exchanges = 0         # exchanges of headers in this step so far
+        self.plan_steps = 0         # steps made by a kept plan (_StepPlan; tests read it)
         self._failed: str | None = None  # why this step failed on every node (known from an exchange), if it did
         self.pre_begun = False      # a step begun before its command (see nodes.from_first_node)
         self._words = "fork()"      # what this step is, in words
@@ -357,10 +359,18 @@ class MpiCommunicator(Communicator):
         :class:`Head` and its ``meta`` (``(layout, weight, flag, payload views or
         None)``; pickled into its slot as ``blob``, or in a second, sized round when
         too long)."""
-        req, (slot, slots) = self._post_header(blob, mark, plan, payload)
+        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self._fill_slot(slot, blob, mark, plan, payload)
+        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
+        self._exchange_headers(what, slot, slots)
+        return self._read_headers(what, slots, blob, meta)
+
+    def _exchange_headers(self, what: str, slot, slots) -> None:
+        """Every node's header slot ``slot`` into ``slots`` (one all-gather, waited for)."""
+        BYTE = self._MPI.BYTE
+        req = self._comm.Iallgather([slot, BYTE], [slots, BYTE])
         self._wait([req], what, (slot, slots), header=True)
         self._exchanges += 1
-        return self._read_headers(what, slots, blob, meta)
 
     def _read_headers(self, what: str, slots, blob: bytes, meta):
         """Every node's :class:`Head` and meta from the received ``slots`` (see
@@ -593,12 +603,12 @@ class MpiCommunicator(Communicator):
             return arrays
         return out
 
-    def _scratch(self, dtype, shape) -> np.ndarray:
-        """The receive buffer of an in-place all-reduce of this dtype and shape,
-        kept from one call to the next: its pages are faulted in once (a fresh
-        64 MiB buffer costs thousands of page faults per call). One per
-        layout, the last one used."""
-        key = (np.dtype(dtype).str, tuple(shape))
+    def _scratch(self, dtype, shape, i: int = 0) -> np.ndarray:
+        """The receive buffer of array ``i`` of an in-place all-reduce of this dtype
+        and shape, kept from one call to the next: its pages are faulted in once (a
+        fresh 64 MiB buffer costs thousands of page faults per call). One per layout
+        and index (two arrays of one call never share one), the last one used."""
+        key = (np.dtype(dtype).str, tuple(shape), i)
         buf = self._recv.get(key)
         if buf is None:
             if len(self._recv) >= 8:
@@ -638,7 +648,7 @@ class MpiCommunicator(Communicator):
             if isinstance(in_place, list) and in_place[i] is not None:  # straight into the caller's
                 recv = in_place[i]
             elif in_place and root is None and mine is not None:  # copied out before anyone sees it
-                recv = self._scratch(work, shape)
+                recv = self._scratch(work, shape, i)
             else:
                 recv = np.empty(shape, dtype=work) if gets else None
             flat_send = send.reshape(-1)  # views: both are contiguous
@@ -821,6 +831,23 @@ class MpiCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
+    def plan(self, kind, layout, op, step=None):
+        """A :class:`_StepPlan` of later all-reduces of ``layout`` with ``op`` (see
+        :meth:`.base.Communicator.plan`): when every array is of numbers or booleans
+        whose ``op`` result keeps its dtype (no ``avg`` of integers) and all of them
+        travel in the header slot; None otherwise, or on a communicator that cannot
+        make steps any more."""
+        if kind != "all_reduce" or op not in MPI_OPS or step is None or self._comm is None \
+                or self.broken is not None or self.ended is not None:
+            return None
+        lay = []
+        for dtype, shape in layout:
+            if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc" or not isinstance(shape, tuple) \
+                    or result_dtype(dtype, op) != dtype:
+                return None
+            lay.append((dtype, tuple(int(d) for d in shape)))
+        return _StepPlan.make(self, lay, op, step)
+
     def reset(self) -> None:
         """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""
 
@@ -854,3 +881,94 @@ class MpiCommunicator(Communicator):
         self._comm = self._notices = None
         if error is not None:
             raise error
+
+
+#: The step number's place in a header slot (see mpi_wire.HEAD).
+_NUMBER = struct.Struct("<q")
+
+
+class _StepPlan(CommPlan):
+    """A kept all-reduce among node masters of nodes of one process: the full path's
+    header slot, made once (only the step number changes), its payload views in the
+    send slot and in every node's receive slot, and a reducer per array.
+
+    Each :meth:`run` numbers the step first (as ``Session`` does), makes the one
+    exchange of header slots, which carry the values, and compares every node's head
+    and blob with this node's, byte for byte (the fingerprint is the blob's
+    checksum): all equal, every node combines every node's values, in node order, as
+    the full path does (:func:`.ops.combine`); any difference reads the slots as the
+    full path reads them (a node that joined, left, failed, is in another step or
+    holds another layout) and then goes on, or raises, as the full path would.
+    """
+
+    needs_exclusive = True
+
+    @classmethod
+    def make(cls, comm: MpiCommunicator, layout, op: str, step):
+        meta = (layout, 1.0, False, True)  # (as the full path's: a node of one process weighs 1)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in layout]
+        end = payload_at(len(blob))
+        for n in nbytes:
+            end = round_up(end + n, 8)
+        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
+            return None
+        return cls(comm, layout, op, step, meta, blob)
+
+    def __init__(self, comm: MpiCommunicator, layout, op: str, step, meta, blob: bytes):
+        self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
+        self.key, self.words = step
+        self.fingerprint = zlib.crc32(blob)
+        size, at = comm.size, payload_at(len(blob))
+        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        self.head_bytes = HEAD.size + len(blob)
+        self.sends = packed_views(self.slot, layout, at, 8)
+        received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
+        self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
+        self.reducers = [Reducer(op, dtype, shape, None, size) for dtype, shape in layout]
+        self.code = (WHAT_CODES["all_reduce"], OP_CODES[op], -1)
+        self.mark: int | None = None  # the step key's checksum, known at the first run
+
+    def run(self, values, outs=None) -> bool:
+        comm = self.comm
+        if comm.pre_begun or len(values) != len(self.layout):
+            return False
+        for v, (dtype, shape) in zip(values, self.layout):
+            if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
+                return False
+        comm.begin(self.key, self.words)  # numbered before anything can fail
+        comm._enter("all_reduce")
+        slot, slots = self.slot, self.slots
+        if comm.step[1] != self.mark:  # (the first run, or a key whose checksum was forgotten)
+            self.mark = comm.step[1]
+            comm._fill_slot(slot, self.blob, self.mark, self.code)
+        _NUMBER.pack_into(slot, 8, comm.step[0])  # type: ignore[arg-type, unused-ignore]
+        for view, v in zip(self.sends, values):
+            view[...] = v
+        comm._exchange_headers("all_reduce", slot, slots)
+        comm.plan_steps += 1
+        n = self.head_bytes
+        own = slot[:n].tobytes()
+        if all(r == comm.rank or slots[r, :n].tobytes() == own for r in range(comm.size)):
+            comm.joined = []
+            for value, red, parts in zip(values, self.reducers, self.parts):
+                np.copyto(value, red.run(parts))
+            return True
+        self._read_long(values)
+        return True
+
+    def _read_long(self, values) -> None:
+        """The slots differ: read them as the full path does, then reduce or raise as it would."""
+        comm = self.comm
+        heads, metas = comm._read_headers_long("all_reduce", self.slots, self.blob)
+        try:
+            comm._same_step("all_reduce", heads)
+            comm._no_failure("all_reduce", metas)
+        except (StepMismatchError, PeerFailed, TypeError) as err:
+            comm._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
+            raise
+        # the payload views are of the kept slots: copied before the slots are used again
+        payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
+        comm._reduce_rest("all_reduce", list(values), [(m[0], m[1]) for m in metas], payloads, self.op, None,
+                          in_place=True)
