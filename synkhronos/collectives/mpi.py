@@ -922,7 +922,9 @@ class _StepPlan(CommPlan):
         size, at = comm.size, payload_at(len(blob))
         self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
         self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
-        self.head_bytes = HEAD.size + len(blob)
+        n = HEAD.size + len(blob)
+        self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
+        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
         self.sends = packed_views(self.slot, layout, at, 8)
         received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
         self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
@@ -948,14 +950,18 @@ class _StepPlan(CommPlan):
             view[...] = v
         comm._exchange_headers("all_reduce", slot, slots)
         comm.plan_steps += 1
-        n = self.head_bytes
-        own = slot[:n].tobytes()
-        if all(r == comm.rank or slots[r, :n].tobytes() == own for r in range(comm.size)):
-            comm.joined = []
-            for value, red, parts in zip(values, self.reducers, self.parts):
-                np.copyto(value, red.run(parts))
-            return True
-        self._read_long(values)
+        own = self.own.tobytes()
+        for head in self.heads:
+            if head.tobytes() != own:
+                self._read_long(values)
+                return True
+        comm.joined = []
+        for value, red, parts in zip(values, self.reducers, self.parts):
+            # (the same operations in the same order as ops.combine, into the value)
+            if red.scalar_path:
+                value[()] = red.scalar(parts)
+            else:
+                red(parts, out=value)
         return True
 
     def _read_long(self, values) -> None:
