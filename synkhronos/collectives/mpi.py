@@ -59,7 +59,7 @@ from .._procs.waits import wait_until
 from .base import CommPlan, Communicator
 from . import mpi_wire
 from .._arrays import packed_views, round_up
-from .mpi_wire import (FAILED, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
+from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
                        fit_into, payload_at, pieces, reduce_plan, spans)
 from .ops import Reducer, agreed_layout, cast_to, combine, identity, result_dtype
@@ -222,8 +222,9 @@ class MpiCommunicator(Communicator):
             return Testall(reqs)
 
         try:
-            if Testall(reqs):
-                return
+            for _ in range(FIRST_TESTS):  # (a small step's answer is usually a few us away)
+                if Testall(reqs):
+                    return
             self.waiting = what  # a timeout meanwhile names the other nodes (Session.poll)
             wait_until(ready, self.check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
@@ -846,7 +847,7 @@ class MpiCommunicator(Communicator):
                     or result_dtype(dtype, op) != dtype:
                 return None
             lay.append((dtype, tuple(int(d) for d in shape)))
-        return _StepPlan.make(self, lay, op, step)
+        return _StepPlan.make(self, lay, op, step) or _LargePlan.make(self, lay, op, step)
 
     def reset(self) -> None:
         """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""
@@ -925,10 +926,12 @@ class _StepPlan(CommPlan):
         n = HEAD.size + len(blob)
         self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
         self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
-        self.sends = packed_views(self.slot, layout, at, 8)
-        received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
-        self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
-        self.reducers = [Reducer(op, dtype, shape, None, size) for dtype, shape in layout]
+        self.sends: list = []
+        if meta[3]:  # the values travel in the header slots
+            self.sends = packed_views(self.slot, layout, at, 8)
+            received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
+            self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
+            self.reducers = [Reducer(op, dtype, shape, None, size) for dtype, shape in layout]
         self.code = (WHAT_CODES["all_reduce"], OP_CODES[op], -1)
         self.mark: int | None = None  # the step key's checksum, known at the first run
 
@@ -939,29 +942,37 @@ class _StepPlan(CommPlan):
         for v, (dtype, shape) in zip(values, self.layout):
             if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
                 return False
-        comm.begin(self.key, self.words)  # numbered before anything can fail
-        comm._enter("all_reduce")
-        slot, slots = self.slot, self.slots
-        if comm.step[1] != self.mark:  # (the first run, or a key whose checksum was forgotten)
-            self.mark = comm.step[1]
-            comm._fill_slot(slot, self.blob, self.mark, self.code)
-        _NUMBER.pack_into(slot, 8, comm.step[0])  # type: ignore[arg-type, unused-ignore]
-        for view, v in zip(self.sends, values):
-            view[...] = v
-        comm._exchange_headers("all_reduce", slot, slots)
-        comm.plan_steps += 1
-        own = self.own.tobytes()
-        for head in self.heads:
-            if head.tobytes() != own:
-                self._read_long(values)
-                return True
-        comm.joined = []
+        if not self._exchange(values):
+            self._read_long(values)
+            return True
         for value, red, parts in zip(values, self.reducers, self.parts):
             # (the same operations in the same order as ops.combine, into the value)
             if red.scalar_path:
                 value[()] = red.scalar(parts)
             else:
                 red(parts, out=value)
+        return True
+
+    def _exchange(self, values) -> bool:
+        """Number the step, exchange the header slots (with ``values`` where they travel
+        there): whether every node's head and blob is this node's."""
+        comm = self.comm
+        comm.begin(self.key, self.words)  # numbered before anything can fail
+        comm._enter("all_reduce")
+        slot = self.slot
+        if comm.step[1] != self.mark:  # (the first run, or a key whose checksum was forgotten)
+            self.mark = comm.step[1]
+            comm._fill_slot(slot, self.blob, self.mark, self.code)
+        _NUMBER.pack_into(slot, 8, comm.step[0])  # type: ignore[arg-type, unused-ignore]
+        for view, v in zip(self.sends, values):
+            view[...] = v
+        comm._exchange_headers("all_reduce", slot, self.slots)
+        comm.plan_steps += 1
+        own = self.own.tobytes()
+        for head in self.heads:
+            if head.tobytes() != own:
+                return False
+        comm.joined = []
         return True
 
     def _read_long(self, values) -> None:
@@ -978,3 +989,62 @@ class _StepPlan(CommPlan):
         payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
         comm._reduce_rest("all_reduce", list(values), [(m[0], m[1]) for m in metas], payloads, self.op, None,
                           in_place=True)
+
+
+class _LargePlan(_StepPlan):
+    """A kept all-reduce among node masters of nodes of one process whose values do not
+    travel in the header: the header exchange as :class:`_StepPlan` makes it (with the
+    full path's header, its values left out), then one ``Iallreduce`` per array (in
+    pieces) from the value straight into ``outs`` (spare arrays the engine gives and
+    then swaps in): no copy. Only for dtypes MPI reduces in their own bytes."""
+
+    out_of_place = True
+    needs_exclusive = False
+
+    @classmethod
+    def make(cls, comm: MpiCommunicator, layout, op: str, step):
+        for dtype, shape in layout:
+            plan = reduce_plan(dtype, op)
+            if plan is None or plan[0].itemsize != dtype.itemsize or (plan[0] != dtype and dtype.kind != "b"):
+                return None
+        meta = (layout, 1.0, False, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        if HEAD.size + len(blob) > HEADER_SLOT:
+            return None
+        return cls(comm, layout, op, step, meta, blob)
+
+    def run(self, values, outs=None) -> bool:
+        comm = self.comm
+        if comm.pre_begun or outs is None or len(values) != len(self.layout) or len(outs) != len(values):
+            return False
+        for v, o, (dtype, shape) in zip(values, outs, self.layout):
+            for a in (v, o):
+                if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous \
+                        or not a.flags.writeable:
+                    return False
+            if v.dtype is not dtype or np.may_share_memory(v, o):
+                return False
+        if not self._exchange(()):
+            self._read_long(values)
+            for v, o in zip(values, outs):
+                np.copyto(o, v)
+            return True
+        MPI, op = comm._MPI, self.op
+        mpi_op = getattr(MPI, MPI_OPS[op])
+
+        def start():
+            reqs = []
+            for v, o in zip(values, outs):
+                send, recv = v.reshape(-1), o.reshape(-1)
+                if v.dtype.kind == "b":
+                    send, recv = send.view(np.uint8), recv.view(np.uint8)
+                for lo, hi in spans(send.size, send.itemsize):
+                    reqs.append(comm._comm.Iallreduce(send[lo:hi], recv[lo:hi], mpi_op))
+            return reqs
+
+        reqs = comm._started("all_reduce", start)
+        comm._wait(reqs, "all_reduce", (values, outs))
+        if op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)
+            for o in outs:
+                o *= o.dtype.type(1.0 / comm.size)
+        return True

@@ -17,6 +17,10 @@ __all__ = []
 #: (a 64 MiB all-reduce took about 1.4x as long with 0.02 s, sleeping 100 us
 #: between polls for most of it); Open MPI's own blocking calls spin throughout.
 SPIN_SECONDS = 0.25
+#: Tests of a wait's requests before its first yield of the core (about 0.3 ms): a
+#: yield on a busy machine can cost a whole time slice, while a small exchange's
+#: answer is usually a few microseconds away (one Test is about 0.3 us).
+FIRST_TESTS = 1000
 #: Sleep between polls once the spin is over (seconds).
 POLL_SLEEP = 100e-6
 #: Bytes of each node's header slot in the agreement all-gather; a larger

@@ -82,8 +82,23 @@ def check_step_plan(v, comm, rank, size):
     plan = comm.plan("all_reduce", layout, "sum", (("test", "sum"), "test step"))
     v.expect(plan is not None and plan.needs_exclusive and not plan.out_of_place, "a small sum plan")
     v.expect(comm.plan("all_reduce", layout, "avg", (("t",), "t")) is None, "no plan of an avg of int32")
-    v.expect(comm.plan("all_reduce", [(np.dtype(np.float64), (100,))], "sum", (("t",), "t")) is None,
-             "no plan over the header slot")
+    v.expect(comm.plan("all_reduce", [(np.dtype(np.float16), (1000,))], "sum", (("t",), "t")) is None,
+             "no plan of float16 over the header slot (MPI cannot reduce it)")
+    big = comm.plan("all_reduce", [(np.dtype(np.float64), (1000,)), (np.dtype(np.bool_), (300,))], "avg",
+                    (("big",), "big"))
+    v.expect(big is None, "no plan of an avg of booleans over the header slot")
+    big = comm.plan("all_reduce", [(np.dtype(np.float64), (1000,)), (np.dtype(np.bool_), (300,))], "max",
+                    (("big",), "big"))
+    v.expect(big is not None and big.out_of_place, "a large plan writes out of place")
+    for k in range(2):
+        vals = [make(k, rank, np.float64, (1000,)), make(k, rank, np.bool_, (300,))]
+        want = [expected_reduce([make(k, r, np.float64, (1000,)) for r in range(size)], "max"),
+                expected_reduce([make(k, r, np.bool_, (300,)) for r in range(size)], "max")]
+        outs = [np.empty_like(a) for a in vals]
+        kept = [a.copy() for a in vals]
+        v.expect(not big.run(vals), "a large plan without outs: False")
+        v.expect(big.run(vals, outs) and all(np.array_equal(o, w) for o, w in zip(outs, want))
+                 and all(np.array_equal(a, b) for a, b in zip(vals, kept)), f"large plan step {k}")
     v.expect(comm.plan("gather", layout, "sum", (("t",), "t")) is None, "no plan of a gather")
     for k in range(3):
         vals = [np.full(3, rank + k, dtype=np.float64), np.array(rank * k, dtype=np.int32)]
