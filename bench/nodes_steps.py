@@ -164,7 +164,11 @@ def main() -> None:
             ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["this"])
             line += f" ({ratio:6.2f} x MPI)"
         if "other" in med:
-            line += f"   other {med['other']:10.1f}   this/other {med['this'] / med['other']:.3f}"
+            line += f"   other {med['other']:10.1f}"
+            if m in AGAINST:
+                ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["other"])
+                line += f" ({ratio:6.2f} x MPI)"
+            line += f"   this/other {med['this'] / med['other']:.3f}"
         print(line)
     if a.profile:
         print(runs["this"][-1]["profile"])
