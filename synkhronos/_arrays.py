@@ -17,7 +17,7 @@ except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
-           "round_up", "packed_views"]
+           "round_up", "packed_views", "device_pointer", "writable_in_place", "cupy_at"]
 
 
 def round_up(n: int, to: int = 64) -> int:
@@ -44,6 +44,59 @@ def is_device_array(value) -> bool:
 
 def _is_cupy(value) -> bool:
     return (type(value).__module__ or "").startswith("cupy")
+
+
+def _is_jax(value) -> bool:
+    return (type(value).__module__ or "").startswith(("jax", "jaxlib"))
+
+
+_UNKNOWN = object()
+
+
+def writable_in_place(x) -> bool:
+    """Whether a collective may write ``x``'s result into ``x``'s own device buffer.
+
+    A C-contiguous CuPy array; or a live JAX array on one device in JAX's
+    default (row-major) layout that holds no cached host copy: JAX arrays are
+    immutable, so once ``np.asarray`` has cached a copy in host memory (on a
+    GPU it does), a write into the device buffer would leave that copy stale.
+    The copy lives in a private attribute (``_npy_value``): a JAX without it
+    is never written into (its arrays take the route with new buffers).
+    Anything else (numpy, an empty array) is False.
+    """
+    if _is_cupy(x):
+        return bool(x.size) and bool(x.flags.c_contiguous)
+    if not _is_jax(x) or getattr(x, "_npy_value", _UNKNOWN) is not None or not x.size:
+        return False
+    try:
+        if x.is_deleted() or type(x.sharding).__name__ != "SingleDeviceSharding":
+            return False
+        layout = x.format.layout  # (row-major: dimension 0 most major, no tiles)
+        return tuple(layout.major_to_minor) == tuple(range(x.ndim)) and not layout.tiling
+    except Exception:  # an attribute this JAX lacks: never write
+        return False
+
+
+def device_pointer(x) -> int:
+    """The device address of ``x``'s buffer (a CuPy or single-device JAX array).
+
+    A JAX array is first waited for (``block_until_ready``): its buffer is
+    then written, and the address is that of the value it holds.
+    """
+    if _is_cupy(x):
+        return int(x.data.ptr)
+    return int(x.block_until_ready().unsafe_buffer_pointer())
+
+
+def cupy_at(ptr: int, dtype, shape, owner):
+    """A CuPy array over the device memory at ``ptr`` (``dtype``, ``shape``, C order),
+    without a copy and without DLPack; ``owner`` is kept alive as long as the view."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def to_cupy(x):

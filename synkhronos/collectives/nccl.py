@@ -1,9 +1,10 @@
 """NCCL Communicator for GPU processes, one GPU each, through CuPy's NCCL binding.
 
 Arrays in and out are device arrays: JAX arrays are read in place through
-DLPack, results come back as CuPy arrays. Before every collective the
-processes agree, through the shared-memory communicator this one wraps, on
-what each contributes (dtypes and shapes, weights, failure flags), then again
+DLPack, results come back as CuPy arrays, or, for an all-reduce allowed to
+write its arrays, in those very arrays (NCCL on their own buffers). Before
+every collective the processes agree, through the shared-memory
+communicator this one wraps, on what each contributes (dtypes and shapes, weights, failure flags), then again
 that every process has its buffers ready: a process with nothing to add sends
 identity elements of the agreed shape, and an error in one process is an
 error in all of them, never a process left waiting inside NCCL.
@@ -18,7 +19,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from .._arrays import to_cupy
+from .._arrays import cupy_at, device_pointer, to_cupy, writable_in_place
 from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .._procs.waits import wait_until
@@ -118,6 +119,14 @@ def reduce_plan(dtype, op: str):
     raise bad
 
 
+def _in_place_dtype(dtype, plan) -> bool:
+    """Whether NCCL reduces arrays of ``dtype`` in their own memory (``plan`` is
+    :func:`reduce_plan`'s): the work and the result are the dtype itself, or a
+    bool reduced as its bytes (0 or 1, by max and min)."""
+    work, result = plan[0], plan[3]
+    return result == dtype and (work == dtype or (dtype.kind == "b" and work.itemsize == 1))
+
+
 def _check_movable(layout, what: str) -> None:
     for dtype, _ in layout:
         if np.dtype(dtype).kind not in MOVABLE_KINDS:
@@ -141,7 +150,8 @@ class NcclCommunicator(Communicator):
             every process.
 
     Every process must create it at the same time (NCCL's initialisation is
-    collective). Results are CuPy arrays on this process's GPU.
+    collective). Results are CuPy arrays on this process's GPU (or, from
+    :meth:`all_reduce` with ``in_place``, the arrays it could write in place).
     """
 
     #: arrays stay on the device: callers pass JAX/CuPy arrays as they are
@@ -260,7 +270,7 @@ class NcclCommunicator(Communicator):
         self._wait()
         self._shm.barrier()
 
-    def _reduce(self, arrays, op, weight, failed, root):
+    def _reduce(self, arrays, op, weight, failed, root, writable=None):
         metas = self._agree(arrays, weight, failed)
         present, layout = agreed_layout(metas, op)
         if not present:
@@ -269,54 +279,91 @@ class NcclCommunicator(Communicator):
         pre = post = 1.0
         if op == "avg":
             pre, post = avg_factors([metas[r][1] for r in present], metas[self.rank][1])
-        cp = self._cp
         gets_result = root is None or self.rank == root
-
-        def prepare():
-            bufs = []
-            with self._stream:
-                for i, ((_, shape), (work, _, _, _, _)) in enumerate(zip(layout, plans)):
-                    if arrays is None:
-                        send = cp.full(shape, identity(op, work), dtype=work)
-                    else:
-                        send = self._dev(arrays[i]).astype(work, copy=False)
-                        if pre != 1.0:
-                            send = send * work.type(pre)
-                    recv = cp.empty(shape, dtype=work) if gets_result else send
-                    bufs.append((send, recv))
-            return bufs
-
-        bufs = self._ready(prepare)
+        direct = self._direct(arrays, writable if root is None else None, layout, plans, pre)
+        bufs = self._ready(lambda: self._buffers(arrays, op, layout, plans, pre, gets_result, direct))
+        if any(direct):  # JAX's readers and writers of these buffers (its own stream) are done
+            self._cp.cuda.runtime.deviceSynchronize()
         ptr = self._stream.ptr
         with self._stream:
-            for (send, recv), (_, dtype_name, op_name, _, per) in zip(bufs, plans):
-                count = send.size * per
+            for (send, recv, _, _), (_, dtype_name, op_name, _, per), (_, shape) in zip(bufs, plans, layout):
+                count = math.prod(shape) * per
                 if count == 0:
                     continue
                 if root is None:
-                    self._comm.allReduce(send.data.ptr, recv.data.ptr, count, self._const(dtype_name),
-                                         self._const(op_name), ptr)
+                    self._comm.allReduce(send, recv, count, self._const(dtype_name), self._const(op_name), ptr)
                 else:
-                    self._comm.reduce(send.data.ptr, recv.data.ptr, count, self._const(dtype_name),
-                                      self._const(op_name), root, ptr)
+                    self._comm.reduce(send, recv, count, self._const(dtype_name), self._const(op_name), root, ptr)
             out = None
             if gets_result:
-                out = []
-                for (_, recv), (_, _, _, result, _) in zip(bufs, plans):
-                    if post != 1.0:
-                        recv *= recv.dtype.type(post)
-                    out.append(recv.astype(result, copy=False))
+                out = [self._result(None if arrays is None else arrays[i], bufs[i], plans[i], layout[i][1],
+                                    post, direct[i]) for i in range(len(bufs))]
         self._wait()
         return out
+
+    def _direct(self, arrays, writable, layout, plans, pre) -> list:
+        """Per array, whether this rank reduces it in place, on its own buffer: allowed
+        (``writable``), a device array that may be written (:func:`writable_in_place`),
+        no multiply before the sum, and NCCL works in its own dtype (a bool as its bytes).
+        Each rank's own choice: NCCL allows ``sendbuff == recvbuff`` per rank."""
+        if arrays is None or not writable or pre != 1.0:
+            return [False] * len(layout)
+        return [bool(w) and _in_place_dtype(d, p) and writable_in_place(a)
+                for w, (d, _), p, a in zip(writable, layout, plans, arrays)]
+
+    def _buffers(self, arrays, op, layout, plans, pre, gets_result, direct) -> list:
+        """Per array ``(send pointer, receive pointer, receive buffer, send buffer)``: the
+        array's own address (and the array) where it is reduced in place, else new buffers."""
+        cp = self._cp
+        bufs = []
+        with self._stream:
+            for i, ((_, shape), (work, _, _, _, _)) in enumerate(zip(layout, plans)):
+                if direct[i]:
+                    at = device_pointer(arrays[i])
+                    bufs.append((at, at, arrays[i], None))
+                    continue
+                if arrays is None:
+                    send = cp.full(shape, identity(op, work), dtype=work)
+                else:
+                    send = self._dev(arrays[i]).astype(work, copy=False)
+                    if pre != 1.0:
+                        send = send * work.type(pre)
+                recv = cp.empty(shape, dtype=work) if gets_result else send
+                bufs.append((send.data.ptr, recv.data.ptr, recv, send))  # (send kept alive)
+        return bufs
+
+    @staticmethod
+    def _result(array, buf, plan, shape, post, direct):
+        """An array's result: the array itself when reduced in place (scaled there by
+        ``post`` through a view of its memory), else the receive buffer in the result dtype."""
+        work, result = plan[0], plan[3]
+        recv = buf[2]
+        if direct:
+            if post != 1.0:
+                view = cupy_at(buf[1], work, shape, array)
+                view *= work.type(post)
+            return array
+        if post != 1.0:
+            recv *= recv.dtype.type(post)
+        return recv.astype(result, copy=False)
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every process's arrays; CuPy arrays on root, None elsewhere."""
         return self._reduce(arrays, op, weight, failed, root)
 
     def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
-        """``op`` over every process's arrays; CuPy arrays everywhere (new buffers:
-        ``in_place`` is accepted for the interface and changes nothing)."""
-        return self._reduce(arrays, op, weight, failed, None)
+        """``op`` over every process's arrays, everywhere.
+
+        ``in_place`` (True, or per array a boolean): the array may be written.
+        Such an array that can be (a device array NCCL reduces in its own
+        dtype, no cached host copy, see :func:`.writable_in_place`, and no
+        weighting before the sum) is reduced in place on its own buffer and
+        comes back itself; every other result is a new CuPy array.
+        """
+        writable = None
+        if arrays is not None and in_place is not False:
+            writable = [in_place] * len(arrays) if isinstance(in_place, bool) else list(in_place)
+        return self._reduce(arrays, op, weight, failed, None, writable)
 
     def all_gather(self, arrays, failed=False, join=None):
         """For each array, the list over ranks of its copies (None where a rank had none),
