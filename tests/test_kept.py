@@ -17,6 +17,8 @@ from numpy.testing import assert_array_equal
 import synkhronos as synk
 from synkhronos import _runtime as runtime
 from synkhronos._kept.records import Kept, Mode, Table
+from synkhronos.collectives.base import CommPlan
+from synkhronos.collectives.shm import ShmCommunicator
 
 
 def test_a_full_table_drops_its_oldest_record_only():
@@ -139,3 +141,158 @@ def test_a_call_weighted_by_its_sliceable_rows_follows_their_lengths(fork, maste
             got = f()[0]
             want = sum(len(p) * p.sum(axis=0) for p in parts) / sum(len(p) for p in parts)
             np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=f"lengths {[len(p) for p in parts]}")
+
+
+class _RecordingPlan(CommPlan):
+    """A communicator's plan that records its runs and does what an all_reduce of one
+    process does (the values stay); ``refuse`` makes it say the values left it."""
+
+    def __init__(self, layout, op, out_of_place=False, needs_exclusive=False):
+        self.layout, self.op = layout, op
+        self.out_of_place, self.needs_exclusive = out_of_place, needs_exclusive
+        self.runs, self.refuse = [], False
+
+    def run(self, values, outs=None):
+        s = runtime.running_session()
+        self.runs.append((list(values), outs, s.in_flight))
+        if self.refuse or tuple((v.dtype, v.shape) for v in values) != self.layout:
+            return False
+        if outs is not None:
+            for v, o in zip(values, outs):
+                assert o is not v and not np.shares_memory(o, v)
+                o[...] = v
+        return True
+
+
+@pytest.fixture
+def comm_plans(monkeypatch):
+    """ShmCommunicator gives a recording plan (kept in the returned list), and no
+    inline path: a fork of one process then keeps the communicator's plan."""
+    made = []
+
+    def plan(self, kind, layout, op, step=None):
+        made.append(_RecordingPlan(layout, op, **options))
+        made[-1].step = step
+        return made[-1]
+
+    options: dict = {}
+    monkeypatch.setattr(ShmCommunicator, "plan", plan)
+    monkeypatch.setattr(ShmCommunicator, "fits_inline", lambda self, arrays: False)
+    return made, options
+
+
+def _comm_plan_of(v):
+    return next(p for key, p in _kept().plans.items() if key[:2] == ("all_reduce", id(v)))
+
+
+def test_a_fork_of_one_process_keeps_the_communicator_s_plan_and_runs_it(fork, comm_plans):
+    made, _ = comm_plans
+    fork(1)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(v, op="sum")  # the full path: the plan is made and kept
+    assert len(made) == 1 and made[0].layout == ((np.dtype(float), (3,)),) and made[0].op == "sum"
+    key, words = made[0].step  # what begin_step would number and check across nodes
+    assert key[0] == "all_reduce" and "all_reduce([v], op='sum')" == words[0](*words[1:])
+    commands, generation = _commands(), _kept().generation
+    for _ in range(3):
+        synk.all_reduce(v, op="sum")
+    assert len(made[0].runs) == 3 and (_commands(), _kept().generation) == (commands, generation)
+    assert all(vals[0] is v.container.storage[0] and outs is None and flight is not None
+               for vals, outs, flight in made[0].runs)  # run as a command: in_flight set meanwhile
+    assert runtime.running_session().in_flight is None
+    assert_array_equal(v.get_value(), np.arange(3.0))
+
+
+def test_the_communicator_s_plan_runs_only_when_the_fork_is_idle(fork, comm_plans):
+    made, _ = comm_plans
+    fork(1)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(v, op="avg")
+    plan = _comm_plan_of(v)
+    s = runtime.running_session()
+    s.in_flight = 1  # inside a command (a nested call): the full path, which refuses it
+    try:
+        assert plan.run() is False
+    finally:
+        s.in_flight = None
+    synk.function([], 2 * v.sum(), mode=MODE)  # waits to be distributed: the full path distributes it
+    synk.all_reduce(v, op="avg")
+    assert made[0].runs == [] and len(made) == 2  # planned again after that full path
+    synk.all_reduce(v, op="avg")
+    assert len(made[1].runs) == 1
+
+
+def test_a_plan_that_refuses_sends_the_full_path_which_plans_again(fork, comm_plans):
+    made, _ = comm_plans
+    fork(1)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(v, op="max")
+    v.set_value(np.arange(5.0))  # another shape: the plan says False, the full path runs
+    commands = _commands()
+    synk.all_reduce(v, op="max")
+    assert len(made[0].runs) == 1 and _commands() == commands + 1
+    assert len(made) == 2 and made[1].layout == ((np.dtype(float), (5,)),)
+    synk.all_reduce(v, op="max")
+    assert len(made[1].runs) == 1 and _commands() == commands + 1
+    assert_array_equal(v.get_value(), np.arange(5.0))
+
+
+def test_an_out_of_place_plan_gets_spare_homes_and_the_variable_takes_the_result(fork, comm_plans):
+    made, options = comm_plans
+    options["out_of_place"] = True
+    fork(1)
+    vs = [pytensor.shared(np.arange(4.0) + k, name=f"v{k}") for k in range(2)]
+    synk.function([], vs[0].sum() + vs[1].sum(), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(vs, op="sum")
+    for rep in range(4):
+        before, generation = [v.container.storage[0] for v in vs], _kept().generation
+        synk.all_reduce(vs, op="sum")
+        after = [v.container.storage[0] for v in vs]
+        assert _kept().generation > generation  # variables hold other arrays now
+        assert all(a is not b for a, b in zip(after, before)) and not np.shares_memory(after[0], after[1])
+        for k, v in enumerate(vs):
+            assert_array_equal(v.get_value(), np.arange(4.0) + k)
+    assert len(made) == 1 and len(made[0].runs) == 4
+
+
+def test_an_in_place_plan_is_refused_while_another_variable_holds_its_value(fork, comm_plans):
+    made, options = comm_plans
+    options["needs_exclusive"] = True
+    fork(1)
+    a = pytensor.shared(np.arange(3.0), name="a")
+    b = pytensor.shared(np.zeros(3), name="b")
+    synk.function([], a.sum() + b.sum(), mode=MODE)
+    synk.distribute()
+    synk.all_reduce(a, op="sum")
+    synk.all_reduce(a, op="sum")
+    assert len(made[0].runs) == 1
+    b.set_value(a.get_value(borrow=True), borrow=True)  # b holds a's very array (as JAX's forwarding leaves it)
+    synk.all_reduce(a, op="sum")
+    assert len(made[0].runs) == 1  # refused: the full path ran
+    b.set_value(np.zeros(3))
+    synk.all_reduce(a, op="sum")
+    assert sum(len(p.runs) for p in made) == 2
+    synk.all_reduce([a, b], op="sum")  # the full path: a plan of both
+    b.set_value(a.get_value(borrow=True), borrow=True)
+    synk.all_reduce([a, b], op="sum")  # one array in two of the plan's own variables: refused as well
+    assert made[-1].runs == []
+    assert_array_equal(b.get_value(), np.arange(3.0))
+
+
+def test_without_a_communicator_plan_nothing_is_kept(fork, monkeypatch):
+    monkeypatch.setattr(ShmCommunicator, "fits_inline", lambda self, arrays: False)
+    fork(1)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    for _ in range(2):
+        synk.all_reduce(v, op="sum")
+    assert not [k for k in _kept().plans if k[0] == "all_reduce"]
+    assert_array_equal(v.get_value(), np.arange(3.0))

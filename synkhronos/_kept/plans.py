@@ -35,6 +35,16 @@ path runs the command. A worker's inline gather or reduce moves its values
 into their homes first (once; again after an update moved them), so that
 they can be published.
 
+A communicator's own plan: in a fork of one process (a node of one
+process across nodes, one GPU), an all_reduce that went through by the full
+path asks the communicator for a :class:`~synkhronos.collectives.base.CommPlan`
+(:func:`keep_comm_plan`): what the collective does, agreed once among the
+processes it reaches (the other nodes, NCCL's ranks). The next all_reduce of
+the same argument runs it, with no command (there are no workers), while the
+fork is idle with nothing to distribute; the plan itself checks that the
+values still have its layout (else the full path runs, and plans again), and
+each run carries its fingerprint, which every process compares.
+
 The master's half: ``_shareds.api.broadcast`` and ``.all_reduce`` try
 :func:`planned` first, ``.gather`` :func:`planned_gather`, ``.reduce``
 :func:`planned_reduce`, and the
@@ -47,6 +57,7 @@ before every answer.
 from __future__ import annotations
 
 import typing
+from threading import get_ident
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -59,7 +70,7 @@ from .._protocol.control import Command
 from .records import Mode, Published
 
 __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
-           "keep_worker_plan", "publish_homes"]
+           "keep_comm_plan", "keep_worker_plan", "publish_homes"]
 
 #: The inline collectives that keep plans.
 PLANNED_KINDS = frozenset(("broadcast", "all_reduce", "gather", "reduce"))
@@ -309,6 +320,83 @@ class _ReadPlan(_Plan):
             else:  # the inline path's reduce (_shareds.host._inline_reduce), in rank order
                 got.append(reduced(proc, self.op, parts, var.type.dtype))
         return got
+
+
+class _CommAllReducePlan:
+    """A kept all_reduce of a fork of one process, run by the communicator's
+    :class:`~synkhronos.collectives.base.CommPlan` (see above)."""
+
+    __slots__ = ("s", "vars_", "sids", "storages", "layout", "cplan", "spare", "others")
+
+    def __init__(self, s, vars_, sids, layout, cplan, spare):
+        self.s, self.vars_, self.sids, self.layout = s, list(vars_), list(sids), layout
+        self.storages = [v.container.storage for v in vars_]  # (a Container keeps its own for life)
+        self.cplan, self.spare = cplan, spare
+        self.others: tuple = (-1, [])  # (len(proc.shareds), the other variables' storage lists)
+
+    def run(self) -> bool:
+        s = self.s
+        if len(s.distributed) != len(s.proc.functions) or not s.idle():
+            return False
+        values = [storage[0] for storage in self.storages]
+        cplan = self.cplan
+        if cplan.needs_exclusive and self._held_elsewhere(values):
+            return False
+        outs = None
+        if cplan.out_of_place:
+            for value, (dtype, shape) in zip(values, self.layout):
+                if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
+                    return False
+            outs = [self.spare(sid, value) for sid, value in zip(self.sids, values)]
+        s.in_flight = get_ident()  # a command for close() and nested calls, as Session.run's
+        s.begin_wait()             # fork(timeout=...) counts from here
+        try:
+            done = cplan.run(values, outs)
+        finally:
+            s.in_flight = None
+        if done and outs is not None:
+            for storage, out in zip(self.storages, outs):
+                storage[0] = out
+            s.kept.moved()  # variables hold other arrays (the validity rule)
+        s.close_if_requested()
+        return done
+
+    def _held_elsewhere(self, values) -> bool:
+        """Whether two of ``values`` are one array, or another shared variable of the
+        fork holds one of them (JAX forwards inputs to outputs: after
+        ``updates=[(b, a)]`` b may hold a's very array); an in-place plan would
+        then change that variable too."""
+        ids = {id(v) for v in values}
+        if len(ids) != len(values):
+            return True
+        shareds = self.s.proc.shareds
+        count, others = self.others
+        if count != len(shareds):  # (variables come only with distribute)
+            mine = set(self.sids)
+            others = [var.container.storage for sid, var in shareds.items() if sid not in mine]
+            self.others = (len(shareds), others)
+        for storage in others:
+            if id(storage[0]) in ids:
+                return True
+        return False
+
+
+def keep_comm_plan(s, plan_key, vars_, sids, op, comm, step, spare) -> None:
+    """After a full-path all_reduce in a fork of one process: keep ``comm``'s plan of
+    it under ``plan_key`` (``Communicator.plan``; none: nothing kept), unless an
+    inline plan holds that key. ``step``: its step key and words across nodes;
+    ``spare(sid, value)``: an array for an out-of-place plan's result."""
+    plans = s.kept.plans
+    have = plans.get(plan_key)
+    if have is not None and type(have) is not _CommAllReducePlan:
+        return
+    values = [v.container.storage[0] for v in vars_]
+    layout = tuple((getattr(a, "dtype", None), getattr(a, "shape", None)) for a in values)
+    cplan = comm.plan("all_reduce", layout, op, step)
+    if cplan is None:
+        plans.pop(plan_key, None)
+        return
+    plans.keep(plan_key, _CommAllReducePlan(s, vars_, sids, layout, cplan, spare))
 
 
 _CLASSES = {"all_reduce": _AllReducePlan, "broadcast": _BroadcastPlan, "gather": _ReadPlan, "reduce": _ReadPlan}

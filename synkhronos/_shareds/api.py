@@ -21,10 +21,10 @@ from ..data import Data, ref
 from .._protocol.scratch import fit_scratch, release_scratch
 from .._protocol.distribute import distribute
 from .._kept.records import Resolved
-from .._kept.plans import planned, planned_gather, planned_reduce, resolve_key
+from .._kept.plans import keep_comm_plan, planned, planned_gather, planned_reduce, resolve_key
 from ..world import world
-from .homes import assign
-from .host import CollectiveSpec, send
+from .homes import assign, spare_home
+from .host import CollectiveSpec, send, wire_of
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
@@ -354,8 +354,15 @@ def _all_reduce(shared_vars, op, nccl) -> None:
     name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, _ = _resolve(shared_vars)
-    send(s, CollectiveSpec("all_reduce", sids, op=name, cpu=cpu),
-          plan_key=("all_reduce", resolve_key(shared_vars), op, nccl))
+    spec = CollectiveSpec("all_reduce", sids, op=name, cpu=cpu)
+    plan_key = ("all_reduce", resolve_key(shared_vars), op, nccl)
+    send(s, spec, plan_key=plan_key)
+    proc = s.proc
+    if proc.size == 1 and plan_key[1] is not None:  # a fork of one process: the communicator's own plan
+        wire = wire_of(spec)
+        step = (nodes.step_key("collective", wire, proc), (nodes.step_words, proc, "collective", wire))
+        keep_comm_plan(s, plan_key, vars_, sids, name, proc.device.comm_for(proc, cpu), step,
+                       spare=lambda sid, value: spare_home(proc, sid, value))
 
 
 def _check_nccl(nccl) -> bool:

@@ -103,6 +103,19 @@ def resident(proc, sids, vars_) -> list:
     return out
 
 
+def spare_home(proc, sid, not_this) -> np.ndarray:
+    """An array of ``not_this``'s dtype and shape for variable ``sid`` to take next:
+    one of its homes that neither ``not_this`` (its value now) nor any other
+    shared variable uses, or new memory; plain memory where the communicator
+    keeps no resident arrays. For a kept plan that writes its result out of
+    place (:class:`~synkhronos.collectives.base.CommPlan`), then swaps it in."""
+    dtype, shape = not_this.dtype, not_this.shape
+    if not proc.comm.supports_resident:
+        return np.empty(shape, dtype)
+    return _home(proc, sid, dtype, shape,
+                 lambda: _memory_in_use(proc, exclude={sid}) + ([byte_bounds(not_this)] if not_this.nbytes else []))
+
+
 def receive_into(proc, sid, var, src) -> np.ndarray:
     """Copy ``src`` into this process's shared-memory home for ``var`` and make it the
     value (memory allocated once, not at every broadcast)."""

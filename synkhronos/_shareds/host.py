@@ -47,8 +47,12 @@ def send(s, spec: CollectiveSpec, plan_key=None):
         got = _send_inline(s, spec, plan_key)
         if got is not _NOT_INLINE:
             return got
-    wire = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
-    return s.run(Command.COLLECTIVE, wire, lambda proc, _: run(proc, spec))
+    return s.run(Command.COLLECTIVE, wire_of(spec), lambda proc, _: run(proc, spec))
+
+
+def wire_of(spec: CollectiveSpec) -> tuple:
+    """What the workers get of ``spec`` (and what the steps among nodes name it by)."""
+    return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))
 
 
 def worker_collective(proc, wire: tuple):
