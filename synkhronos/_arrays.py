@@ -17,7 +17,7 @@ except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
-           "round_up", "packed_views", "device_pointer", "writable_in_place", "cupy_at"]
+           "round_up", "packed_views", "device_pointer", "writable_in_place", "still_writable", "cupy_at"]
 
 
 def round_up(n: int, to: int = 64) -> int:
@@ -75,6 +75,15 @@ def writable_in_place(x) -> bool:
         return tuple(layout.major_to_minor) == tuple(range(x.ndim)) and not layout.tiling
     except Exception:  # an attribute this JAX lacks: never write
         return False
+
+
+def still_writable(x) -> bool:
+    """For an array :func:`writable_in_place` accepted before: the part of its answer
+    that can change while the array lives (a JAX array may since have cached a host
+    copy, or been deleted)."""
+    if _is_cupy(x):
+        return True
+    return getattr(x, "_npy_value", _UNKNOWN) is None and not x.is_deleted()
 
 
 def device_pointer(x) -> int:

@@ -538,3 +538,56 @@ def test_in_place_per_array_and_non_contiguous(world, fake_cupy, monkeypatch):
     assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
     calls = [c for c in fake_cupy.cuda.nccl.calls if c[1] == "allReduce"]
     assert len(calls) == 4
+
+
+# ---------------------------------------------------------------------------
+# The kept plan of one process (issue 48): NCCL in place, no agreement per step.
+
+
+def test_plan_runs_in_place_with_one_rank_and_matches_combine(world, fake_cupy, monkeypatch):
+    (comm,) = world(1)
+    counts = _count_exchanges(monkeypatch, comm)
+    rng = np.random.default_rng(4848)
+    kinds = [(d, op) for d in IN_PLACE_DTYPES for op in OPS if _expect_in_place(d, op)]
+    for step in range(60):
+        dtype, op = kinds[rng.integers(len(kinds))]
+        shapes = [[(), (1,), (7, 3), (5,)][i] for i in rng.integers(4, size=rng.integers(1, 4))]
+        vals = [_random_values(rng, 1, dtype, s)[0] for s in shapes]
+        layout = tuple((np.dtype(dtype), s) for s in shapes)
+        plan = comm.plan("all_reduce", layout, op)
+        assert plan is not None and plan.needs_exclusive and not plan.out_of_place, (dtype, op)
+        assert plan.fingerprint == comm.plan("all_reduce", layout, op).fingerprint
+        arrays = [fake_cupy.asarray(v) for v in vals]
+        before = len(fake_cupy.cuda.nccl.calls)
+        for _ in range(2):  # the same arrays twice: the second run checks only what can change
+            assert plan.run(arrays) is True
+        assert len(fake_cupy.cuda.nccl.calls) - before == 2 * len(arrays)
+        for a, v in zip(arrays, vals):
+            want = combine([v.copy()], op)
+            assert host(a).dtype == want.dtype and host(a).shape == want.shape
+            assert_array_equal(host(a), want, err_msg=f"{dtype} {op}")
+    assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
+
+
+def test_plan_refusals(world, fake_cupy):
+    (one,) = world(1)
+    f32 = np.dtype(np.float32)
+    lay = ((f32, (3,)),)
+    assert one.plan("broadcast", lay, "sum") is None
+    for layout, op in [(((np.dtype(np.int32), (3,)),), "avg"), (((np.dtype(np.int16), (3,)),), "sum"),
+                       (((np.dtype(np.complex64), (3,)),), "max"), (((f32, (0, 2)),), "sum"),
+                       (((np.dtype("datetime64[s]"), (3,)),), "sum"), (((None, None),), "sum"),
+                       (lay + ((np.dtype(np.int64), (2,)),), "avg")]:
+        assert one.plan("all_reduce", layout, op) is None, (layout, op)
+    assert world(2)[0].plan("all_reduce", lay, "sum") is None  # several processes: the full path
+    plan = one.plan("all_reduce", lay, "sum")
+    a = fake_cupy.asarray(np.arange(3, dtype=np.float32))
+    calls = len(fake_cupy.cuda.nccl.calls)
+    for values in ([fake_cupy.asarray(np.arange(3.0))], [fake_cupy.asarray(np.arange(4, dtype=np.float32))],
+                   [np.arange(3, dtype=np.float32)], [fake_cupy.asarray(np.arange(6, dtype=np.float32))[::2]],
+                   [a, a], []):
+        assert plan.run(values) is False  # another dtype, shape, numpy, not contiguous, count
+    assert len(fake_cupy.cuda.nccl.calls) == calls, "a refused run sent something"
+    one.abort("an earlier failure")
+    assert plan.run([a]) is False  # the full path raises the broken communicator's error
+    assert one.plan("all_reduce", lay, "sum") is None

@@ -15,15 +15,17 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import weakref
+import zlib
 from typing import NoReturn
 
 import numpy as np
 
-from .._arrays import cupy_at, device_pointer, to_cupy, writable_in_place
+from .._arrays import cupy_at, device_pointer, still_writable, to_cupy, writable_in_place
 from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .._procs.waits import wait_until
-from .base import Communicator
+from .base import CommPlan, Communicator
 from .ops import agreed_layout, identity
 
 __all__ = ["NcclCommunicator", "new_unique_id", "avg_factors", "reduce_plan"]
@@ -466,6 +468,28 @@ class NcclCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
+    def plan(self, kind, layout, op, step=None):
+        """With one process, a kept all-reduce of ``layout`` by ``op`` that NCCL runs in
+        place on the values' own buffers (:class:`_NcclPlan`), when every array of the
+        layout can be (a non-empty array NCCL reduces in its own dtype); else None.
+        Several processes take the full path, which agrees on every step."""
+        if kind != "all_reduce" or self.size != 1 or self.broken is not None:
+            return None
+        calls = []
+        for dtype, shape in layout:
+            if dtype is None or shape is None:
+                return None
+            dtype = np.dtype(dtype)
+            try:
+                plan = reduce_plan(dtype, op)
+            except (TypeError, KeyError):
+                return None
+            count = math.prod(shape) * plan[4]
+            if not count or not _in_place_dtype(dtype, plan):
+                return None
+            calls.append((count, self._const(plan[1]), self._const(plan[2])))
+        return _NcclPlan(self, layout, op, calls)
+
     def close(self) -> None:
         comm, self._comm = self._comm, None
         if comm is not None and self.broken is None:
@@ -473,3 +497,55 @@ class NcclCommunicator(Communicator):
                 comm.destroy()
             except Exception:
                 pass
+
+
+class _NcclPlan(CommPlan):
+    """A kept all-reduce of one process: NCCL in place on each value's own buffer.
+
+    Agreed once (there is nobody else to agree with); kept: per array the
+    count, NCCL's datatype and op, and the stream. With one process an
+    average is the sum itself (its factor is 1). :attr:`fingerprint` is the
+    crc32 of the layout and op (the word several processes would compare).
+    """
+
+    needs_exclusive = True  # it writes into the values
+
+    def __init__(self, comm: NcclCommunicator, layout, op: str, calls: list):
+        self._comm = comm
+        self._layout = [(np.dtype(d), tuple(s)) for d, s in layout]
+        self._calls = calls
+        self._seen: list = [None] * len(calls)  # per array: a weak reference to the value checked whole
+        self.fingerprint = zlib.crc32(repr((self._layout, op)).encode())
+
+    def run(self, values, outs=None) -> bool:
+        comm = self._comm
+        if comm.broken is not None or len(values) != len(self._calls):
+            return False  # (the full path raises the broken communicator's error)
+        ptrs = []
+        for i, (value, (dtype, shape)) in enumerate(zip(values, self._layout)):
+            have = getattr(value, "dtype", None)
+            if (have is not dtype and have != dtype) or getattr(value, "shape", None) != shape:
+                return False
+            if not self._writable(i, value):
+                return False
+            ptrs.append(device_pointer(value))
+        comm._cp.cuda.runtime.deviceSynchronize()  # JAX's readers and writers of these buffers are done
+        nccl, stream = comm._comm, comm._stream.ptr
+        for ptr, (count, datatype, nccl_op) in zip(ptrs, self._calls):
+            nccl.allReduce(ptr, ptr, count, datatype, nccl_op, stream)
+        comm._wait()
+        return True
+
+    def _writable(self, i: int, value) -> bool:
+        """:func:`writable_in_place`, whole for a value not seen before, else only
+        what can change on one array (:func:`still_writable`)."""
+        seen = self._seen[i]
+        if seen is not None and seen() is value:
+            return still_writable(value)
+        if not writable_in_place(value):
+            return False
+        try:
+            self._seen[i] = weakref.ref(value)
+        except TypeError:  # (an array type without weak references: checked whole each time)
+            self._seen[i] = None
+        return True

@@ -35,7 +35,9 @@ class ndarray:
         if memptr is not None:
             a = cuda.memory_view(memptr, a, dtype)
             self._owner = memptr
-        elif not isinstance(a, np.ndarray):
+        elif isinstance(a, np.generic):  # numpy's 0-d results are scalars; CuPy's are 0-d arrays
+            a = np.asarray(a)
+        elif not isinstance(a, np.ndarray):  # a shape
             a = np.empty(a, dtype=dtype)
         self._a = a
 
