@@ -458,6 +458,26 @@ def _planned_all_reduce(s, rng, vs, model, counts, facts) -> None:
             assert after[n] is before[n], f"{n} changed by an all_reduce of {names}"
 
 
+def _async_host_copy_goes_stale(s):
+    """A fact for the GPU report: after ``copy_to_host_async()`` (no ``_npy_value``
+    yet, so the array still counts as writable in place), does ``np.asarray`` see a
+    write into the device buffer? None when the array is not writable here."""
+    import jax
+
+    from synkhronos._arrays import cupy_at, device_pointer, writable_in_place
+
+    x = jax.device_put(np.zeros(4, dtype=np.float32), s.proc.device.state.jax_device)
+    x.copy_to_host_async()
+    if not writable_in_place(x):
+        return None
+    view = cupy_at(device_pointer(x), np.float32, (4,), x)
+    view[...] = 7  # (on the device, in CuPy's current stream)
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return bool(np.asarray(x)[0] != 7)
+
+
 def planned(n: int) -> dict:
     """A seeded random sequence on one process: all_reduce (every op; float32 to
     complex64, bool; 0-d, (1,), (7, 3)), calls with updates, set_value, get_value,
@@ -469,6 +489,8 @@ def planned(n: int) -> dict:
     from synkhronos.collectives import nccl as nccl_module
     from synkhronos.devices import gpu as gpu_module
 
+    from synkhronos._arrays import writable_in_place
+
     s = _fork(1)
     rng = np.random.default_rng(4800 + n)
     vs, model, ups, forward = _planned_setup(rng)
@@ -476,7 +498,7 @@ def planned(n: int) -> dict:
     if s.proc.device.comm is not None:
         counts["nccl"] = s.proc.device.comm._comm = _CountingNccl(s.proc.device.comm._comm)
     kinds = ["all_reduce"] * 6 + ["call", "set_value", "get_value", "asarray", "forward", "alias"]
-    facts = {k: 0 for k in kinds} | {"in_place": 0, "held_twice": 0, "plan_runs": 0}
+    facts = {k: 0 for k in kinds} | {"in_place": 0, "held_twice": 0, "plan_runs": 0, "host_copies": 0}
     plan_run = nccl_module._NcclPlan.run
 
     def counted_run(self, values, outs=None):
@@ -502,7 +524,11 @@ def planned(n: int) -> dict:
         elif kind == "get_value":
             _same(synk.get_value(0, vs[name]), model[name], f"step {step} get_value {name}")
         elif kind == "asarray":  # caches a host copy on a GPU: that value is then never written in place
-            _same(np.asarray(vs[name].get_value(borrow=True)), model[name], f"step {step} asarray {name}")
+            value = vs[name].get_value(borrow=True)
+            _same(np.asarray(value), model[name], f"step {step} asarray {name}")
+            if getattr(value, "_npy_value", None) is not None:
+                assert not writable_in_place(value), f"{name}: a value with a host copy is writable"
+                facts["host_copies"] += 1
         elif kind == "forward":
             forward()
             model["twin"] = model["float32(7, 3)"].copy()
@@ -511,6 +537,7 @@ def planned(n: int) -> dict:
             model["twin"] = model["float32(7, 3)"].copy()
         for m in vs:
             _same(_peek(vs[m].container.storage[0]), model[m], f"step {step} ({kind}) {m}")
+    facts["async_host_copy_goes_stale"] = _async_host_copy_goes_stale(s)
     facts["plans"] = sum(type(p).__name__ == "_CommAllReducePlan" for p in s.kept.plans.values())
     facts.pop("last", None)
     assert facts["in_place"] > 0 and facts["plan_runs"] > 0, facts
