@@ -17,7 +17,7 @@ except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
-           "round_up", "packed_views", "device_pointer", "writable_in_place", "still_writable", "cupy_at"]
+           "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place", "still_writable", "cupy_at"]
 
 
 def round_up(n: int, to: int = 64) -> int:
@@ -53,28 +53,38 @@ def _is_jax(value) -> bool:
 _UNKNOWN = object()
 
 
-def writable_in_place(x) -> bool:
-    """Whether a collective may write ``x``'s result into ``x``'s own device buffer.
-
-    A C-contiguous CuPy array; or a live JAX array on one device in JAX's
-    default (row-major) layout that holds no cached host copy: JAX arrays are
-    immutable, so once ``np.asarray`` has cached a copy in host memory (on a
-    GPU it does), a write into the device buffer would leave that copy stale.
-    The copy lives in a private attribute (``_npy_value``): a JAX without it
-    is never written into (its arrays take the route with new buffers).
-    Anything else (numpy, an empty array) is False.
-    """
+def readable_in_place(x) -> bool:
+    """Whether NCCL may read ``x`` from its own device buffer, as it is: a non-empty
+    C-contiguous CuPy array, or a live non-empty JAX array on one device in JAX's
+    default layout (row-major, no tiles). A JAX lacking one of the attributes
+    asked: False (the arrays then travel through DLPack)."""
     if _is_cupy(x):
         return bool(x.size) and bool(x.flags.c_contiguous)
-    if not _is_jax(x) or getattr(x, "_npy_value", _UNKNOWN) is not None or not x.size:
+    if not _is_jax(x) or not x.size:
         return False
     try:
         if x.is_deleted() or type(x.sharding).__name__ != "SingleDeviceSharding":
             return False
-        layout = x.format.layout  # (row-major: dimension 0 most major, no tiles)
+        layout = x.format.layout  # (row-major: dimension 0 most major)
         return tuple(layout.major_to_minor) == tuple(range(x.ndim)) and not layout.tiling
-    except Exception:  # an attribute this JAX lacks: never write
+    except Exception:
         return False
+
+
+def writable_in_place(x) -> bool:
+    """Whether a collective may write ``x``'s result into ``x``'s own device buffer.
+
+    An array NCCL may read in place (:func:`readable_in_place`) and, for a JAX
+    array, one that holds no cached host copy: JAX arrays are immutable, so
+    once ``np.asarray`` has cached a copy in host memory (on a GPU it does), a
+    write into the device buffer would leave that copy stale. The copy lives
+    in a private attribute (``_npy_value``): a JAX without it is never written
+    into (its arrays take the route with new buffers). Anything else (numpy,
+    an empty array) is False.
+    """
+    if not _is_cupy(x) and getattr(x, "_npy_value", _UNKNOWN) is not None:
+        return False
+    return readable_in_place(x)
 
 
 def still_writable(x) -> bool:

@@ -591,3 +591,43 @@ def test_plan_refusals(world, fake_cupy):
     one.abort("an earlier failure")
     assert plan.run([a]) is False  # the full path raises the broken communicator's error
     assert one.plan("all_reduce", lay, "sum") is None
+
+
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_reads_device_arrays_where_they_are(world, fake_cupy, n, op):
+    """Device arrays NCCL reduces in their own dtype are sent from their own buffers
+    (no conversion): the result on root equals combine's; no input changes."""
+    comms = world(n)
+    rng = np.random.default_rng([7, n, OPS.index(op)])
+    for dtype in ("float32", "int64", "bool", "float16", "int16"):
+        vals = _random_values(rng, n, dtype, (5, 2))
+        ins = {r: [fake_cupy.asarray(vals[r])] for r in range(n)}
+        weights = [1.0 + (r % 2) for r in range(n)]
+        got = run(n, lambda r: comms[r].reduce(ins[r], op, root=n - 1, weight=weights[r]))
+        want = combine([v.copy() for v in vals], op, weights)
+        out = host(got[n - 1][0])
+        assert out.dtype == want.dtype and out.shape == want.shape, (dtype, op)
+        if want.dtype.kind in "fc":
+            assert_allclose(out, want, rtol=2e-3 if dtype == "float16" else 2e-6)
+        else:
+            assert_array_equal(out, want)
+        assert all(got[r] is None for r in range(n - 1))
+        for r in range(n):
+            assert_array_equal(host(ins[r][0]), vals[r])
+
+
+def test_device_arrays_are_read_without_conversion(world, fake_cupy, monkeypatch):
+    from synkhronos.collectives import nccl
+
+    converted = []
+    real = nccl.to_cupy
+    monkeypatch.setattr(nccl, "to_cupy", lambda a: converted.append(a) or real(a))
+    (comm,) = world(1)
+    a = fake_cupy.asarray(np.arange(6.0).reshape(2, 3))
+    assert_array_equal(host(comm.reduce([a], "sum", root=0)[0]), np.arange(6.0).reshape(2, 3))
+    assert_array_equal(host(comm.all_reduce([a], "max")[0]), np.arange(6.0).reshape(2, 3))
+    assert converted == []
+    comm.all_reduce([fake_cupy.asarray(np.arange(3, dtype=np.int16))], "sum")  # summed as int32: converted
+    comm.reduce([np.arange(3.0)], "sum", root=0)  # numpy: copied to the device
+    assert len(converted) == 2

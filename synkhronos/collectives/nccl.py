@@ -21,7 +21,8 @@ from typing import NoReturn
 
 import numpy as np
 
-from .._arrays import cupy_at, device_pointer, still_writable, to_cupy, writable_in_place
+from .._arrays import (cupy_at, device_pointer, readable_in_place, still_writable, to_cupy,
+                       writable_in_place)
 from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .._procs.waits import wait_until
@@ -315,7 +316,10 @@ class NcclCommunicator(Communicator):
 
     def _buffers(self, arrays, op, layout, plans, pre, gets_result, direct) -> list:
         """Per array ``(send pointer, receive pointer, receive buffer, send buffer)``: the
-        array's own address (and the array) where it is reduced in place, else new buffers."""
+        array's own address (and the array) where it is reduced in place; else a new
+        receive buffer, sent from the array's own buffer where NCCL can read it as it
+        is (:func:`readable_in_place`, its own dtype, no weighting), else from a
+        converted copy."""
         cp = self._cp
         bufs = []
         with self._stream:
@@ -326,6 +330,11 @@ class NcclCommunicator(Communicator):
                     continue
                 if arrays is None:
                     send = cp.full(shape, identity(op, work), dtype=work)
+                elif pre == 1.0 and _in_place_dtype(arrays[i].dtype, plans[i]) and readable_in_place(arrays[i]):
+                    at = device_pointer(arrays[i])  # read where it is: no DLPack, no copy
+                    recv = cp.empty(shape, dtype=work) if gets_result else None
+                    bufs.append((at, at if recv is None else recv.data.ptr, recv, arrays[i]))
+                    continue
                 else:
                     send = self._dev(arrays[i]).astype(work, copy=False)
                     if pre != 1.0:
