@@ -588,6 +588,7 @@ def test_plan_refusals(world, fake_cupy):
                    [a, a], []):
         assert plan.run(values) is False  # another dtype, shape, numpy, not contiguous, count
     assert len(fake_cupy.cuda.nccl.calls) == calls, "a refused run sent something"
+    assert plan.run([a]) is True
     one.abort("an earlier failure")
     assert plan.run([a]) is False  # the full path raises the broken communicator's error
     assert one.plan("all_reduce", lay, "sum") is None

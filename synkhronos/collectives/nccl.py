@@ -528,8 +528,8 @@ class _NcclPlan(CommPlan):
 
     def run(self, values, outs=None) -> bool:
         comm = self._comm
-        if comm.broken is not None or len(values) != len(self._calls):
-            return False  # (the full path raises the broken communicator's error)
+        if comm.broken is not None or comm._comm is None or len(values) != len(self._calls):
+            return False  # (the full path raises the broken or closed communicator's error)
         ptrs = []
         for i, (value, (dtype, shape)) in enumerate(zip(values, self._layout)):
             have = getattr(value, "dtype", None)
