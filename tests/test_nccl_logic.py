@@ -538,6 +538,8 @@ def test_in_place_per_array_and_non_contiguous(world, fake_cupy, monkeypatch):
     assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
     calls = [c for c in fake_cupy.cuda.nccl.calls if c[1] == "allReduce"]
     assert len(calls) == 4
+    got = comm.all_reduce([a, b], "sum", in_place=[True])  # a short list: False for the rest
+    assert got[0] is a and got[1] is not b
 
 
 # ---------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """NCCL Communicator for GPU processes, one GPU each, through CuPy's NCCL binding.
 
-Arrays in and out are device arrays: JAX arrays are read in place through
-DLPack, results come back as CuPy arrays, or, for an all-reduce allowed to
-write its arrays, in those very arrays (NCCL on their own buffers). Before
-every collective the processes agree, through the shared-memory
-communicator this one wraps, on what each contributes (dtypes and shapes, weights, failure flags), then again
-that every process has its buffers ready: a process with nothing to add sends
+Arrays in and out are device arrays: NCCL reads them from their own buffers
+where it can (else through DLPack and a copy in the dtype it reduces), and
+results come back as new CuPy arrays, or, for an all-reduce allowed to write
+its arrays, in those very arrays. Before every collective the processes
+agree, through the shared-memory communicator this one wraps, on what each
+contributes (dtypes and shapes, weights, failure flags), then again that
+every process has its buffers ready: a process with nothing to add sends
 identity elements of the agreed shape, and an error in one process is an
 error in all of them, never a process left waiting inside NCCL.
 """
@@ -373,7 +374,8 @@ class NcclCommunicator(Communicator):
         """
         writable = None
         if arrays is not None and in_place is not False:
-            writable = [in_place] * len(arrays) if isinstance(in_place, bool) else list(in_place)
+            n = len(arrays)  # (a list too short says False for the rest: never a write unasked)
+            writable = [in_place] * n if isinstance(in_place, bool) else (list(in_place) + [False] * n)[:n]
         return self._reduce(arrays, op, weight, failed, None, writable)
 
     def all_gather(self, arrays, failed=False, join=None):
