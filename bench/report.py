@@ -222,6 +222,8 @@ def fakegpu_lines(res) -> list[str]:
     out += _table(["what", "best", "median round"], rows)
     t = res["target"]
     out.append(f"  [{t['status']:>7}] {t['target']}: ratio {t['ratio']:.3g} (want ≤ {t['limit']:g})")
+    if res.get("all_reduce_route"):
+        out.append(f"  synk.all_reduce 4 B went through: {res['all_reduce_route']}")
     return out
 
 

@@ -17,7 +17,7 @@ except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
-           "round_up", "packed_views"]
+           "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place", "still_writable", "cupy_at"]
 
 
 def round_up(n: int, to: int = 64) -> int:
@@ -44,6 +44,78 @@ def is_device_array(value) -> bool:
 
 def _is_cupy(value) -> bool:
     return (type(value).__module__ or "").startswith("cupy")
+
+
+def _is_jax(value) -> bool:
+    return (type(value).__module__ or "").startswith(("jax", "jaxlib"))
+
+
+_UNKNOWN = object()
+
+
+def readable_in_place(x) -> bool:
+    """Whether NCCL may read ``x`` from its own device buffer, as it is: a non-empty
+    C-contiguous CuPy array, or a live non-empty JAX array on one device in JAX's
+    default layout (row-major, no tiles). A JAX lacking one of the attributes
+    asked: False (the arrays then travel through DLPack)."""
+    if _is_cupy(x):
+        return bool(x.size) and bool(x.flags.c_contiguous)
+    if not _is_jax(x) or not x.size:
+        return False
+    try:
+        if x.is_deleted() or type(x.sharding).__name__ != "SingleDeviceSharding":
+            return False
+        layout = x.format.layout  # (row-major: dimension 0 most major)
+        return tuple(layout.major_to_minor) == tuple(range(x.ndim)) and not layout.tiling
+    except Exception:
+        return False
+
+
+def writable_in_place(x) -> bool:
+    """Whether a collective may write ``x``'s result into ``x``'s own device buffer.
+
+    An array NCCL may read in place (:func:`readable_in_place`) and, for a JAX
+    array, one that holds no cached host copy: JAX arrays are immutable, so
+    once ``np.asarray`` has cached a copy in host memory (on a GPU it does), a
+    write into the device buffer would leave that copy stale. The copy lives
+    in a private attribute (``_npy_value``): a JAX without it is never written
+    into (its arrays take the route with new buffers). Anything else (numpy,
+    an empty array) is False.
+    """
+    if not _is_cupy(x) and getattr(x, "_npy_value", _UNKNOWN) is not None:
+        return False
+    return readable_in_place(x)
+
+
+def still_writable(x) -> bool:
+    """For an array :func:`writable_in_place` accepted before: the part of its answer
+    that can change while the array lives (a JAX array may since have cached a host
+    copy, or been deleted)."""
+    if _is_cupy(x):
+        return True
+    return getattr(x, "_npy_value", _UNKNOWN) is None and not x.is_deleted()
+
+
+def device_pointer(x) -> int:
+    """The device address of ``x``'s buffer (a CuPy or single-device JAX array).
+
+    A JAX array is first waited for (``block_until_ready``): its buffer is
+    then written, and the address is that of the value it holds.
+    """
+    if _is_cupy(x):
+        return int(x.data.ptr)
+    return int(x.block_until_ready().unsafe_buffer_pointer())
+
+
+def cupy_at(ptr: int, dtype, shape, owner):
+    """A CuPy array over the device memory at ``ptr`` (``dtype``, ``shape``, C order),
+    without a copy and without DLPack; ``owner`` is kept alive as long as the view."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def to_cupy(x):

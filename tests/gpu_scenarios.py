@@ -124,9 +124,12 @@ def outputs(s, n: int) -> dict:
                     _close(got[i], np.sum(data[lo:hi]), f"{label} output {i} (None)")
                     continue
                 _close(got[i], want[i], f"{label} output {i} ({op}), {rows} rows over {n}")
-        dev = f(data, device_outputs=True)
-        assert all(_is_jax(g) for g in dev), [type(g) for g in dev]
-        _close(dev[0], want[0], "device_outputs avg")
+        for _ in range(2):  # the second call is planned (its plan serves both kinds of outputs)
+            dev = f(data, device_outputs=True)
+            assert all(_is_jax(g) for g in dev), [type(g) for g in dev]
+            _close(dev[0], want[0], "device_outputs avg")
+            _close(dev[1], want[1], "device_outputs sum")
+        assert all(isinstance(g, np.ndarray) for g in f(data)), "numpy outputs after device outputs"
     ks = np.arange(11, dtype=np.int64)
     want = f_int.as_pytensor(ks)
     got = f_int(ks)
@@ -344,6 +347,207 @@ def dtypes(s, n: int) -> dict:
     return {"n": n, "nccl": s.proc.device.comm is not None, "dtypes": list(DTYPES)}
 
 
+#: The dtypes and shapes of the "planned" scenario.
+PLANNED_DTYPES = ("float32", "float64", "int32", "int64", "uint8", "bool", "complex64")
+PLANNED_SHAPES = ((), (1,), (7, 3))
+#: The dtypes whose variables a function updates (v + 1) in "planned".
+UPDATED = ("float32", "float64", "int32", "int64", "uint8")
+
+
+def _planned_value(rng, dtype, shape):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return np.asarray(rng.random(shape) < 0.5)
+    if dtype.kind in "iu":
+        return np.asarray(rng.integers(0 if dtype.kind == "u" else -50, 200 if dtype.kind == "u" else 50,
+                                       size=shape)).astype(dtype)
+    raw = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype.kind == "c" else 0)
+    return np.asarray(raw).astype(dtype)
+
+
+def _in_place_kind(dtype, op) -> bool:
+    """NCCL reduces ``dtype`` by ``op`` in its own memory (see collectives/nccl.py)."""
+    kind = np.dtype(dtype).kind
+    return op in ("sum", "avg") if kind == "c" else not (kind in "iub" and op == "avg")
+
+
+def _peek(x) -> np.ndarray:
+    """A host copy of a device value that caches nothing in the JAX array
+    (np.asarray would, on a GPU, and so turn off writing it in place)."""
+    import cupy
+
+    if _is_jax(x) and x.size:
+        return cupy.from_dlpack(x).get()
+    return np.array(x, copy=True)
+
+
+class _Counted:
+    """Counts the calls of module-level functions (monkeypatched by name)."""
+
+    def __init__(self, where):
+        self.n = 0
+        for module, name in where:
+            real = getattr(module, name)
+
+            def counting(*a, _real=real, **k):
+                self.n += 1
+                return _real(*a, **k)
+
+            setattr(module, name, counting)
+
+
+def _planned_setup(rng):
+    """The variables (one per dtype and shape, a twin of float32 (7, 3)), their
+    functions and the numpy model."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    vs, model = {}, {}
+    for dtype in PLANNED_DTYPES:
+        for shape in PLANNED_SHAPES:
+            name = f"{dtype}{shape}"
+            model[name] = _planned_value(rng, dtype, shape)
+            vs[name] = pytensor.shared(model[name].copy(), name=name)
+    model["twin"] = _planned_value(rng, "float32", (7, 3))
+    vs["twin"] = pytensor.shared(model["twin"].copy(), name="twin")
+    ups = {}
+    for dtype in UPDATED:
+        group = [f"{dtype}{shape}" for shape in PLANNED_SHAPES]
+        ups[dtype] = (group, synk.function([], pt.sum(vs[group[-1]]), updates=[
+            (vs[g], pt.cast(vs[g] + 1, dtype)) for g in group]))
+    readers = [vs[n] for n in vs if not n.startswith(UPDATED)]
+    synk.function([], [pt.sum(pt.real(v)) if v.dtype.startswith("complex") else pt.sum(v) for v in readers])
+    a, b = vs["float32(7, 3)"], vs["twin"]
+    forward = synk.function([], pt.sum(a), updates=[(b, a)])  # JAX may hand b a's very array
+    synk.distribute()
+    return vs, model, ups, forward
+
+
+def _planned_all_reduce(s, rng, vs, model, counts, facts) -> None:
+    """One all_reduce of 1 to 3 random variables by a random op; with one process every
+    op leaves the values as they were (an avg of integers rounds back into them).
+    Where NCCL can write a value in place, it must: no conversion, one NCCL call
+    per array, the very array kept; a value another variable holds is never written."""
+    import synkhronos as synk
+    from synkhronos._arrays import writable_in_place
+
+    if facts.get("last") and rng.random() < 0.6:  # the same again: the kept plan's case
+        op, names = facts["last"]
+    else:
+        op = REDUCE_OPS[rng.integers(len(REDUCE_OPS))]
+        names = [n for n in vs if op in ("sum", "avg") or not vs[n].dtype.startswith("complex")]
+        names = [str(x) for x in rng.choice(names, size=min(len(names), int(rng.integers(1, 4))), replace=False)]
+        facts["last"] = (op, names)
+    before = {n: vs[n].container.storage[0] for n in vs}
+    ids = [id(v) for v in before.values()]
+    twice = {n for n in names if ids.count(id(before[n])) > 1}
+    direct = all(_in_place_kind(vs[n].dtype, op) and writable_in_place(before[n]) for n in names)
+    direct = direct and not twice
+    conv, calls = counts["conv"].n, len(counts["nccl"].calls)
+    synk.all_reduce([vs[n] for n in names], op)
+    after = {n: vs[n].container.storage[0] for n in vs}
+    if direct:
+        assert counts["conv"].n == conv, f"{op} of {names} converted arrays (to_cupy/to_jax)"
+        assert counts["nccl"].calls[calls:] == ["allReduce"] * len(names), (op, names, counts["nccl"].calls[calls:])
+        assert all(after[n] is before[n] for n in names), f"{op} of {names} did not write in place"
+        facts["in_place"] += 1
+    for n in twice:  # written elsewhere; the other holder keeps its array
+        assert after[n] is not before[n], f"{n}: an array two variables hold was written in place"
+        facts["held_twice"] += 1
+    for n in vs:
+        if n not in names:
+            assert after[n] is before[n], f"{n} changed by an all_reduce of {names}"
+
+
+def _async_host_copy_goes_stale(s):
+    """A fact for the GPU report: after ``copy_to_host_async()`` (no ``_npy_value``
+    yet, so the array still counts as writable in place), does ``np.asarray`` see a
+    write into the device buffer? None when the array is not writable here."""
+    import jax
+
+    from synkhronos._arrays import cupy_at, device_pointer, writable_in_place
+
+    x = jax.device_put(np.zeros(4, dtype=np.float32), s.proc.device.state.jax_device)
+    x.copy_to_host_async()
+    if not writable_in_place(x):
+        return None
+    view = cupy_at(device_pointer(x), np.float32, (4,), x)
+    view[...] = 7  # (on the device, in CuPy's current stream)
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return bool(np.asarray(x)[0] != 7)
+
+
+def planned(n: int) -> dict:
+    """A seeded random sequence on one process: all_reduce (every op; float32 to
+    complex64, bool; 0-d, (1,), (7, 3)), calls with updates, set_value, get_value,
+    np.asarray of borrowed values and a forwarding update (b := a), every value
+    checked against a numpy model, bit for bit in dtype, shape and values, after
+    every step. ``n`` picks the seed: the fork is always one process (the one
+    the communicator's kept plan serves)."""
+    import synkhronos as synk
+    from synkhronos.collectives import nccl as nccl_module
+    from synkhronos.devices import gpu as gpu_module
+
+    from synkhronos._arrays import writable_in_place
+
+    s = _fork(1)
+    rng = np.random.default_rng(4800 + n)
+    vs, model, ups, forward = _planned_setup(rng)
+    counts = {"conv": _Counted([(nccl_module, "to_cupy"), (gpu_module, "to_jax")])}
+    if s.proc.device.comm is not None:
+        counts["nccl"] = s.proc.device.comm._comm = _CountingNccl(s.proc.device.comm._comm)
+    kinds = ["all_reduce"] * 6 + ["call", "set_value", "get_value", "asarray", "forward", "alias"]
+    facts = {k: 0 for k in kinds} | {"in_place": 0, "held_twice": 0, "plan_runs": 0, "host_copies": 0}
+    plan_run = nccl_module._NcclPlan.run
+
+    def counted_run(self, values, outs=None):
+        done = plan_run(self, values, outs)
+        facts["plan_runs"] += bool(done)
+        return done
+
+    nccl_module._NcclPlan.run = counted_run  # type: ignore[method-assign]
+    for step in range(200):
+        kind = kinds[rng.integers(len(kinds))]
+        facts[kind] += 1
+        name = list(vs)[rng.integers(len(vs))]
+        if kind == "all_reduce" and "nccl" in counts:
+            _planned_all_reduce(s, rng, vs, model, counts, facts)
+        elif kind == "call":
+            group, fn = ups[UPDATED[rng.integers(len(UPDATED))]]
+            fn()
+            for g in group:
+                model[g] = (model[g] + 1).astype(model[g].dtype)
+        elif kind == "set_value":
+            model[name] = _planned_value(rng, model[name].dtype, model[name].shape)
+            synk.set_value(0, vs[name], model[name].copy())
+        elif kind == "get_value":
+            _same(synk.get_value(0, vs[name]), model[name], f"step {step} get_value {name}")
+        elif kind == "asarray":  # caches a host copy on a GPU: that value is then never written in place
+            value = vs[name].get_value(borrow=True)
+            _same(np.asarray(value), model[name], f"step {step} asarray {name}")
+            if getattr(value, "_npy_value", None) is not None:
+                assert not writable_in_place(value), f"{name}: a value with a host copy is writable"
+                facts["host_copies"] += 1
+        elif kind == "forward":
+            forward()
+            model["twin"] = model["float32(7, 3)"].copy()
+        elif kind == "alias":  # as a forwarding JAX would leave them: one array, two variables
+            vs["twin"].container.storage[0] = vs["float32(7, 3)"].container.storage[0]
+            model["twin"] = model["float32(7, 3)"].copy()
+        for m in vs:
+            _same(_peek(vs[m].container.storage[0]), model[m], f"step {step} ({kind}) {m}")
+    facts["async_host_copy_goes_stale"] = _async_host_copy_goes_stale(s)
+    facts["plans"] = sum(type(p).__name__ == "_CommAllReducePlan" for p in s.kept.plans.values())
+    facts.pop("last", None)
+    assert facts["in_place"] > 0 and facts["plan_runs"] > 0, facts
+    synk.close()
+    return facts
+
+
 #: The scenarios that share one fork in "contract": the public contract on the GPU device.
 CONTRACT = {"outputs": outputs, "shareds": shareds, "dtypes": dtypes}
 
@@ -533,7 +737,7 @@ def killed(n: int) -> dict:
 
 
 SCENARIOS = {**{name: _in_a_fork(body) for name, body in CONTRACT.items()}, "contract": contract,
-             "refork": refork, "jax_cpu": jax_cpu, "killed": killed}
+             "refork": refork, "jax_cpu": jax_cpu, "killed": killed, "planned": planned}
 
 
 def main(argv) -> int:

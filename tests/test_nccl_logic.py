@@ -428,3 +428,209 @@ def test_reduce_plan_is_kept():
         reduce_plan(np.dtype("complex128"), "max")
     with pytest.raises(TypeError):  # refusals are not kept: they raise every time
         reduce_plan(np.dtype("complex128"), "max")
+
+
+# ---------------------------------------------------------------------------
+# In place: one buffer JAX (here the stand-in's CuPy arrays) and NCCL both use (issue 48).
+
+IN_PLACE_DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "bool",
+                   "complex64", "int16"]
+
+
+def _expect_in_place(dtype, op) -> bool:
+    """NCCL reduces the dtype in its own memory: no avg of integers or bools (float64), no
+    wider work dtype (int16 sums as int32), complex numbers only as sums and averages."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+        return op in ("sum", "avg")
+    if dtype.kind in "iub" and op == "avg":
+        return False
+    return dtype.name != "int16"
+
+
+def _random_values(rng, n, dtype, shape):
+    dtype = np.dtype(dtype)
+    out = []
+    for _ in range(n):
+        raw = rng.standard_normal(shape) * (5 if dtype.kind in "iu" else 2)
+        if dtype.kind == "c":
+            raw = raw + 1j * rng.standard_normal(shape)
+        out.append(np.asarray(np.abs(raw) if dtype.kind in "ub" else raw).astype(dtype))
+    return out
+
+
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", IN_PLACE_DTYPES)
+def test_all_reduce_in_place_lands_in_the_arrays_and_equals_combine(world, fake_cupy, n, op, dtype):
+    if np.dtype(dtype).kind == "c" and op not in ("sum", "avg"):
+        pytest.skip("NCCL reduces complex numbers by sum and avg only")
+    comms = world(n)
+    rng = np.random.default_rng([n, OPS.index(op), IN_PLACE_DTYPES.index(dtype)])
+    shapes = [(4, 3), (), (1,), (0, 2)]
+    vals = [_random_values(rng, n, dtype, s) for s in shapes]  # per array, per rank
+    mine = {r: [fake_cupy.asarray(v[r]) for v in vals] for r in range(n)}
+    # the route with new buffers, on copies: what the in-place route must equal bit for bit
+    new = run(n, lambda r: comms[r].all_reduce([fake_cupy.asarray(v[r]) for v in vals], op))
+    synced = fake_cupy.cuda.runtime.synchronized[0]
+    got = run(n, lambda r: comms[r].all_reduce(mine[r], op, in_place=True))
+    expect = _expect_in_place(dtype, op)
+    assert fake_cupy.cuda.runtime.synchronized[0] - synced == (n if expect else 0)
+    for i, v in enumerate(vals):
+        want = combine([x.copy() for x in v], op)
+        for r in range(n):
+            out = got[r][i]
+            written = out is mine[r][i]
+            assert written == (expect and v[r].size > 0), (dtype, op, i, r)
+            assert host(out).dtype == want.dtype and host(out).shape == want.shape
+            assert_array_equal(host(out), host(new[r][i]), err_msg=f"{dtype} {op} array {i} rank {r}")
+            if want.dtype.kind in "fc":
+                assert_allclose(host(out), want, rtol=2e-3 if dtype == "float16" else 2e-6)
+            else:
+                assert_array_equal(host(out), want)
+            if not written:  # a refusal leaves the input as it was
+                assert_array_equal(host(mine[r][i]), v[r])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_in_place_refusals_return_new_arrays_and_leave_the_inputs(world, fake_cupy, n):
+    comms = world(n)
+    vals = values(n, dtype=np.float32)
+
+    def check(got, inputs, written, want):
+        for r in range(n):
+            if got[r] is None:
+                continue
+            assert (got[r][0] is inputs[r][0]) == written(r), r
+            assert_allclose(host(got[r][0]), want, rtol=2e-6)
+            if not written(r):
+                assert_array_equal(host(inputs[r][0]), vals[r])
+
+    def fresh():
+        return {r: [fake_cupy.asarray(vals[r])] for r in range(n)}
+
+    ins = fresh()  # in_place=False (the default): never written
+    check(run(n, lambda r: comms[r].all_reduce(ins[r], "sum")), ins, lambda r: False, np.sum(vals, axis=0))
+    ins = fresh()  # per array, False
+    check(run(n, lambda r: comms[r].all_reduce(ins[r], "sum", in_place=[False])), ins, lambda r: False,
+          np.sum(vals, axis=0))
+    ints = {r: [fake_cupy.asarray(vals[r].astype(np.int32))] for r in range(n)}  # avg of ints: float64
+    got = run(n, lambda r: comms[r].all_reduce(ints[r], "avg", in_place=True))
+    assert all(got[r][0] is not ints[r][0] and host(got[r][0]).dtype == np.float64 for r in range(n))
+    weights = [float(r + 1) for r in range(n)]  # uneven: only the heaviest rank multiplies by 1 first
+    ins = fresh()
+    check(run(n, lambda r: comms[r].all_reduce(ins[r], "avg", weight=weights[r], in_place=True)), ins,
+          lambda r: r == n - 1, combine([v.copy() for v in vals], "avg", weights))
+    ins = fresh()  # a rank with nothing: identity elements from it, the others still in place
+    got = run(n, lambda r: comms[r].all_reduce(None if r == 1 else ins[r], "max", in_place=True))
+    check(got, ins, lambda r: r != 1, np.max([vals[r] for r in range(n) if r != 1], axis=0))
+    assert_allclose(host(got[1][0]), np.max([vals[r] for r in range(n) if r != 1], axis=0))
+
+
+def test_in_place_per_array_and_non_contiguous(world, fake_cupy, monkeypatch):
+    (comm,) = world(1)
+    counts = _count_exchanges(monkeypatch, comm)
+    a, b = fake_cupy.asarray(np.arange(6.0)), fake_cupy.asarray(np.arange(3.0))
+    strided = fake_cupy.asarray(np.arange(12.0).reshape(3, 4))[:, 1]  # not contiguous: new buffers
+    got = comm.all_reduce([a, b, strided, np.ones(2)], "sum", in_place=[True, False, True, True])
+    assert got[0] is a and got[1] is not b and got[2] is not strided and not isinstance(got[3], np.ndarray)
+    assert_array_equal(host(got[2]), np.arange(12.0).reshape(3, 4)[:, 1])
+    assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
+    calls = [c for c in fake_cupy.cuda.nccl.calls if c[1] == "allReduce"]
+    assert len(calls) == 4
+    got = comm.all_reduce([a, b], "sum", in_place=[True])  # a short list: False for the rest
+    assert got[0] is a and got[1] is not b
+
+
+# ---------------------------------------------------------------------------
+# The kept plan of one process (issue 48): NCCL in place, no agreement per step.
+
+
+def test_plan_runs_in_place_with_one_rank_and_matches_combine(world, fake_cupy, monkeypatch):
+    (comm,) = world(1)
+    counts = _count_exchanges(monkeypatch, comm)
+    rng = np.random.default_rng(4848)
+    kinds = [(d, op) for d in IN_PLACE_DTYPES for op in OPS if _expect_in_place(d, op)]
+    for step in range(60):
+        dtype, op = kinds[rng.integers(len(kinds))]
+        shapes = [[(), (1,), (7, 3), (5,)][i] for i in rng.integers(4, size=rng.integers(1, 4))]
+        vals = [_random_values(rng, 1, dtype, s)[0] for s in shapes]
+        layout = tuple((np.dtype(dtype), s) for s in shapes)
+        plan = comm.plan("all_reduce", layout, op)
+        assert plan is not None and plan.needs_exclusive and not plan.out_of_place, (dtype, op)
+        assert plan.fingerprint == comm.plan("all_reduce", layout, op).fingerprint
+        arrays = [fake_cupy.asarray(v) for v in vals]
+        before = len(fake_cupy.cuda.nccl.calls)
+        for _ in range(2):  # the same arrays twice: the second run checks only what can change
+            assert plan.run(arrays) is True
+        assert len(fake_cupy.cuda.nccl.calls) - before == 2 * len(arrays)
+        for a, v in zip(arrays, vals):
+            want = combine([v.copy()], op)
+            assert host(a).dtype == want.dtype and host(a).shape == want.shape
+            assert_array_equal(host(a), want, err_msg=f"{dtype} {op}")
+    assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
+
+
+def test_plan_refusals(world, fake_cupy):
+    (one,) = world(1)
+    f32 = np.dtype(np.float32)
+    lay = ((f32, (3,)),)
+    assert one.plan("broadcast", lay, "sum") is None
+    for layout, op in [(((np.dtype(np.int32), (3,)),), "avg"), (((np.dtype(np.int16), (3,)),), "sum"),
+                       (((np.dtype(np.complex64), (3,)),), "max"), (((f32, (0, 2)),), "sum"),
+                       (((np.dtype("datetime64[s]"), (3,)),), "sum"), (((None, None),), "sum"),
+                       (lay + ((np.dtype(np.int64), (2,)),), "avg")]:
+        assert one.plan("all_reduce", layout, op) is None, (layout, op)
+    assert world(2)[0].plan("all_reduce", lay, "sum") is None  # several processes: the full path
+    plan = one.plan("all_reduce", lay, "sum")
+    a = fake_cupy.asarray(np.arange(3, dtype=np.float32))
+    calls = len(fake_cupy.cuda.nccl.calls)
+    for values in ([fake_cupy.asarray(np.arange(3.0))], [fake_cupy.asarray(np.arange(4, dtype=np.float32))],
+                   [np.arange(3, dtype=np.float32)], [fake_cupy.asarray(np.arange(6, dtype=np.float32))[::2]],
+                   [a, a], []):
+        assert plan.run(values) is False  # another dtype, shape, numpy, not contiguous, count
+    assert len(fake_cupy.cuda.nccl.calls) == calls, "a refused run sent something"
+    assert plan.run([a]) is True
+    one.abort("an earlier failure")
+    assert plan.run([a]) is False  # the full path raises the broken communicator's error
+    assert one.plan("all_reduce", lay, "sum") is None
+
+
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_reads_device_arrays_where_they_are(world, fake_cupy, n, op):
+    """Device arrays NCCL reduces in their own dtype are sent from their own buffers
+    (no conversion): the result on root equals combine's; no input changes."""
+    comms = world(n)
+    rng = np.random.default_rng([7, n, OPS.index(op)])
+    for dtype in ("float32", "int64", "bool", "float16", "int16"):
+        vals = _random_values(rng, n, dtype, (5, 2))
+        ins = {r: [fake_cupy.asarray(vals[r])] for r in range(n)}
+        weights = [1.0 + (r % 2) for r in range(n)]
+        got = run(n, lambda r: comms[r].reduce(ins[r], op, root=n - 1, weight=weights[r]))
+        want = combine([v.copy() for v in vals], op, weights)
+        out = host(got[n - 1][0])
+        assert out.dtype == want.dtype and out.shape == want.shape, (dtype, op)
+        if want.dtype.kind in "fc":
+            assert_allclose(out, want, rtol=2e-3 if dtype == "float16" else 2e-6)
+        else:
+            assert_array_equal(out, want)
+        assert all(got[r] is None for r in range(n - 1))
+        for r in range(n):
+            assert_array_equal(host(ins[r][0]), vals[r])
+
+
+def test_device_arrays_are_read_without_conversion(world, fake_cupy, monkeypatch):
+    from synkhronos.collectives import nccl
+
+    converted = []
+    real = nccl.to_cupy
+    monkeypatch.setattr(nccl, "to_cupy", lambda a: converted.append(a) or real(a))
+    (comm,) = world(1)
+    a = fake_cupy.asarray(np.arange(6.0).reshape(2, 3))
+    assert_array_equal(host(comm.reduce([a], "sum", root=0)[0]), np.arange(6.0).reshape(2, 3))
+    assert_array_equal(host(comm.all_reduce([a], "max")[0]), np.arange(6.0).reshape(2, 3))
+    assert converted == []
+    comm.all_reduce([fake_cupy.asarray(np.arange(3, dtype=np.int16))], "sum")  # summed as int32: converted
+    comm.reduce([np.arange(3.0)], "sum", root=0)  # numpy: copied to the device
+    assert len(converted) == 2

@@ -301,7 +301,7 @@ class Function:
             if plannable and self._planned and self._owner is s:
                 plan = self._planned.get(self._plan_key(args))
                 if plan is not None:
-                    return self._call_planned(plan, args)
+                    return self._call_planned(plan, args, device_outputs)
             return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, device_outputs, plannable)
         except Exception as err:
             if before is not None and s is not None and os.getpid() == s.pid:  # (never in a child the user forked)
@@ -433,7 +433,7 @@ class Function:
                                 copies, mine, share if share.fn is not None else None,
                                 Lane.of(proc, call, share)))
 
-    def _call_planned(self, plan, args):
+    def _call_planned(self, plan, args, device_outputs: bool):
         s = state.running_session()
         for i, dst, pieces in plan.copies:
             value = args[i]
@@ -445,12 +445,12 @@ class Function:
             outs, mine = s.run(Command.CALL, plan.wire, body=plan.body, local=lambda proc, _: lane.run(proc, own_pairs))
             results = lane.combine(outs, mine)
             if results is None:  # out of the ordinary: the general path sorts it out
-                return self._finish(s, call, (outs, mine, lane.weight), False)
-            return self._shape_result(s.proc.device.to_user(results, False))
+                return self._finish(s, call, (outs, mine, lane.weight), device_outputs)
+            return self._shape_result(s.proc.device.to_user(results, device_outputs))
         own = {i: args[i] if rows is None else args[i][rows] for i, rows in plan.mine}
         results = s.run(Command.CALL, plan.wire, body=plan.body,
                         local=lambda proc, _: execute_call(proc, call, own, plan.share))
-        return self._finish(s, call, results, False)
+        return self._finish(s, call, results, device_outputs)
 
     def _inline(self, proc, subset) -> bool:
         """Whether this call's outputs ride back with the workers' answers
@@ -579,9 +579,10 @@ _MISSING = object()
 
 
 def _plannable(kwargs, output_subset, batch, batch_s, num_slices, device_outputs) -> bool:
-    """Whether a call's keywords let it be planned (inputs in order, all of them, whole)."""
+    """Whether a call's keywords let it be planned (inputs in order, all of them, whole;
+    ``device_outputs`` only changes what the outputs are handed back as)."""
     return (not kwargs and output_subset is None and batch is None and batch_s is None
-            and type(num_slices) is int and num_slices == 1 and device_outputs is False)
+            and type(num_slices) is int and num_slices == 1 and type(device_outputs) is bool)
 
 
 @dataclasses.dataclass

@@ -1,10 +1,12 @@
 """NCCL Communicator for GPU processes, one GPU each, through CuPy's NCCL binding.
 
-Arrays in and out are device arrays: JAX arrays are read in place through
-DLPack, results come back as CuPy arrays. Before every collective the
-processes agree, through the shared-memory communicator this one wraps, on
-what each contributes (dtypes and shapes, weights, failure flags), then again
-that every process has its buffers ready: a process with nothing to add sends
+Arrays in and out are device arrays: NCCL reads them from their own buffers
+where it can (else through DLPack and a copy in the dtype it reduces), and
+results come back as new CuPy arrays, or, for an all-reduce allowed to write
+its arrays, in those very arrays. Before every collective the processes
+agree, through the shared-memory communicator this one wraps, on what each
+contributes (dtypes and shapes, weights, failure flags), then again that
+every process has its buffers ready: a process with nothing to add sends
 identity elements of the agreed shape, and an error in one process is an
 error in all of them, never a process left waiting inside NCCL.
 """
@@ -14,15 +16,18 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import weakref
+import zlib
 from typing import NoReturn
 
 import numpy as np
 
-from .._arrays import to_cupy
+from .._arrays import (cupy_at, device_pointer, readable_in_place, still_writable, to_cupy,
+                       writable_in_place)
 from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .._procs.waits import wait_until
-from .base import Communicator
+from .base import CommPlan, Communicator
 from .ops import agreed_layout, identity
 
 __all__ = ["NcclCommunicator", "new_unique_id", "avg_factors", "reduce_plan"]
@@ -118,6 +123,14 @@ def reduce_plan(dtype, op: str):
     raise bad
 
 
+def _in_place_dtype(dtype, plan) -> bool:
+    """Whether NCCL reduces arrays of ``dtype`` in their own memory (``plan`` is
+    :func:`reduce_plan`'s): the work and the result are the dtype itself, or a
+    bool reduced as its bytes (0 or 1, by max and min)."""
+    work, result = plan[0], plan[3]
+    return result == dtype and (work == dtype or (dtype.kind == "b" and work.itemsize == 1))
+
+
 def _check_movable(layout, what: str) -> None:
     for dtype, _ in layout:
         if np.dtype(dtype).kind not in MOVABLE_KINDS:
@@ -141,7 +154,8 @@ class NcclCommunicator(Communicator):
             every process.
 
     Every process must create it at the same time (NCCL's initialisation is
-    collective). Results are CuPy arrays on this process's GPU.
+    collective). Results are CuPy arrays on this process's GPU (or, from
+    :meth:`all_reduce` with ``in_place``, the arrays it could write in place).
     """
 
     #: arrays stay on the device: callers pass JAX/CuPy arrays as they are
@@ -260,7 +274,7 @@ class NcclCommunicator(Communicator):
         self._wait()
         self._shm.barrier()
 
-    def _reduce(self, arrays, op, weight, failed, root):
+    def _reduce(self, arrays, op, weight, failed, root, writable=None):
         metas = self._agree(arrays, weight, failed)
         present, layout = agreed_layout(metas, op)
         if not present:
@@ -269,54 +283,100 @@ class NcclCommunicator(Communicator):
         pre = post = 1.0
         if op == "avg":
             pre, post = avg_factors([metas[r][1] for r in present], metas[self.rank][1])
-        cp = self._cp
         gets_result = root is None or self.rank == root
-
-        def prepare():
-            bufs = []
-            with self._stream:
-                for i, ((_, shape), (work, _, _, _, _)) in enumerate(zip(layout, plans)):
-                    if arrays is None:
-                        send = cp.full(shape, identity(op, work), dtype=work)
-                    else:
-                        send = self._dev(arrays[i]).astype(work, copy=False)
-                        if pre != 1.0:
-                            send = send * work.type(pre)
-                    recv = cp.empty(shape, dtype=work) if gets_result else send
-                    bufs.append((send, recv))
-            return bufs
-
-        bufs = self._ready(prepare)
+        direct = self._direct(arrays, writable if root is None else None, layout, plans, pre)
+        bufs = self._ready(lambda: self._buffers(arrays, op, layout, plans, pre, gets_result, direct))
+        if any(direct):  # JAX's readers and writers of these buffers (its own stream) are done
+            self._cp.cuda.runtime.deviceSynchronize()
         ptr = self._stream.ptr
         with self._stream:
-            for (send, recv), (_, dtype_name, op_name, _, per) in zip(bufs, plans):
-                count = send.size * per
+            for (send, recv, _, _), (_, dtype_name, op_name, _, per), (_, shape) in zip(bufs, plans, layout):
+                count = math.prod(shape) * per
                 if count == 0:
                     continue
                 if root is None:
-                    self._comm.allReduce(send.data.ptr, recv.data.ptr, count, self._const(dtype_name),
-                                         self._const(op_name), ptr)
+                    self._comm.allReduce(send, recv, count, self._const(dtype_name), self._const(op_name), ptr)
                 else:
-                    self._comm.reduce(send.data.ptr, recv.data.ptr, count, self._const(dtype_name),
-                                      self._const(op_name), root, ptr)
+                    self._comm.reduce(send, recv, count, self._const(dtype_name), self._const(op_name), root, ptr)
             out = None
             if gets_result:
-                out = []
-                for (_, recv), (_, _, _, result, _) in zip(bufs, plans):
-                    if post != 1.0:
-                        recv *= recv.dtype.type(post)
-                    out.append(recv.astype(result, copy=False))
+                out = [self._result(None if arrays is None else arrays[i], bufs[i], plans[i], layout[i][1],
+                                    post, direct[i]) for i in range(len(bufs))]
         self._wait()
         return out
+
+    def _direct(self, arrays, writable, layout, plans, pre) -> list:
+        """Per array, whether this rank reduces it in place, on its own buffer: allowed
+        (``writable``), a device array that may be written (:func:`writable_in_place`),
+        no multiply before the sum, and NCCL works in its own dtype (a bool as its bytes).
+        Each rank's own choice: NCCL allows ``sendbuff == recvbuff`` per rank."""
+        if arrays is None or not writable or pre != 1.0:
+            return [False] * len(layout)
+        return [bool(w) and _in_place_dtype(d, p) and writable_in_place(a)
+                for w, (d, _), p, a in zip(writable, layout, plans, arrays)]
+
+    def _buffers(self, arrays, op, layout, plans, pre, gets_result, direct) -> list:
+        """Per array ``(send pointer, receive pointer, receive buffer, send buffer)``: the
+        array's own address (and the array) where it is reduced in place; else a new
+        receive buffer, sent from the array's own buffer where NCCL can read it as it
+        is (:func:`readable_in_place`, its own dtype, no weighting), else from a
+        converted copy."""
+        cp = self._cp
+        bufs = []
+        with self._stream:
+            for i, ((_, shape), (work, _, _, _, _)) in enumerate(zip(layout, plans)):
+                if direct[i]:
+                    at = device_pointer(arrays[i])
+                    bufs.append((at, at, arrays[i], None))
+                    continue
+                if arrays is None:
+                    send = cp.full(shape, identity(op, work), dtype=work)
+                elif pre == 1.0 and _in_place_dtype(arrays[i].dtype, plans[i]) and readable_in_place(arrays[i]):
+                    at = device_pointer(arrays[i])  # read where it is: no DLPack, no copy
+                    recv = cp.empty(shape, dtype=work) if gets_result else None
+                    bufs.append((at, at if recv is None else recv.data.ptr, recv, arrays[i]))
+                    continue
+                else:
+                    send = self._dev(arrays[i]).astype(work, copy=False)
+                    if pre != 1.0:
+                        send = send * work.type(pre)
+                recv = cp.empty(shape, dtype=work) if gets_result else send
+                bufs.append((send.data.ptr, recv.data.ptr, recv, send))  # (send kept alive)
+        return bufs
+
+    @staticmethod
+    def _result(array, buf, plan, shape, post, direct):
+        """An array's result: the array itself when reduced in place (scaled there by
+        ``post`` through a view of its memory), else the receive buffer in the result dtype."""
+        work, result = plan[0], plan[3]
+        recv = buf[2]
+        if direct:
+            if post != 1.0:
+                view = cupy_at(buf[1], work, shape, array)
+                view *= work.type(post)
+            return array
+        if post != 1.0:
+            recv *= recv.dtype.type(post)
+        return recv.astype(result, copy=False)
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every process's arrays; CuPy arrays on root, None elsewhere."""
         return self._reduce(arrays, op, weight, failed, root)
 
     def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
-        """``op`` over every process's arrays; CuPy arrays everywhere (new buffers:
-        ``in_place`` is accepted for the interface and changes nothing)."""
-        return self._reduce(arrays, op, weight, failed, None)
+        """``op`` over every process's arrays, everywhere.
+
+        ``in_place`` (True, or per array a boolean): the array may be written.
+        Such an array that can be (a device array NCCL reduces in its own
+        dtype, no cached host copy, see :func:`.writable_in_place`, and no
+        weighting before the sum) is reduced in place on its own buffer and
+        comes back itself; every other result is a new CuPy array.
+        """
+        writable = None
+        if arrays is not None and in_place is not False:
+            n = len(arrays)  # (a list too short says False for the rest: never a write unasked)
+            writable = [in_place] * n if isinstance(in_place, bool) else (list(in_place) + [False] * n)[:n]
+        return self._reduce(arrays, op, weight, failed, None, writable)
 
     def all_gather(self, arrays, failed=False, join=None):
         """For each array, the list over ranks of its copies (None where a rank had none),
@@ -419,6 +479,28 @@ class NcclCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
+    def plan(self, kind, layout, op, step=None):
+        """With one process, a kept all-reduce of ``layout`` by ``op`` that NCCL runs in
+        place on the values' own buffers (:class:`_NcclPlan`), when every array of the
+        layout can be (a non-empty array NCCL reduces in its own dtype); else None.
+        Several processes take the full path, which agrees on every step."""
+        if kind != "all_reduce" or self.size != 1 or self.broken is not None:
+            return None
+        calls = []
+        for dtype, shape in layout:
+            if dtype is None or shape is None:
+                return None
+            dtype = np.dtype(dtype)
+            try:
+                plan = reduce_plan(dtype, op)
+            except (TypeError, KeyError):
+                return None
+            count = math.prod(shape) * plan[4]
+            if not count or not _in_place_dtype(dtype, plan):
+                return None
+            calls.append((count, self._const(plan[1]), self._const(plan[2])))
+        return _NcclPlan(self, layout, op, calls)
+
     def close(self) -> None:
         comm, self._comm = self._comm, None
         if comm is not None and self.broken is None:
@@ -426,3 +508,55 @@ class NcclCommunicator(Communicator):
                 comm.destroy()
             except Exception:
                 pass
+
+
+class _NcclPlan(CommPlan):
+    """A kept all-reduce of one process: NCCL in place on each value's own buffer.
+
+    Agreed once (there is nobody else to agree with); kept: per array the
+    count, NCCL's datatype and op, and the stream. With one process an
+    average is the sum itself (its factor is 1). :attr:`fingerprint` is the
+    crc32 of the layout and op (the word several processes would compare).
+    """
+
+    needs_exclusive = True  # it writes into the values
+
+    def __init__(self, comm: NcclCommunicator, layout, op: str, calls: list):
+        self._comm = comm
+        self._layout = [(np.dtype(d), tuple(s)) for d, s in layout]
+        self._calls = calls
+        self._seen: list = [None] * len(calls)  # per array: a weak reference to the value checked whole
+        self.fingerprint = zlib.crc32(repr((self._layout, op)).encode())
+
+    def run(self, values, outs=None) -> bool:
+        comm = self._comm
+        if comm.broken is not None or comm._comm is None or len(values) != len(self._calls):
+            return False  # (the full path raises the broken or closed communicator's error)
+        ptrs = []
+        for i, (value, (dtype, shape)) in enumerate(zip(values, self._layout)):
+            have = getattr(value, "dtype", None)
+            if (have is not dtype and have != dtype) or getattr(value, "shape", None) != shape:
+                return False
+            if not self._writable(i, value):
+                return False
+            ptrs.append(device_pointer(value))
+        comm._cp.cuda.runtime.deviceSynchronize()  # JAX's readers and writers of these buffers are done
+        nccl, stream = comm._comm, comm._stream.ptr
+        for ptr, (count, datatype, nccl_op) in zip(ptrs, self._calls):
+            nccl.allReduce(ptr, ptr, count, datatype, nccl_op, stream)
+        comm._wait()
+        return True
+
+    def _writable(self, i: int, value) -> bool:
+        """:func:`writable_in_place`, whole for a value not seen before, else only
+        what can change on one array (:func:`still_writable`)."""
+        seen = self._seen[i]
+        if seen is not None and seen() is value:
+            return still_writable(value)
+        if not writable_in_place(value):
+            return False
+        try:
+            self._seen[i] = weakref.ref(value)
+        except TypeError:  # (an array type without weak references: checked whole each time)
+            self._seen[i] = None
+        return True

@@ -213,8 +213,20 @@ class GpuDevice(Device):
         return None
 
     def _nccl_all_reduce(self, proc, spec):
+        """In place on the values' own device buffers where NCCL can (see
+        :meth:`.NcclCommunicator.all_reduce`): a placed variable of its own dtype
+        whose value no other shared variable holds (JAX may hand one array to two
+        variables: ``updates=[(b, a)]``). Only the results that are new arrays
+        are assigned."""
         vars_, values = _values(proc, spec)
-        self._assign_all(spec, vars_, self._nccl().all_reduce(values, spec.op))
+        held_twice = _held_twice(proc.shareds.values())
+        placed = cast(GpuState, self.state).placed
+        in_place = [sid in placed and id(value) not in held_twice and value.dtype == var.type.dtype
+                    for sid, var, value in zip(spec.sids, vars_, values)]
+        got = self._nccl().all_reduce(values, spec.op, in_place=in_place)
+        for sid, var, value, result in zip(spec.sids, vars_, values, got):
+            if result is not value:
+                self._assign_on_device(sid, var, result)
 
     # -- outputs -----------------------------------------------------------
 
@@ -225,6 +237,16 @@ class GpuDevice(Device):
         if device_outputs:
             return [None if r is None else to_jax(r, self.state.jax_device) for r in results]
         return [to_numpy(r) for r in results]
+
+
+def _held_twice(variables) -> set:
+    """The ids of the values that more than one of these shared variables holds."""
+    seen: set = set()
+    twice: set = set()
+    for var in variables:
+        i = id(var.container.storage[0])
+        (twice if i in seen else seen).add(i)
+    return twice
 
 
 def _values(proc, spec):

@@ -26,9 +26,19 @@ def _unwrap(x):
 class ndarray:
     """A numpy array in a wrapper that, like CuPy's arrays, will not turn into numpy implicitly."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_owner")
 
-    def __init__(self, a: np.ndarray):
+    def __init__(self, a, dtype=float, memptr=None):
+        """``ndarray(numpy_array)`` wraps it (the stand-in's own use); ``ndarray(shape,
+        dtype, memptr=cuda.MemoryPointer(...))``, as CuPy, is an array over that memory."""
+        self._owner = None
+        if memptr is not None:
+            a = cuda.memory_view(memptr, a, dtype)
+            self._owner = memptr
+        elif isinstance(a, np.generic):  # numpy's 0-d results are scalars; CuPy's are 0-d arrays
+            a = np.asarray(a)
+        elif not isinstance(a, np.ndarray):  # a shape
+            a = np.empty(a, dtype=dtype)
         self._a = a
 
     # -- what CuPy arrays have ----------------------------------------------
@@ -37,6 +47,7 @@ class ndarray:
     size = property(lambda self: self._a.size)
     ndim = property(lambda self: self._a.ndim)
     nbytes = property(lambda self: self._a.nbytes)
+    flags = property(lambda self: self._a.flags)
 
     @property
     def data(self) -> _Memory:
