@@ -1,7 +1,15 @@
 """Small and large steps across nodes: a 4-byte all_reduce, a 64 MiB all_reduce and
-a small call, under ``mpirun -np 2`` on this machine (2 nodes of 1 process each).
+a small call, under ``mpirun -np 2`` on this machine (2 nodes of 1 process each),
+beside mpi4py's own calls on the same bytes in the same job (the floors).
 
-    python bench/nodes_steps.py [--rounds 3] [--against OTHER_TREE]
+    python bench/nodes_steps.py [--rounds 3] [--against OTHER_TREE] [--np 2] [--profile]
+
+The mpi4py rows: blocking ``Allreduce`` of 4 B and 64 MiB; ``Iallgather`` of a
+512-byte slot then a Python ``Test`` loop (the floor of a step that never blocks
+inside MPI and carries a header); ``Iallreduce`` of 64 MiB into another buffer
+then a ``Test`` loop, without and with a 64 MiB copy back. ``--np 1`` gives a
+step's Python alone (the exchange completes at once); ``--profile`` prints node
+0's cProfile of 4-byte all_reduce steps.
 
 Each round launches one ``mpirun -np 2`` job per tree (this checkout, and with
 ``--against`` another checkout of synkhronos, e.g. a ``git worktree`` of an
@@ -24,10 +32,59 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
-MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "call 8 rows")
+MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "call 8 rows", "mpi4py Allreduce 4 B",
+            "mpi4py Allreduce 64 MiB", "mpi4py Iallgather 512 B + Test", "mpi4py Iallreduce 64 MiB + Test",
+            "mpi4py Iallreduce 64 MiB + Test + copy")
+#: Per measure, the measure it is compared with in the printed ratio (synk against MPI's own).
+AGAINST = {"all_reduce 4 B": "mpi4py Allreduce 4 B", "all_reduce 64 MiB": "mpi4py Allreduce 64 MiB",
+           "mpi4py Iallgather 512 B + Test": "mpi4py Allreduce 4 B",
+           "mpi4py Iallreduce 64 MiB + Test": "mpi4py Allreduce 64 MiB",
+           "mpi4py Iallreduce 64 MiB + Test + copy": "mpi4py Allreduce 64 MiB"}
 
 
-def node(out: str) -> None:
+def mpi_steps(np):
+    """The mpi4py rows: ``{name: (step, count)}`` on a duplicate of COMM_WORLD."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    size = comm.Get_size()
+    small, small_out = np.ones(1, dtype=np.float32), np.empty(1, dtype=np.float32)
+    large, large_out = np.ones(16 << 20, dtype=np.float32), np.empty(16 << 20, dtype=np.float32)
+    slot, slots = np.zeros(512, dtype=np.uint8), np.empty((size, 512), dtype=np.uint8)
+
+    def test_loop(req):
+        while not req.Test():
+            pass
+
+    def iallreduce(copy):
+        def step():
+            test_loop(comm.Iallreduce(large, large_out, MPI.MAX))
+            if copy:
+                np.copyto(large, large_out)
+        return step
+
+    return {"mpi4py Allreduce 4 B": (lambda: comm.Allreduce(small, small_out, MPI.MAX), 20000),
+            "mpi4py Allreduce 64 MiB": (lambda: comm.Allreduce(large, large_out, MPI.MAX), 10),
+            "mpi4py Iallgather 512 B + Test": (
+                lambda: test_loop(comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])), 20000),
+            "mpi4py Iallreduce 64 MiB + Test": (iallreduce(False), 10),
+            "mpi4py Iallreduce 64 MiB + Test + copy": (iallreduce(True), 10)}, comm
+
+
+def timed(step, n) -> float:
+    """Median over 7 blocks of ``n`` steps (after a warm-up), microseconds per step."""
+    for _ in range(max(2, n // 20)):
+        step()
+    blocks = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        blocks.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(blocks)
+
+
+def node(out: str, profile: bool = False) -> None:
     """One node of a job: time each kind of step, node 0 writes the medians."""
     import numpy as np
     import pytensor
@@ -46,29 +103,33 @@ def node(out: str) -> None:
     steps = {"all_reduce 4 B": (lambda: synk.all_reduce(small, "max"), 2000),
              "all_reduce 64 MiB": (lambda: synk.all_reduce(large, "max"), 10),
              "call 8 rows": (lambda: f(rows), 2000)}
-    got = {}
-    for name, (step, n) in steps.items():
-        for _ in range(max(2, n // 20)):
-            step()
-        blocks = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            blocks.append((time.perf_counter() - t0) / n * 1e6)
-        got[name] = statistics.median(blocks)
+    raw, raw_comm = mpi_steps(np)
+    steps.update(raw)
+    got = {name: timed(step, n) for name, (step, n) in steps.items()}
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [synk.all_reduce(small, "max") for _ in range(2000)])
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        got["profile"] = text.getvalue()
+    raw_comm.Free()
     if synk.world().node == 0:
         Path(out).write_text(json.dumps(got))
     synk.close()
 
 
-def job(tree: Path) -> dict:
+def job(tree: Path, np_: int = 2, profile: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
         env = dict(os.environ, PYTHONPATH=str(tree), OMPI_ALLOW_RUN_AS_ROOT="1",
                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTENSOR_FLAGS="mode=FAST_RUN")
-        cmd = [str(MPIRUN), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca", "osc", "^ucx",
+        cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--mca", "osc", "^ucx",
                "-x", "PYTHONPATH", sys.executable, str(Path(__file__).resolve()), "--node", str(out)]
+        cmd += ["--profile"] if profile else []
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
         if done.returncode != 0:
             raise SystemExit(f"{tree}: mpirun exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -80,9 +141,11 @@ def main() -> None:
     p.add_argument("--node", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--against", help="another checkout of synkhronos to compare with")
+    p.add_argument("--np", type=int, default=2, help="nodes (copies under mpirun; 1: a step's Python alone)")
+    p.add_argument("--profile", action="store_true", help="print node 0's profile of 4-byte all_reduce steps")
     a = p.parse_args()
     if a.node:
-        node(a.node)
+        node(a.node, a.profile)
         return
     trees = {"this": HERE.parent}
     if a.against:
@@ -90,15 +153,25 @@ def main() -> None:
     runs = {k: [] for k in trees}
     for r in range(a.rounds):
         for k, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-            runs[k].append(job(tree))
+            runs[k].append(job(tree, a.np, a.profile))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"{cpu}, {os.cpu_count()} cores; mpirun -np 2, 1 process per node; median of {a.rounds} rounds (us)")
+    print(f"{cpu}, {os.cpu_count()} cores; mpirun -np {a.np}, 1 process per node; median of {a.rounds} "
+          "rounds (us); 'x MPI': this tree's row over the mpi4py row named, per round, then the median")
     for m in MEASURES:
         med = {k: statistics.median(run[m] for run in runs[k]) for k in trees}
-        line = f"  {m:20s} this {med['this']:10.1f}"
+        line = f"  {m:38s} this {med['this']:10.1f}"
+        if m in AGAINST:
+            ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["this"])
+            line += f" ({ratio:6.2f} x MPI)"
         if "other" in med:
-            line += f"   other {med['other']:10.1f}   this/other {med['this'] / med['other']:.3f}"
+            line += f"   other {med['other']:10.1f}"
+            if m in AGAINST:
+                ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["other"])
+                line += f" ({ratio:6.2f} x MPI)"
+            line += f"   this/other {med['this'] / med['other']:.3f}"
         print(line)
+    if a.profile:
+        print(runs["this"][-1]["profile"])
 
 
 if __name__ == "__main__":

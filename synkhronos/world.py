@@ -11,7 +11,6 @@ import numpy as np
 from . import _state as state
 from ._batching import split
 from ._protocol.across_nodes import inter_comm, liveness
-from .collectives.hier import NodeCommunicator
 from .errors import SynkError
 
 __all__ = ["World", "world", "shard", "join"]
@@ -57,9 +56,11 @@ def world() -> World:
     """
     proc = state.running_session().proc
     comm = proc.comm
-    if isinstance(comm, NodeCommunicator):
-        return World(comm.node, comm.nodes, comm.rank, comm.size, proc.size, proc.master_rank,
-                     tuple(comm.node_sizes), comm.offsets[comm.node])
+    table = comm.node_table()
+    if table is not None:
+        node, sizes = table
+        return World(node, len(sizes), comm.rank, comm.size, proc.size, proc.master_rank,
+                     tuple(sizes), sum(sizes[:node]))
     return World(0, 1, proc.rank, proc.size, proc.size, proc.master_rank, (proc.size,), 0)
 
 
@@ -145,7 +146,7 @@ def join() -> int:
     # a command as far as close() knows: called meanwhile (a signal handler), it ends join() first
     s.in_flight = threading.get_ident()
     try:
-        return inter.join()
+        return s.proc.comm.join()
     except _CloseDuringJoin:
         raise SynkError("synk.close() was called (from another thread or a signal handler) during "
                         "join(); this node stopped waiting for the others (they were told) and its "

@@ -70,18 +70,60 @@ def test_worker_killed_on_node_one(tmp_path):
     _no_shm_left(tmp_path, 2)
 
 
+def _planned_somewhere(verdicts, sizes: str) -> None:
+    """Every node of one process made steps on its kept MPI plan (a fast path that
+    never ran would prove nothing); no other node did."""
+    per_node = [int(k) for k in sizes.split(",")]
+    for node, v in verdicts.items():
+        if per_node[node % len(per_node)] == 1:
+            assert v["plan_steps"] > 0, (node, v["plan_steps"])
+        else:
+            assert v["plan_steps"] == 0, (node, v["plan_steps"])
+
+
 @needs_mpi
-@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(3, "2,1", marks=pytest.mark.slow)],
-                         ids=["np2", "np3"])
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), (2, "1,1"), pytest.param(3, "2,1", marks=pytest.mark.slow)],
+                         ids=["np2", "np2-planned", "np3"])
 def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
     """Node 1 calls g where the others call f, all_reduce against a call, another op,
     another variable, scatter against broadcast, set_value of another rank, one
     collective more, gather against all_gather: every node raises StepMismatchError
-    naming every node's step (each went on silently before), and the next call works."""
+    naming every node's step (each went on silently before), and the next call works.
+    Nodes of one process make their all_reduces on kept MPI plans ("1,1": both; "1,2":
+    node 0 against node 1's full path), nodes of two never do."""
     rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", "diverge", sizes)
     assert_all_ok(rc, output, verdicts, n)
     assert all(v["cases"] == 8 for v in verdicts.values())
+    _planned_somewhere(verdicts, sizes)
     _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+@pytest.mark.parametrize("seed", [4801, 4802])
+def test_planned_all_reduce_bit_for_bit(tmp_path, seed):
+    """Two nodes of one process each: random all_reduce loops over random sets of
+    variables (every op; float32, float64, int32, int64, uint8, bool, complex64; 0-d
+    to (5, 7)), each node's values its own: every result equals ops.combine of the
+    nodes' values in node order, bit for bit, on both nodes, on the kept MPI plan and
+    where it falls back (avg of integers)."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", f"planned:{seed}", "1,1")
+    assert_all_ok(rc, output, verdicts, 2)
+    assert all(v["checked"] > 150 for v in verdicts.values())
+    _planned_somewhere(verdicts, "1,1")
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+def test_divergence_on_the_plan(tmp_path):
+    """Once both nodes keep MPI plans, node 1 changes a variable's shape (ValueError on
+    both), uses another op, skips a step (StepMismatchError on both), joins (node 0's
+    steps on the plan reduce its own values): every node raises the same error, and the
+    next call and all_reduce agree again."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "diverge_planned", "1,1")
+    assert_all_ok(rc, output, verdicts, 2)
+    assert all(v["cases"] == 4 for v in verdicts.values())
+    _planned_somewhere(verdicts, "1,1")
+    _no_shm_left(tmp_path, 2)
 
 
 @needs_mpi
@@ -96,8 +138,8 @@ def test_one_process_node_failure_reaches_the_others(tmp_path):
 
 @needs_mpi
 @pytest.mark.parametrize("n, sizes, seed",
-                         [(2, "1,2", 35000), pytest.param(3, "2,1", 36000, marks=pytest.mark.slow)],
-                         ids=["np2", "np3"])
+                         [(2, "1,2", 35000), (2, "1,1", 37000), pytest.param(3, "2,1", 36000, marks=pytest.mark.slow)],
+                         ids=["np2", "np2-planned", "np3"])
 def test_random_divergence(tmp_path, n, sizes, seed):
     """Random sequences of calls and collectives (two functions, all_reduce and reduce
     with every op, broadcast with and without values, gather, get_value, set_value of
@@ -113,6 +155,7 @@ def test_random_divergence(tmp_path, n, sizes, seed):
     for node, v in verdicts.items():
         c = v["counts"]
         assert c["sequences"] == count and c["raised"] == c["perturbed"] > 0 and c["steps"] > count, (node, c)
+    _planned_somewhere(verdicts, sizes)
     _no_shm_left(tmp_path, n)
 
 

@@ -165,7 +165,7 @@ def note_failure(proc) -> None:
     inter = inter_comm(proc)
     if inter is None:
         return
-    if inter.broken is not None:
+    if proc.comm.broken_among_nodes():
         state.nodes_broken = True
     inter.check = liveness(inter.check)
 
@@ -191,8 +191,9 @@ def _between_commands(*comms):
 
 
 def inter_comm(proc):
+    """The communicator among node masters (in a node master across nodes), else None."""
     comm = proc.comm
-    return comm.inter if isinstance(comm, NodeCommunicator) else None
+    return None if comm is None else comm.among_nodes()
 
 
 def check_same_functions(proc, entries) -> None:
@@ -207,7 +208,7 @@ def check_same_functions(proc, entries) -> None:
     inter = inter_comm(proc)
     if inter is None:
         return
-    inter.begin(("distribute",), "distribute()")
+    proc.comm.begin_step(("distribute",), "distribute()")
     error = None
     mine: list | str  # this node's entries, or what went wrong
     try:
@@ -247,13 +248,9 @@ def begin_step(proc, cmd, wire) -> None:
     (:meth:`.collectives.mpi.MpiCommunicator.begin`). A command whose step began with
     its values (:func:`from_first_node`) begins none of its own."""
     comm = proc.comm
-    if isinstance(comm, NodeCommunicator) and comm.inter is not None:
-        inter = comm.inter
-        if inter.pre_begun:
-            inter.pre_begun = False
-            return
+    if comm.among_nodes() is not None:
         kind = cmd.name.lower()
-        inter.begin(step_key(kind, wire, proc), (step_words, proc, kind, wire))
+        comm.begin_step(step_key(kind, wire, proc), (step_words, proc, kind, wire), command=True)
 
 
 def step_key(kind: str, wire, proc=None) -> tuple:
@@ -275,7 +272,7 @@ def function_identity(proc, spec, graph_digest) -> tuple | None:
     else each built or failed to build: a digest of its compiled graph (``graph_digest()``),
     output ops and broadcast inputs, and how many functions with that digest this fork
     built before it. None on one node (nothing compares it)."""
-    if not isinstance(proc.comm, NodeCommunicator):
+    if proc.comm.node_table() is None:
         return None
     digest = zlib.crc32(repr((graph_digest(), spec.output_modes or spec.output_ops,
                               tuple(spec.bcast))).encode())
@@ -287,8 +284,8 @@ def function_identity(proc, spec, graph_digest) -> tuple | None:
 def steps_begun(proc):
     """Across nodes, in a node master: how many steps it has begun (compare it after a
     failure with :func:`failed_step`); None elsewhere."""
-    inter = inter_comm(proc)
-    return None if inter is None else inter.begun
+    comm = proc.comm
+    return None if comm is None else comm.steps_begun()
 
 
 def failed_step(s, before, what: str, err: BaseException) -> None:
@@ -298,14 +295,16 @@ def failed_step(s, before, what: str, err: BaseException) -> None:
     the next step agrees (:meth:`.collectives.mpi.MpiCommunicator.fail_step`).
     ``before``: :func:`steps_begun` when the call started. Not for a call refused
     inside a running command (a signal handler's): that command's step is not its own."""
-    inter = inter_comm(s.proc)
-    if inter is None or before is None or not isinstance(err, Exception) or s.in_flight is not None:
+    comm = s.proc.comm
+    if comm is None or before is None or not isinstance(err, Exception) or s.in_flight is not None:
         return
-    inter.pre_begun = False
+    begun = comm.steps_begun()
+    if begun is None:
+        return
     s.begin_wait()  # (fork(timeout=...) bounds this wait too, counted from now)
     s.in_flight = threading.get_ident()  # a command for close(): called meanwhile, it ends the wait first
     try:
-        inter.fail_step(what, f"{type(err).__name__}: {err}"[:200], inter.begun != before)
+        comm.fail_step(what, f"{type(err).__name__}: {err}"[:200], begun != before)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException:  # noqa: BLE001 - a timeout or close() meanwhile: the others were told; ours is the error
@@ -374,8 +373,8 @@ def from_first_node(proc, make, what: str, sids, rank=None, batch=None, comm_siz
     if inter is None:
         return make()
     wire = (what, sids, None, rank, None, None, True, 1, False)
-    inter.begin(("values", batch_key(batch)) + step_key("collective", wire),
-                (step_words, proc, "collective", wire))
+    proc.comm.begin_step(("values", batch_key(batch)) + step_key("collective", wire),
+                         (step_words, proc, "collective", wire))
     with _between_commands(inter):
         if inter.rank != 0:
             arrays = inter.broadcast(None, 0, what=what)
@@ -389,7 +388,7 @@ def from_first_node(proc, make, what: str, sids, rank=None, batch=None, comm_siz
                     pass
                 raise
             arrays = inter.broadcast(arrays, 0, what=what)
-    joined = inter.joined  # (the same on every node: the exchange just made said so)
+    joined = proc.comm.nodes_joined()  # (the same on every node: the exchange just made said so)
     if joined and what == "scatter":
         raise ValueError(f"scatter: node(s) {joined} have joined (synk.join()): their processes take "
                          "no rows, which would be lost; scatter once every node takes part again "
@@ -399,17 +398,17 @@ def from_first_node(proc, make, what: str, sids, rank=None, batch=None, comm_siz
         if node in joined:
             raise ValueError(f"set_value: rank {rank} is a process of node {node}, which has joined "
                              "(synk.join()): it takes no part until every node has joined")
-    inter.pre_begun = True  # the command's step is this one
+    proc.comm.values_begun()  # the command's step is this one
     return arrays
 
 
 def joined_rank(proc, rank: int, what: str) -> None:
     """ValueError naming the join when global ``rank`` is a process of a node that has
     joined (known from the exchange just made; the same on every node)."""
-    inter = inter_comm(proc)
-    if inter is not None and inter.joined:
+    joined = proc.comm.nodes_joined()
+    if joined:
         node = proc.comm.where(rank)[0]
-        if node in inter.joined:
+        if node in joined:
             raise ValueError(f"{what}: rank {rank} is a process of node {node}, which has joined "
                              "(synk.join()): it takes no part until every node has joined")
 
@@ -418,16 +417,14 @@ def broke(proc, err: BaseException) -> None:
     """This node's fork broke (a worker died) at the end of a step: its last header
     tells the other nodes, whose next (or current) exchange raises NodeFailedError
     naming it (:meth:`.collectives.mpi.MpiCommunicator.leave`)."""
-    inter = inter_comm(proc)
-    if inter is not None:
-        inter.leave(f"{type(err).__name__}: {err}")
+    proc.comm.leave(f"{type(err).__name__}: {err}")
 
 
 def _abandon(proc, reason) -> None:
     """Abandon the communicator among the node masters, telling the others ``reason(node)``."""
-    inter = inter_comm(proc)
-    if inter is not None and inter.broken is None:
-        inter.abort(reason(inter.rank)[:500])
+    comm = proc.comm
+    table = None if comm is None else comm.node_table()
+    if table is not None and comm.abandon(reason(table[0])[:500]):
         state.nodes_broken = True
 
 

@@ -90,8 +90,8 @@ class Session:
                         "(busy or stuck); fork(timeout=...) bounds the wait, Ctrl-C abandons it",
                         now - self._wait_start, self.proc.control.pending())
         if self.timeout is not None and now - self._wait_start > self.timeout:
-            inter = getattr(self.proc.comm, "inter", None)  # across nodes: waiting for the others?
-            raise _TimedOut(self.proc.control.pending(), getattr(inter, "waiting", None))
+            comm = self.proc.comm  # across nodes: waiting for the others?
+            raise _TimedOut(self.proc.control.pending(), None if comm is None else comm.waiting_among_nodes())
 
     def check(self) -> None:
         """Master-side check between wait slices inside a collective."""
@@ -313,7 +313,8 @@ class Session:
         err = _most_telling(unpacked)
         if cmd is Command.CALL and not aborted:
             comm = self.proc.comm  # across nodes, global ranks (node-major) of this node's processes
-            first = comm.offsets[comm.node] if hasattr(comm, "offsets") else None
+            table = comm.node_table()
+            first = None if table is None else sum(table[1][:table[0]])
             _note_updates(err, self.proc.size, unpacked, first)
         raise err
 

@@ -182,3 +182,59 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:
         """Release what this process holds of the communicator."""
+
+    # -- steps among nodes (across nodes, in a node master; no-ops on one node) --
+
+    def node_table(self) -> tuple[int, list[int]] | None:
+        """``(this process's node, every node's number of processes)`` across nodes;
+        None on one node."""
+        return None
+
+    def among_nodes(self) -> Communicator | None:
+        """In a node master, the communicator among the node masters (its rank is the
+        node's index); None in every other process and on one node."""
+        return None
+
+    def begin_step(self, key, words, command: bool = False) -> None:
+        """This node starts its next step among nodes: its number and ``key`` (what
+        must be the same on every node) travel with each of its exchanges; ``words``
+        (a string, or a function and its arguments) name it when steps differ.
+        ``command``: the step of a command, which a step that came with its values
+        (:meth:`values_begun`) stands for."""
+
+    def values_begun(self) -> None:
+        """The step just made (with the values of a command) is the next command's own."""
+
+    def steps_begun(self) -> int | None:
+        """How many steps among nodes this node master has begun (None: it makes none)."""
+        return None
+
+    def fail_step(self, what: str, reason: str, begun: bool) -> None:
+        """This node's step failed before the others heard of it: make its first exchange
+        all the same, flagging the failure, so that every node raises in that step
+        (``begun``: whether the step was numbered already)."""
+
+    def nodes_joined(self) -> list:
+        """The nodes that had joined (``synk.join()``) at the last exchange among nodes."""
+        return []
+
+    def join(self) -> int:
+        """This node has no steps of its own left: take part in the others' with nothing
+        to add until every node has joined; the node that joined last (0 on one node)."""
+        return 0
+
+    def leave(self, reason: str) -> None:
+        """This node can make no more steps (its fork broke at a step's end): tell the others."""
+
+    def abandon(self, reason: str) -> bool:
+        """Abandon the steps among nodes and tell the other nodes ``reason``; whether this
+        call abandoned them (False: on one node, or abandoned already)."""
+        return False
+
+    def broken_among_nodes(self) -> bool:
+        """Whether the steps among nodes were abandoned after a failure."""
+        return False
+
+    def waiting_among_nodes(self) -> str | None:
+        """What this node master is waiting for the other nodes in, if it is."""
+        return None

@@ -448,6 +448,67 @@ class NodeCommunicator(HierarchicalCommunicator):
         self._at_masters(root, "broadcast")
         return super().broadcast(arrays, self.first_master, failed, receive)
 
+    # -- steps among nodes (forwarded to ``inter`` in the node master; no-ops elsewhere)
+
+    def node_table(self) -> tuple[int, list[int]]:
+        return self.node, list(self.node_sizes)
+
+    def among_nodes(self):
+        return self._inter
+
+    def begin_step(self, key, words, command: bool = False) -> None:
+        inter = self._inter
+        if inter is None:
+            return
+        if command and inter.pre_begun:  # the step that came with the values stands for it
+            inter.pre_begun = False
+            return
+        inter.begin(key, words)
+
+    def values_begun(self) -> None:
+        if self._inter is not None:
+            self._inter.pre_begun = True
+
+    def steps_begun(self) -> int | None:
+        return None if self._inter is None else self._inter.begun
+
+    def fail_step(self, what: str, reason: str, begun: bool) -> None:
+        inter = self._inter
+        if inter is not None:
+            inter.pre_begun = False
+            inter.fail_step(what, reason, begun)
+
+    def nodes_joined(self) -> list:
+        return [] if self._inter is None else self._inter.joined
+
+    def join(self) -> int:
+        return 0 if self._inter is None else self._inter.join()
+
+    def leave(self, reason: str) -> None:
+        if self._inter is not None:
+            self._inter.leave(reason)
+
+    def abandon(self, reason: str) -> bool:
+        inter = self._inter
+        if inter is None or inter.broken is not None:
+            return False
+        inter.abort(reason)
+        return True
+
+    def broken_among_nodes(self) -> bool:
+        return self._inter is not None and self._inter.broken is not None
+
+    def waiting_among_nodes(self) -> str | None:
+        return None if self._inter is None else self._inter.waiting
+
+    def plan(self, kind, layout, op, step=None):
+        """In the node master of a node of one process: the inter-node communicator's
+        plan (:meth:`.mpi.MpiCommunicator.plan`); None elsewhere (nodes of several
+        processes take the full path)."""
+        if not self._alone or self._inter is None:
+            return None
+        return self._inter.plan(kind, layout, op, step)
+
     def reset(self) -> None:
         self._local.reset()
 

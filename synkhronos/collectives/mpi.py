@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import struct
 import zlib
 from typing import Any, Callable, cast
 
@@ -55,12 +56,13 @@ from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
 from .._procs.launch import Notices, mpi as _mpi
 from .._procs.waits import wait_until
-from .base import Communicator
+from .base import CommPlan, Communicator
 from . import mpi_wire
-from .mpi_wire import (FAILED, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, as_bytes, avg_scales,
-                       fit_into, pieces, reduce_plan, spans)
-from .ops import agreed_layout, cast_to, combine, identity, result_dtype
+from .._arrays import packed_views, round_up
+from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
+                       PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
+                       fit_into, payload_at, pieces, reduce_plan, spans)
+from .ops import REDUCE_OPS, Reducer, agreed_layout, cast_to, combine, identity, result_dtype
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
@@ -110,6 +112,7 @@ class MpiCommunicator(Communicator):
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
         self.begun = 0              # steps begun here (a caller compares it to see whether it began one)
         self._exchanges = 0         # exchanges of headers in this step so far
+        self.plan_steps = 0         # steps made by a kept plan (_StepPlan; tests read it)
         self._failed: str | None = None  # why this step failed on every node (known from an exchange), if it did
         self.pre_begun = False      # a step begun before its command (see nodes.from_first_node)
         self._words = "fork()"      # what this step is, in words
@@ -158,17 +161,39 @@ class MpiCommunicator(Communicator):
         the latest in MPI_Finalize), so nothing is left outstanding."""
         state.mpi_leaving.append(self._post_header(b"", LEFT))
 
-    def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1)):
-        """Start the exchange of every node's header slot: this node's head (the blob's
-        length, its step's number, ``mark`` and ``plan``), then ``blob`` when it fits.
-        ``(request, (slot, slots))``: the request and the buffers it uses."""
+    def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1), payload=None):
+        """Start the exchange of every node's header slot (see :meth:`_fill_slot`), on new
+        buffers. ``(request, (slot, slots))``: the request and the buffers it uses."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
-        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, *plan)  # type: ignore[arg-type, unused-ignore]
-        if len(blob) <= HEADER_SLOT - HEAD.size:
-            slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        self._fill_slot(slot, blob, mark, plan, payload)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         return self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE]), (slot, slots)
+
+    def _fill_slot(self, slot, blob: bytes, mark: int, plan=(0, 0, -1), payload=None) -> None:
+        """This node's header slot: its head (the blob's length, its step's number, ``mark``,
+        the blob's fingerprint and ``plan``: what, op, root), then ``blob`` when it fits,
+        then ``payload`` (arrays' bytes, each on an 8-byte boundary) from :func:`payload_at`."""
+        what, op, root = plan
+        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
+        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, zlib.crc32(blob),  # type: ignore[arg-type, unused-ignore]
+                       what, op, 0, root)
+        if len(blob) <= HEADER_SLOT - HEAD.size:
+            slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        if payload is not None:
+            at = payload_at(len(blob))
+            for a in payload:
+                slot[at:at + a.nbytes] = as_bytes(a)
+                at = round_up(at + a.nbytes, 8)
+
+    @staticmethod
+    def _payload_fits(arrays, blob_length: int) -> bool:
+        """Whether ``arrays`` travel in the header slot after a blob of ``blob_length`` bytes."""
+        if sum(a.nbytes for a in arrays) > INLINE_BYTES or any(a.dtype.hasobject for a in arrays):
+            return False
+        end = payload_at(blob_length)
+        for a in arrays:
+            end = round_up(end + a.nbytes, 8)
+        return end <= HEADER_SLOT
 
     def _enter(self, what: str) -> None:
         if self._comm is None:
@@ -197,8 +222,9 @@ class MpiCommunicator(Communicator):
             return Testall(reqs)
 
         try:
-            if Testall(reqs):
-                return
+            for _ in range(FIRST_TESTS):  # (a small step's answer is usually a few us away)
+                if Testall(reqs):
+                    return
             self.waiting = what  # a timeout meanwhile names the other nodes (Session.poll)
             wait_until(ready, self.check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
                        first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
@@ -289,7 +315,7 @@ class MpiCommunicator(Communicator):
         self._wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
                    (mine, every))
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
-        numbers = [h[1] for h in heads if h[2] != JOINED]
+        numbers = [h.number for h in heads if h.mark != JOINED]
         if numbers:
             self.step = (max(numbers), self.step[1])
         return StepMismatchError(what, texts)
@@ -298,10 +324,10 @@ class MpiCommunicator(Communicator):
         """Every node's ``(layout or None, weight)``; PeerFailed everywhere if one failed.
 
         With ``inline``, arrays of at most ``INLINE_BYTES`` in all travel in the
-        header too, and ``(metas, payloads)`` is returned: each node's arrays'
-        bytes, or None where they did not travel. ``what``, ``op`` and ``root``
-        tell a node that has joined (see :meth:`join`) which exchange follows.
-        A node that has joined gives ``(None, 0.0)``: nothing to add.
+        header too, and ``(metas, payloads)`` is returned: each node's arrays
+        (views of the received slots), or None where they did not travel. ``what``,
+        ``op`` and ``root`` tell a node that has joined (see :meth:`join`) which
+        exchange follows. A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
         self._enter(what)
         if self._failed is not None:
@@ -311,12 +337,14 @@ class MpiCommunicator(Communicator):
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
         # a failure may come with its reason (a string: what failed where), cut to fit
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
+        meta = (layout, float(weight), flag, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         payload = None
-        if inline and arrays is not None and not failed and sum(a.nbytes for a in arrays) <= INLINE_BYTES \
-                and not any(a.dtype.hasobject for a in arrays):
-            payload = [as_bytes(a).tobytes() for a in arrays]
+        if inline and arrays is not None and not failed and self._payload_fits(arrays, len(blob)):
+            payload, meta = arrays, (layout, float(weight), flag, True)
+            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)  # (True pickles as long as False)
         plan = (WHAT_CODES.get(what, 0), OP_CODES[op], -1 if root is None else root)
-        heads, metas = self._headers(what, (layout, float(weight), flag, payload), self.step[1], plan)
+        heads, metas = self._headers(what, meta, blob, self.step[1], plan, payload)
         try:
             self._same_step(what, heads)
             self._no_failure(what, metas)
@@ -327,21 +355,54 @@ class MpiCommunicator(Communicator):
         pairs = [(m[0], m[1]) for m in metas]
         return (pairs, [m[3] for m in metas]) if inline else pairs
 
-    def _headers(self, what: str, meta, mark: int, plan):
+    def _headers(self, what: str, meta, blob: bytes, mark: int, plan, payload=None):
         """One exchange of every node's header: ``(heads, metas)``, each node's
-        ``(blob length, step number, step checksum or JOINED, *plan)`` and its
-        ``meta`` (pickled into its slot, or in a second, sized round when too long)."""
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        MPI, size = self._MPI, self.size
-        room = HEADER_SLOT - HEAD.size
-        req, (slot, slots) = self._post_header(blob, mark, plan)
+        :class:`Head` and its ``meta`` (``(layout, weight, flag, payload views or
+        None)``; pickled into its slot as ``blob``, or in a second, sized round when
+        too long)."""
+        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self._fill_slot(slot, blob, mark, plan, payload)
+        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
+        self._exchange_headers(what, slot, slots)
+        return self._read_headers(what, slots, blob, meta)
+
+    def _exchange_headers(self, what: str, slot, slots) -> None:
+        """Every node's header slot ``slot`` into ``slots`` (one all-gather, waited for)."""
+        BYTE = self._MPI.BYTE
+        req = self._comm.Iallgather([slot, BYTE], [slots, BYTE])
         self._wait([req], what, (slot, slots), header=True)
         self._exchanges += 1
-        heads = [HEAD.unpack_from(slots[r]) for r in range(size)]
-        lens = [h[0] for h in heads]
-        marks = {h[2] for h in heads}
+
+    def _read_headers(self, what: str, slots, blob: bytes, meta):
+        """Every node's :class:`Head` and meta from the received ``slots`` (see
+        :meth:`_headers`). When every node's head and blob are byte for byte this
+        node's (the same step number and key, layouts, weight, flag, what, op and
+        root), every meta is ``meta``: nothing is unpickled, and the payloads are
+        views of the slots. Otherwise each is read: a node that left, that joined,
+        or whose blob did not fit, as before."""
+        n = HEAD.size + len(blob)
+        if n <= HEADER_SLOT:
+            own = slots[self.rank, :n].tobytes()
+            if all(r == self.rank or slots[r, :n].tobytes() == own for r in range(self.size)):
+                head = Head._make(HEAD.unpack_from(slots[self.rank]))
+                if head.mark != LEFT:
+                    self.joined = list(range(self.size)) if head.mark == JOINED else []
+                    layout, weight, flag, has_payload = meta
+                    at = payload_at(len(blob))
+                    return [head] * self.size, [
+                        (layout, weight, flag, packed_views(slots[r], layout, at, 8) if has_payload else None)
+                        for r in range(self.size)]
+        return self._read_headers_long(what, slots, blob)
+
+    def _read_headers_long(self, what: str, slots, blob: bytes):
+        """:meth:`_read_headers` when the slots differ: each node's head and blob read on its own."""
+        MPI, size = self._MPI, self.size
+        room = HEADER_SLOT - HEAD.size
+        heads = [Head._make(HEAD.unpack_from(slots[r])) for r in range(size)]
+        lens = [h.length for h in heads]
+        marks = {h.mark for h in heads}
         if LEFT in marks:  # its last header: it takes no step any more (no second round either)
-            node = next(r for r, h in enumerate(heads) if h[2] == LEFT)
+            node = next(r for r, h in enumerate(heads) if h.mark == LEFT)
             try:
                 reason = pickle.loads(slots[node, HEAD.size:HEAD.size + lens[node]].tobytes())[2]
             except Exception:  # noqa: BLE001
@@ -357,22 +418,27 @@ class MpiCommunicator(Communicator):
             self._wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
                        what, (send, recv))
             blobs = [recv[d:d + n].tobytes() for d, n in zip(displs, lens)]
-        self.joined = [r for r, h in enumerate(heads) if h[2] == JOINED] if JOINED in marks else []
-        return heads, [pickle.loads(b) for b in blobs]
+        self.joined = [r for r, h in enumerate(heads) if h.mark == JOINED] if JOINED in marks else []
+        metas = []
+        for r, b in enumerate(blobs):
+            layout, weight, flag, has_payload = pickle.loads(b)
+            views = packed_views(slots[r], layout, payload_at(lens[r]), 8) if has_payload else None
+            metas.append((layout, weight, flag, views))
+        return heads, metas
 
     def _same_step(self, what: str, heads) -> None:
         """StepMismatchError (on every node, after one more exchange) when the nodes that
         have not joined are in different steps. (Plain loops first: this runs at every
         exchange, and almost always finds every node in the same step.)"""
-        step = heads[0][1:3]
+        number, mark = heads[0].number, heads[0].mark
         for h in heads:
-            if h[1:3] != step:
+            if h.number != number or h.mark != mark:
                 break
         else:
             return
-        active = [h for h in heads if h[2] != JOINED]  # (a joined node's head differs)
+        active = [h for h in heads if h.mark != JOINED]  # (a joined node's head differs)
         # a node whose step failed before it knew its key (FAILED) matches any step of its number
-        if len({h[1] for h in active}) > 1 or len({h[2] for h in active if h[2] != FAILED}) > 1:
+        if len({h.number for h in active}) > 1 or len({h.mark for h in active if h.mark != FAILED}) > 1:
             raise self._mismatch(what, heads)
 
     def _no_failure(self, what: str, metas) -> None:
@@ -401,7 +467,7 @@ class MpiCommunicator(Communicator):
         Only at a step's end: never between the exchanges of one step."""
         if self._comm is None or self.broken is not None or self.ended is not None:
             return
-        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], None), protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps((None, 0.0, str(reason)[:HEADER_SLOT // 2], False), protocol=pickle.HIGHEST_PROTOCOL)
         self._leaving = self._post_header(blob, LEFT)
         # MPI moves the header only when this node next calls it (maybe not for a long
         # while: its script is busy): a notice, sent at once, tells the others now
@@ -424,20 +490,22 @@ class MpiCommunicator(Communicator):
         self._enter("join")
         self._words = "join()"
         served = 0
+        meta = (None, 0.0, False, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         while True:
-            heads, metas = self._headers("join", (None, 0.0, False, None), JOINED, (0, 0, served))
-            active = [r for r, h in enumerate(heads) if h[2] != JOINED]
+            heads, metas = self._headers("join", meta, blob, JOINED, (0, 0, served))
+            active = [r for r, h in enumerate(heads) if h.mark != JOINED]
             if not active:  # every node has joined: the same step number everywhere from here on
-                self.step = (max(h[1] for h in heads), 0)
-                return min(r for r, h in enumerate(heads) if h[5] == 0)  # served nothing: joined last
+                self.step = (max(h.number for h in heads), 0)
+                return min(r for r, h in enumerate(heads) if h.root == 0)  # served nothing: joined last
             served += 1
             try:
                 self._same_step("join", heads)
                 self._no_failure("join", metas)
             except (StepMismatchError, PeerFailed, TypeError):
                 continue  # the others raise; nothing moves
-            code, op, root = heads[active[0]][3:]
-            what, op, root = WHATS[code], OPS[op], None if root < 0 else root
+            head = heads[active[0]]
+            what, op, root = WHATS[head.what], OPS[head.op], None if head.root < 0 else head.root
             pairs = [(m[0], m[1]) for m in metas]
             try:
                 if what in ("all_reduce", "reduce"):
@@ -506,7 +574,7 @@ class MpiCommunicator(Communicator):
         as :func:`.ops.combine` does (every node the same, in node order)."""
         out = []
         for i, (dtype, shape) in enumerate(layout):
-            parts = [np.frombuffer(payloads[r][i], dtype=dtype).reshape(shape).copy() for r in present]
+            parts = [payloads[r][i] for r in present]  # (views of the received slots)
             out.append(np.asarray(combine(parts, op, weights)))
         if in_place and arrays is not None:
             for a, res in zip(arrays, out):
@@ -536,12 +604,12 @@ class MpiCommunicator(Communicator):
             return arrays
         return out
 
-    def _scratch(self, dtype, shape) -> np.ndarray:
-        """The receive buffer of an in-place all-reduce of this dtype and shape,
-        kept from one call to the next: its pages are faulted in once (a fresh
-        64 MiB buffer costs thousands of page faults per call). One per
-        layout, the last one used."""
-        key = (np.dtype(dtype).str, tuple(shape))
+    def _scratch(self, dtype, shape, i: int = 0) -> np.ndarray:
+        """The receive buffer of array ``i`` of an in-place all-reduce of this dtype
+        and shape, kept from one call to the next: its pages are faulted in once (a
+        fresh 64 MiB buffer costs thousands of page faults per call). One per layout
+        and index (two arrays of one call never share one), the last one used."""
+        key = (np.dtype(dtype).str, tuple(shape), i)
         buf = self._recv.get(key)
         if buf is None:
             if len(self._recv) >= 8:
@@ -581,7 +649,7 @@ class MpiCommunicator(Communicator):
             if isinstance(in_place, list) and in_place[i] is not None:  # straight into the caller's
                 recv = in_place[i]
             elif in_place and root is None and mine is not None:  # copied out before anyone sees it
-                recv = self._scratch(work, shape)
+                recv = self._scratch(work, shape, i)
             else:
                 recv = np.empty(shape, dtype=work) if gets else None
             flat_send = send.reshape(-1)  # views: both are contiguous
@@ -764,6 +832,23 @@ class MpiCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
+    def plan(self, kind, layout, op, step=None):
+        """A :class:`_StepPlan` of later all-reduces of ``layout`` with ``op`` (see
+        :meth:`.base.Communicator.plan`): when every array is of numbers or booleans
+        whose ``op`` result keeps its dtype (no ``avg`` of integers) and all of them
+        travel in the header slot; None otherwise, or on a communicator that cannot
+        make steps any more."""
+        if kind != "all_reduce" or op not in MPI_OPS or step is None or self._comm is None \
+                or self.broken is not None or self.ended is not None:
+            return None
+        lay = []
+        for dtype, shape in layout:
+            if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc" or not isinstance(shape, tuple) \
+                    or result_dtype(dtype, op) != dtype:
+                return None
+            lay.append((dtype, tuple(int(d) for d in shape)))
+        return _StepPlan.make(self, lay, op, step) or _LargePlan.make(self, lay, op, step)
+
     def reset(self) -> None:
         """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""
 
@@ -797,3 +882,184 @@ class MpiCommunicator(Communicator):
         self._comm = self._notices = None
         if error is not None:
             raise error
+
+
+#: The step number's place in a header slot (see mpi_wire.HEAD).
+_NUMBER = struct.Struct("<q")
+
+
+class _StepPlan(CommPlan):
+    """A kept all-reduce among node masters of nodes of one process: the full path's
+    header slot, made once (only the step number changes), its payload views in the
+    send slot and in every node's receive slot, and a reducer per array.
+
+    Each :meth:`run` numbers the step first (as ``Session`` does), makes the one
+    exchange of header slots, which carry the values, and compares every node's head
+    and blob with this node's, byte for byte (the fingerprint is the blob's
+    checksum): all equal, every node combines every node's values, in node order, as
+    the full path does (:func:`.ops.combine`); any difference reads the slots as the
+    full path reads them (a node that joined, left, failed, is in another step or
+    holds another layout) and then goes on, or raises, as the full path would.
+    """
+
+    needs_exclusive = True
+
+    @classmethod
+    def make(cls, comm: MpiCommunicator, layout, op: str, step):
+        meta = (layout, 1.0, False, True)  # (as the full path's: a node of one process weighs 1)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in layout]
+        end = payload_at(len(blob))
+        for n in nbytes:
+            end = round_up(end + n, 8)
+        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
+            return None
+        return cls(comm, layout, op, step, meta, blob)
+
+    def __init__(self, comm: MpiCommunicator, layout, op: str, step, meta, blob: bytes):
+        self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
+        self.key, self.words = step
+        self.fingerprint = zlib.crc32(blob)
+        size, at = comm.size, payload_at(len(blob))
+        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        n = HEAD.size + len(blob)
+        self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
+        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
+        self.sends: list = []
+        if meta[3]:  # the values travel in the header slots
+            self.sends = packed_views(self.slot, layout, at, 8)
+            received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
+            self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
+            self.reducers = [Reducer(op, dtype, shape, None, size) for dtype, shape in layout]
+            # a plain fold into the value where the reducer folds too (ops._fold, its order)
+            self.ufunc = REDUCE_OPS[op] if op != "avg" and size > 1 else None
+        self.spec = ([self.slot, comm._MPI.BYTE], [self.slots, comm._MPI.BYTE])
+        self.code = (WHAT_CODES["all_reduce"], OP_CODES[op], -1)
+        self.mark: int | None = None  # the step key's checksum, known at the first run
+
+    def run(self, values, outs=None) -> bool:
+        comm = self.comm
+        if comm.pre_begun or len(values) != len(self.layout):
+            return False
+        for v, (dtype, shape) in zip(values, self.layout):
+            if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
+                return False
+        if not self._exchange(values):
+            self._read_long(values)
+            return True
+        ufunc = self.ufunc
+        for value, red, parts in zip(values, self.reducers, self.parts):
+            # (the same operations in the same order as ops.combine, into the value)
+            if red.scalar_path:
+                value[()] = red.scalar(parts)
+            elif ufunc is not None:
+                acc = ufunc(parts[0], parts[1], out=value)
+                for x in parts[2:]:
+                    ufunc(acc, x, out=acc)
+            else:
+                red(parts, out=value)
+        return True
+
+    def _exchange(self, values) -> bool:
+        """Number the step, exchange the header slots (with ``values`` where they travel
+        there): whether every node's head and blob is this node's."""
+        comm = self.comm
+        comm.begin(self.key, self.words)  # numbered before anything can fail
+        comm._enter("all_reduce")
+        slot = self.slot
+        if comm.step[1] != self.mark:  # (the first run, or a key whose checksum was forgotten)
+            self.mark = comm.step[1]
+            comm._fill_slot(slot, self.blob, self.mark, self.code)
+        _NUMBER.pack_into(slot, 8, comm.step[0])  # type: ignore[arg-type, unused-ignore]
+        for view, v in zip(self.sends, values):
+            view[...] = v
+        req = comm._comm.Iallgather(*self.spec)
+        try:  # (the answer is usually there within a few tests: no wait set up for it)
+            done = req.Test() or req.Test() or req.Test() or req.Test()
+        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
+            done = False
+        if not done:
+            comm._wait([req], "all_reduce", (slot, self.slots), header=True)
+        comm._exchanges += 1
+        comm.plan_steps += 1
+        own = self.own.tobytes()
+        for head in self.heads:
+            if head.tobytes() != own:
+                return False
+        comm.joined = []
+        return True
+
+    def _read_long(self, values) -> None:
+        """The slots differ: read them as the full path does, then reduce or raise as it would."""
+        comm = self.comm
+        heads, metas = comm._read_headers_long("all_reduce", self.slots, self.blob)
+        try:
+            comm._same_step("all_reduce", heads)
+            comm._no_failure("all_reduce", metas)
+        except (StepMismatchError, PeerFailed, TypeError) as err:
+            comm._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
+            raise
+        # the payload views are of the kept slots: copied before the slots are used again
+        payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
+        comm._reduce_rest("all_reduce", list(values), [(m[0], m[1]) for m in metas], payloads, self.op, None,
+                          in_place=True)
+
+
+class _LargePlan(_StepPlan):
+    """A kept all-reduce among node masters of nodes of one process whose values do not
+    travel in the header: the header exchange as :class:`_StepPlan` makes it (with the
+    full path's header, its values left out), then one ``Iallreduce`` per array (in
+    pieces) from the value straight into ``outs`` (spare arrays the engine gives and
+    then swaps in): no copy. Only for dtypes MPI reduces in their own bytes."""
+
+    out_of_place = True
+    needs_exclusive = False
+
+    @classmethod
+    def make(cls, comm: MpiCommunicator, layout, op: str, step):
+        for dtype, shape in layout:
+            plan = reduce_plan(dtype, op)
+            if plan is None or plan[0].itemsize != dtype.itemsize or (plan[0] != dtype and dtype.kind != "b"):
+                return None
+        meta = (layout, 1.0, False, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        if HEAD.size + len(blob) > HEADER_SLOT:
+            return None
+        return cls(comm, layout, op, step, meta, blob)
+
+    def run(self, values, outs=None) -> bool:
+        comm = self.comm
+        if comm.pre_begun or outs is None or len(values) != len(self.layout) or len(outs) != len(values):
+            return False
+        for v, o, (dtype, shape) in zip(values, outs, self.layout):
+            for a in (v, o):
+                if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous \
+                        or not a.flags.writeable:
+                    return False
+            if v.dtype is not dtype or np.may_share_memory(v, o):
+                return False
+        if not self._exchange(()):
+            self._read_long(values)
+            for v, o in zip(values, outs):
+                np.copyto(o, v)
+            return True
+        MPI, op = comm._MPI, self.op
+        mpi_op = getattr(MPI, MPI_OPS[op])
+
+        def start():
+            reqs = []
+            for v, o in zip(values, outs):
+                send, recv = v.reshape(-1), o.reshape(-1)
+                if v.dtype.kind == "b":
+                    send, recv = send.view(np.uint8), recv.view(np.uint8)
+                for lo, hi in spans(send.size, send.itemsize):
+                    reqs.append(comm._comm.Iallreduce(send[lo:hi], recv[lo:hi], mpi_op))
+            return reqs
+
+        reqs = comm._started("all_reduce", start)
+        comm._wait(reqs, "all_reduce", (values, outs))
+        if op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)
+            for o in outs:
+                o *= o.dtype.type(1.0 / comm.size)
+        return True

@@ -6,6 +6,7 @@ of its words, the reduce plans of dtypes and ops, and large messages in pieces
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,6 +17,10 @@ __all__ = []
 #: (a 64 MiB all-reduce took about 1.4x as long with 0.02 s, sleeping 100 us
 #: between polls for most of it); Open MPI's own blocking calls spin throughout.
 SPIN_SECONDS = 0.25
+#: Tests of a wait's requests before its first yield of the core (about 0.3 ms): a
+#: yield on a busy machine can cost a whole time slice, while a small exchange's
+#: answer is usually a few microseconds away (one Test is about 0.3 us).
+FIRST_TESTS = 1000
 #: Sleep between polls once the spin is over (seconds).
 POLL_SLEEP = 100e-6
 #: Bytes of each node's header slot in the agreement all-gather; a larger
@@ -24,9 +29,30 @@ HEADER_SLOT = 512
 #: Reductions of at most this many bytes per node travel inside the agreement
 #: (one MPI exchange instead of two) and are combined on every node.
 INLINE_BYTES = 256
-#: The head of each node's header slot: its header's length, its step's number and key checksum,
-#: and what exchange follows (see WHATS).
-HEAD = struct.Struct("<qqqbbi")
+#: The head of each node's header slot (version 2, 40 bytes): its blob's length, its step's
+#: number and key checksum (or a mark: JOINED, LEFT, FAILED), the blob's fingerprint, and what
+#: exchange follows (see WHATS): its code, the op's code, padding, the root. The blob (the
+#: pickled ``(layout, weight, flag, has_payload)``) follows the head; a small reduction's
+#: payload follows the blob at :func:`payload_at`. Read it through :class:`Head`.
+HEAD = struct.Struct("<qqqqbbhi")
+
+
+class Head(NamedTuple):
+    """One node's head, as :data:`HEAD` packs it (read every field by name)."""
+
+    length: int       #: bytes of the blob
+    number: int       #: the step's number
+    mark: int         #: the step key's checksum, or JOINED, LEFT, FAILED
+    fingerprint: int  #: zlib.crc32 of the blob
+    what: int         #: the exchange that follows (an index in WHATS)
+    op: int           #: the op (an index in OPS)
+    pad: int          #: zero
+    root: int         #: the root (-1: none), or a joined node's count of exchanges served
+
+
+def payload_at(blob_length: int) -> int:
+    """Where in a header slot the payload of a blob of ``blob_length`` bytes starts."""
+    return (HEAD.size + blob_length + 7) & ~7
 #: What a node's header says follows it (a node that has joined mirrors it): the
 #: exchange, by its index here, then the op's index in OPS and the root (-1: none).
 WHATS = ("", "all_reduce", "reduce", "all_gather", "gather", "broadcast", "barrier", "close")

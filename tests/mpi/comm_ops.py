@@ -41,6 +41,87 @@ def make(seed: int, rank: int, dtype, shape):
     return rng.uniform(0.5, 1.5, shape).astype(dtype)
 
 
+def check_reading(v, comm, rank, size):
+    """Equal header slots are read without unpickling anything; another weight or layout
+    on one node reads every slot the long way, with the usual results and messages."""
+    import pickle
+
+    from synkhronos.collectives import mpi
+
+    loads = []
+
+    class Counted:  # mpi's pickle, counting loads
+        HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
+        dumps = staticmethod(pickle.dumps)
+
+        @staticmethod
+        def loads(b):
+            loads.append(1)
+            return pickle.loads(b)
+
+    mpi.pickle = Counted
+    try:
+        got = comm.all_reduce([np.full(3, rank, dtype=np.int64), np.float32(rank)], "sum")
+        v.expect(not loads and int(got[0][0]) == sum(range(size)) and float(got[1]) == sum(range(size)),
+                 f"equal heads: {len(loads)} loads, {got}")
+        got = comm.all_reduce([np.full(3, 1.0)], "avg", weight=1.0 + rank)
+        v.expect(len(loads) == size and close_enough(got[0], np.full(3, 1.0)), f"other weights: {len(loads)} loads")
+        try:
+            comm.all_reduce([np.zeros(3 if rank == 1 else 4)], "sum")
+            v.expect(False, "other layouts raise ValueError")
+        except ValueError as exc:
+            v.expect("cannot sum-reduce" in str(exc) and "node 1" in str(exc), f"other layouts: {exc}")
+    finally:
+        mpi.pickle = pickle
+
+
+def check_step_plan(v, comm, rank, size):
+    """A kept step plan (MpiCommunicator.plan) against numpy and against the full path
+    on another node; what it refuses; a layout that differs raises on every node."""
+    layout = [(np.dtype(np.float64), (3,)), (np.dtype(np.int32), ())]
+    plan = comm.plan("all_reduce", layout, "sum", (("test", "sum"), "test step"))
+    v.expect(plan is not None and plan.needs_exclusive and not plan.out_of_place, "a small sum plan")
+    v.expect(comm.plan("all_reduce", layout, "avg", (("t",), "t")) is None, "no plan of an avg of int32")
+    v.expect(comm.plan("all_reduce", [(np.dtype(np.float16), (1000,))], "sum", (("t",), "t")) is None,
+             "no plan of float16 over the header slot (MPI cannot reduce it)")
+    big = comm.plan("all_reduce", [(np.dtype(np.float64), (1000,)), (np.dtype(np.bool_), (300,))], "avg",
+                    (("big",), "big"))
+    v.expect(big is None, "no plan of an avg of booleans over the header slot")
+    big = comm.plan("all_reduce", [(np.dtype(np.float64), (1000,)), (np.dtype(np.bool_), (300,))], "max",
+                    (("big",), "big"))
+    v.expect(big is not None and big.out_of_place, "a large plan writes out of place")
+    for k in range(2):
+        vals = [make(k, rank, np.float64, (1000,)), make(k, rank, np.bool_, (300,))]
+        want = [expected_reduce([make(k, r, np.float64, (1000,)) for r in range(size)], "max"),
+                expected_reduce([make(k, r, np.bool_, (300,)) for r in range(size)], "max")]
+        outs = [np.empty_like(a) for a in vals]
+        kept = [a.copy() for a in vals]
+        v.expect(not big.run(vals), "a large plan without outs: False")
+        v.expect(big.run(vals, outs) and all(np.array_equal(o, w) for o, w in zip(outs, want))
+                 and all(np.array_equal(a, b) for a, b in zip(vals, kept)), f"large plan step {k}")
+    v.expect(comm.plan("gather", layout, "sum", (("t",), "t")) is None, "no plan of a gather")
+    for k in range(3):
+        vals = [np.full(3, rank + k, dtype=np.float64), np.array(rank * k, dtype=np.int32)]
+        if rank == 0 or k == 1:  # node 0 on the plan; the others on the full path but at k == 1
+            before = comm.plan_steps  # (the plan numbers its step itself)
+            v.expect(plan.run(vals) and comm.plan_steps == before + 1, f"plan step {k} ran")
+        else:
+            comm.begin(("test", "sum"), "test step")
+            vals = comm.all_reduce(vals, "sum", in_place=True)
+        v.expect(np.array_equal(vals[0], np.full(3, sum(r + k for r in range(size)), dtype=np.float64))
+                 and int(vals[1]) == sum(r * k for r in range(size)), f"plan step {k}: {vals}")
+    v.expect(not plan.run([np.zeros(4), np.int32(0)]), "a value of another shape: False, nothing sent")
+    try:
+        if rank == 0:
+            plan.run([np.zeros(3), np.array(0, dtype=np.int32)])
+        else:
+            comm.begin(("test", "sum"), "test step")
+            comm.all_reduce([np.zeros(5), np.array(0, dtype=np.int32)], "sum")
+        v.expect(False, "another layout against the plan raises")
+    except ValueError as exc:
+        v.expect("cannot sum-reduce" in str(exc), f"another layout against the plan: {exc}")
+
+
 def main() -> int:
     out = sys.argv[1]
     quick = "--quick" in sys.argv
@@ -217,6 +298,8 @@ def main() -> int:
         got = comm.all_reduce([np.full(3, rank, dtype=np.int64)], "sum")
         v.expect(close_enough(got[0], np.full(3, sum(range(size)), dtype=np.int64)),
                  "usable after PeerFailed")
+        check_reading(v, comm, rank, size)
+        check_step_plan(v, comm, rank, size)
         comm.barrier()
         v.info["node_failed_error"] = NodeFailedError.__name__
         comm.close()

@@ -40,6 +40,16 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
   connect, then fork() again; then node 0 is late and node 1's fork(timeout=60) waits.
 - ``timeout_usable``: fork(timeout=2), node 1 late for a call: what the error says holds.
 - ``close_in_join``: a signal handler calls close() while node 1 waits in join().
+- ``planned:<seed>``: random loops of all_reduce over random sets of variables (every op,
+  dtypes float32/float64/int32/int64/uint8/bool/complex64, shapes 0-d to (5, 7)), values
+  set per node with PyTensor's set_value from a seeded rng: every result equals
+  ops.combine of the nodes' values in node order, bit for bit, on every node (nodes of
+  one process run most steps on the kept MPI plan; avg of integers falls back).
+- ``diverge_planned``: once the plans are kept, node 1 changes a variable's shape, uses
+  another op, skips a step, calls join(): every node raises the same error (or the join
+  semantics hold) and the next step agrees.
+
+Every node master reports ``plan_steps``: the steps its kept MPI plans made.
 """
 
 from __future__ import annotations
@@ -374,6 +384,9 @@ def scenario_diverge(v, node, node_sizes):
     mine = per_node[node]
     size = sum(node_sizes)
     first = node == 0
+    for _ in range(2):  # the all_reduces of w and u with max: kept plans on nodes of one process
+        synk.all_reduce(w, "max")
+        synk.all_reduce(u, "max")
     cases = [  # (name, what every other node does, what node 1 does, words each must show)
         ("f against g", lambda: f(mine), lambda: g(mine), ("call f", "call g")),
         ("a call against all_reduce", lambda: f(mine), lambda: synk.all_reduce(w, "sum"),
@@ -957,12 +970,127 @@ def scenario_close_in_join(v, node, node_sizes):
     _step_ok(v, "a call after both forked again", lambda: f(mine), data.sum(0))
 
 
+PLAN_OPS = ("sum", "avg", "prod", "max", "min")
+PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_, np.complex64)
+PLAN_SHAPES = ((), (1,), (3,), (5, 7))
+
+
+def _plan_value(seed, step, i, node, dtype, shape):
+    """Node ``node``'s value of variable ``i`` at ``step`` (any node can draw it)."""
+    rng = np.random.default_rng([seed, step, i, node])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        return rng.integers(0 if dtype.kind == "u" else -3, 4, size=shape).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.uniform(-2, 2, shape) + 1j * rng.uniform(-2, 2, shape)).astype(dtype)
+    return rng.uniform(-2, 2, shape).astype(dtype)
+
+
+def scenario_planned(v, node, node_sizes, seed, count=150):
+    """Random all_reduce loops on every node alike, results bit for bit against
+    ops.combine of the nodes' values in node order (see the module's docstring)."""
+    from synkhronos.collectives.ops import cast_to, combine, result_dtype
+
+    rng = np.random.default_rng(seed)  # the same draws on every node
+    kinds = [(np.dtype(PLAN_DTYPES[int(rng.integers(len(PLAN_DTYPES)))]),
+              PLAN_SHAPES[int(rng.integers(len(PLAN_SHAPES)))]) for _ in range(6)]
+    shared = [pytensor.shared(np.zeros(shape, dtype), name=f"p{i}") for i, (dtype, shape) in enumerate(kinds)]
+    synk.function([], [(sv.sum(), "sum") for sv in shared], mode=MODE, name="h")
+    synk.distribute()
+    n = len(node_sizes)
+    model: list = [None] * len(kinds)  # per variable: every node's value
+    checked = 0
+    for step in range(count):
+        chosen = sorted(int(i) for i in rng.choice(len(kinds), int(rng.integers(1, 4)), replace=False))
+        op = PLAN_OPS[int(rng.integers(len(PLAN_OPS)))]
+        for i in chosen:
+            if model[i] is None or rng.random() < 0.5:
+                model[i] = [_plan_value(seed, step, i, k, *kinds[i]) for k in range(n)]
+                shared[i].set_value(model[i][node])
+        want = [cast_to(np.asarray(combine(model[i], op)), kinds[i][0]) for i in chosen]
+        where = f"step {step}: all_reduce({chosen}, {op!r}) of {[kinds[i] for i in chosen]}"
+        try:
+            synk.all_reduce([shared[i] for i in chosen], op)
+        except Exception as err:  # noqa: BLE001
+            v.expect(False, f"{where}: {type(err).__name__}: {err}")
+            return
+        # (a complex prod that MPI multiplies, the values too large to travel in the header,
+        # may differ from numpy's in the last bit: only there, close is enough)
+        by_mpi = op == "prod" and sum(result_dtype(kinds[i][0], op).itemsize * int(np.prod(kinds[i][1]))
+                                      for i in chosen) > 256
+        for i, w in zip(chosen, want):
+            got = shared[i].get_value(borrow=True)
+            checked += 1
+            same = got.tobytes() == w.tobytes() or (by_mpi and w.dtype.kind == "c" and np.allclose(got, w, rtol=1e-6))
+            v.expect(got.dtype == w.dtype and got.shape == w.shape and same, f"{where}: p{i} {got!r} != {w!r}")
+            model[i] = [np.array(got)] * n
+    v.info["checked"] = checked
+
+
+def scenario_diverge_planned(v, node, node_sizes):
+    """Divergences met on the kept MPI plan (see the module's docstring)."""
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.ones(3), name="w")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    synk.function([], (w.sum(), "sum"), mode=MODE, name="h")
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    mine, n = per_node[node], len(node_sizes)
+    inter = synk._state.current().proc.comm.inter
+
+    def planned(what, call):  # call() made its step on the plan (where a node has one process)
+        before = inter.plan_steps
+        out = call()
+        v.expect(node_sizes[node] > 1 or inter.plan_steps == before + 1, f"{what}: not on the plan")
+        return out
+
+    def keep():  # the plans of sum and max kept (a full-path step each), then one step on each
+        for op in ("sum", "max", "sum", "max"):
+            w.set_value(np.ones(3))
+            synk.all_reduce(w, op)
+        planned("sum", lambda: synk.all_reduce(w, "sum"))
+        v.expect(np.array_equal(w.get_value(), np.full(3, float(n))), f"sum on the plan: {w.get_value()}")
+        w.set_value(np.ones(3))
+
+    cases = [  # (name, what every other node does, what node 1 does, what each raises)
+        ("another shape", lambda: planned("shape", lambda: synk.all_reduce(w, "sum")),
+         lambda: (w.set_value(np.ones(4)), synk.all_reduce(w, "sum")), "ValueError"),
+        ("another op", lambda: planned("op", lambda: synk.all_reduce(w, "sum")),
+         lambda: planned("op", lambda: synk.all_reduce(w, "max")), "StepMismatchError"),
+        ("a step skipped", lambda: planned("skip", lambda: synk.all_reduce(w, "sum")),
+         lambda: f(mine), "StepMismatchError"),
+    ]
+    for name, others, ones, error in cases:
+        keep()
+        text = raises_soon(v, ones if node == 1 else others, name)
+        v.expect(text.startswith(error), f"{name}: {text}")
+        w.set_value(np.ones(3))
+        _step_ok(v, f"the call after {name}", lambda: f(mine), data.sum(0))
+        _step_ok(v, f"all_reduce after {name}", lambda: synk.all_reduce(w, "sum") or w.get_value(),
+                 np.full(3, float(n)))
+    keep()
+    if node == 1:  # join(): the others' steps go on over their own values, on the plan
+        synk.join()
+    else:
+        for _ in range(3):
+            w.set_value(np.full(3, 2.0))
+            planned("join", lambda: synk.all_reduce(w, "sum"))
+            v.expect(np.array_equal(w.get_value(), np.full(3, 2.0 * (n - 1))), f"while joined: {w.get_value()}")
+        synk.join()
+    w.set_value(np.ones(3))
+    _step_ok(v, "all_reduce after join", lambda: synk.all_reduce(w, "sum") or w.get_value(), np.full(3, float(n)))
+    v.info["cases"] = len(cases) + 1
+
+
 #: The scenarios that take (verdict, node, node sizes), by name.
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
-             "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join}
+             "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
+             "diverge_planned": scenario_diverge_planned}
 
 
 def main() -> int:
@@ -1001,10 +1129,15 @@ def main() -> int:
         elif scenario.startswith("random"):  # random:<seed>:<count>
             _, seed, count = scenario.split(":")
             scenario_random(v, node, node_sizes, int(seed), int(count))
+        elif scenario.startswith("planned:"):  # planned:<seed>
+            scenario_planned(v, node, node_sizes, int(scenario.split(":")[1]))
         elif scenario in SCENARIOS:
             SCENARIOS[scenario](v, node, node_sizes)
         elif scenario in ("raise", "sigkill"):
             scenario_master_fails(v, node, node_sizes, scenario, out)
+        s = synk._state.current()
+        inter = None if s is None else getattr(s.proc.comm, "inter", None)
+        v.info["plan_steps"] = None if inter is None else inter.plan_steps
     except BaseException as err:  # noqa: BLE001
         if scenario == "raise" and node == 1:
             v.write()
