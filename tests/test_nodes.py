@@ -99,7 +99,7 @@ def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
 
 
 @needs_mpi
-@pytest.mark.parametrize("seed", [4801, 4802])
+@pytest.mark.parametrize("seed", [4801, pytest.param(4802, marks=pytest.mark.slow)])
 def test_planned_all_reduce_bit_for_bit(tmp_path, seed):
     """Two nodes of one process each: random all_reduce loops over random sets of
     variables (every op; float32, float64, int32, int64, uint8, bool, complex64; 0-d
