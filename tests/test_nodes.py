@@ -82,7 +82,7 @@ def _planned_somewhere(verdicts, sizes: str) -> None:
 
 
 @needs_mpi
-@pytest.mark.parametrize("n, sizes", [(2, "1,2"), (2, "1,1"), pytest.param(3, "2,1", marks=pytest.mark.slow)],
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(2, "1,1", marks=pytest.mark.slow), pytest.param(3, "2,1", marks=pytest.mark.slow)],
                          ids=["np2", "np2-planned", "np3"])
 def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
     """Node 1 calls g where the others call f, all_reduce against a call, another op,
@@ -138,7 +138,8 @@ def test_one_process_node_failure_reaches_the_others(tmp_path):
 
 @needs_mpi
 @pytest.mark.parametrize("n, sizes, seed",
-                         [(2, "1,2", 35000), (2, "1,1", 37000), pytest.param(3, "2,1", 36000, marks=pytest.mark.slow)],
+                         [(2, "1,2", 35000), pytest.param(2, "1,1", 37000, marks=pytest.mark.slow),
+                          pytest.param(3, "2,1", 36000, marks=pytest.mark.slow)],
                          ids=["np2", "np2-planned", "np3"])
 def test_random_divergence(tmp_path, n, sizes, seed):
     """Random sequences of calls and collectives (two functions, all_reduce and reduce
