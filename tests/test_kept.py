@@ -181,16 +181,22 @@ def comm_plans(monkeypatch):
     return made, options
 
 
+def _one_process_holding_v(fork):
+    """A fork of one process, and a distributed function's shared variable ``v`` (0, 1, 2)."""
+    fork(1)
+    v = pytensor.shared(np.arange(3.0), name="v")
+    synk.function([], v.sum(), mode=MODE)
+    synk.distribute()
+    return v
+
+
 def _comm_plan_of(v):
     return next(p for key, p in _kept().plans.items() if key[:2] == ("all_reduce", id(v)))
 
 
 def test_a_fork_of_one_process_keeps_the_communicator_s_plan_and_runs_it(fork, comm_plans):
     made, _ = comm_plans
-    fork(1)
-    v = pytensor.shared(np.arange(3.0), name="v")
-    synk.function([], v.sum(), mode=MODE)
-    synk.distribute()
+    v = _one_process_holding_v(fork)
     synk.all_reduce(v, op="sum")  # the full path: the plan is made and kept
     assert len(made) == 1 and made[0].layout == ((np.dtype(float), (3,)),) and made[0].op == "sum"
     key, words = made[0].step  # what begin_step would number and check across nodes
@@ -207,10 +213,7 @@ def test_a_fork_of_one_process_keeps_the_communicator_s_plan_and_runs_it(fork, c
 
 def test_the_communicator_s_plan_runs_only_when_the_fork_is_idle(fork, comm_plans):
     made, _ = comm_plans
-    fork(1)
-    v = pytensor.shared(np.arange(3.0), name="v")
-    synk.function([], v.sum(), mode=MODE)
-    synk.distribute()
+    v = _one_process_holding_v(fork)
     synk.all_reduce(v, op="avg")
     plan = _comm_plan_of(v)
     s = runtime.running_session()
@@ -228,10 +231,7 @@ def test_the_communicator_s_plan_runs_only_when_the_fork_is_idle(fork, comm_plan
 
 def test_a_plan_that_refuses_sends_the_full_path_which_plans_again(fork, comm_plans):
     made, _ = comm_plans
-    fork(1)
-    v = pytensor.shared(np.arange(3.0), name="v")
-    synk.function([], v.sum(), mode=MODE)
-    synk.distribute()
+    v = _one_process_holding_v(fork)
     synk.all_reduce(v, op="max")
     v.set_value(np.arange(5.0))  # another shape: the plan says False, the full path runs
     commands = _commands()
@@ -288,10 +288,7 @@ def test_an_in_place_plan_is_refused_while_another_variable_holds_its_value(fork
 
 def test_without_a_communicator_plan_nothing_is_kept(fork, monkeypatch):
     monkeypatch.setattr(ShmCommunicator, "fits_inline", lambda self, arrays: False)
-    fork(1)
-    v = pytensor.shared(np.arange(3.0), name="v")
-    synk.function([], v.sum(), mode=MODE)
-    synk.distribute()
+    v = _one_process_holding_v(fork)
     for _ in range(2):
         synk.all_reduce(v, op="sum")
     assert not [k for k in _kept().plans if k[0] == "all_reduce"]
