@@ -24,8 +24,6 @@ import synkhronos as synk
 from synkhronos._batching import split as split_evenly
 from synkhronos._integrations.graph_op import register_jax, register_numba
 from synkhronos.devices.jax_state import HOST_REWRITES
-from synkhronos._integrations import row_chunks
-from synkhronos._integrations.row_chunks import chunked_over_rows
 from synkhronos._integrations.row_split import Coupling, hoist_data_only, split_rows
 from synkhronos._procs.cores import available_cores
 from synkhronos._procs.xla_flags import xla_flags
@@ -487,11 +485,10 @@ class JaxValueAndGrad(Op):
     rewrites expand the Op into the value and its symbolic gradient.
     """
 
-    def __init__(self, inputs, output, wrt, rows=(), feature_major=(), chunk_bytes=None):
+    def __init__(self, inputs, output, wrt):
         self.inner_inputs = [v.type() for v in inputs]
         self.inner_output = clone_replace(output, dict(zip(inputs, self.inner_inputs)))
         self.wrt = tuple(wrt)
-        self.rows, self.feature_major, self.chunk_bytes = tuple(rows), tuple(feature_major), chunk_bytes
         self._jitted = None
         super().__init__()
         _register_value_and_grad()
@@ -530,9 +527,7 @@ class JaxValueAndGrad(Op):
             val, grads = jax.value_and_grad(value, argnums=tuple(range(len(wrt))))(*[args[i] for i in wrt])
             return (val, *grads)
 
-        if not self.rows:
-            return value_and_grads
-        return chunked_over_rows(value_and_grads, self.rows, self.feature_major, self.chunk_bytes)
+        return value_and_grads
 
     def perform(self, node, inputs, outputs):
         if self._jitted is None:
@@ -594,10 +589,7 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     if in_jax and continuous:
         total, row_in, inputs, fm, mask_in = _laid_out_for_xla(local_terms, total, row_in, inputs,
                                                                len(row_leaves), check)
-    # the share over chunks of its rows, where its terms are proved to keep rows apart (check)
-    chunks = {} if mask_in is None else {"rows": range(len(row_in)), "feature_major": sorted(fm),
-                                         "chunk_bytes": row_chunks.CHUNK_BYTES}
-    mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous], chunks)
+    mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
         outs = jax_op(*inputs)
         total, grads = outs[0], outs[1:]
@@ -667,13 +659,13 @@ def _resolve_mode(mode):
     return "JAX" if mode == "JAX" or (mode == "auto" and default_mode() == "JAX") else mode
 
 
-def _jax_if_it_renders(mode, inputs, total, wrt, chunks) -> tuple:
+def _jax_if_it_renders(mode, inputs, total, wrt) -> tuple:
     """``(mode, the share's JaxValueAndGrad or None)``, ``"auto"`` resolved: JAX where it is
     installed and PyTensor's JAX backend renders every op of the share, else PyTensor's
     default. ``mode="JAX"`` with an op that has no JAX rendering is a ValueError that names it."""
     if _resolve_mode(mode) != "JAX":
         return (None if mode == "auto" else mode), None
-    op = JaxValueAndGrad(inputs, total, wrt, **chunks)
+    op = JaxValueAndGrad(inputs, total, wrt)
     try:
         op.jax_function()
     except NotImplementedError as err:

@@ -145,35 +145,6 @@ def test_jax_mode_equals_pymc(n):
     """)
 
 
-def test_jax_mode_in_chunks_of_rows_equals_pymc():
-    """Each process's share taken over chunks of 64 rows (row_chunks.CHUNK_BYTES made tiny, so
-    that every share loops over several chunks; the tail has its own test, test_row_chunks.py):
-    logp and gradient equal PyMC's to 1e-10 on 2 processes, with a feature-major matrix (the
-    logistic regression's X) and with two observed variables."""
-    pytest.importorskip("jax")
-    _in_a_fresh_process("""
-        import warnings
-        warnings.simplefilter("ignore")
-        import pytensor
-        import synkhronos as synk
-        synk.fork(2, device="cpu")
-        import test_pymc as T
-        from conftest import MODE
-        from synkhronos._integrations import row_chunks
-        row_chunks.CHUNK_BYTES = 1  # one 64-row block per chunk
-        spm = T._spm()
-        with pytensor.config.change_flags(mode=MODE):
-            for model, fm in ((T.logistic_model(n=701), {0}), (T.regression_model(n=650), set())):
-                dp = spm.data_parallel(model, mode="JAX")
-                op = dp.synk_split.op.fn.fn._spec.outputs[0].owner.op
-                assert "JaxValueAndGrad" in str(op) and op.rows and op.chunk_bytes == 1, op
-                assert dp.synk_split.feature_major == fm and set(op.feature_major) == fm, op.feature_major
-                T._assert_same_density(model, dp)
-        synk.close()
-        print("OK")
-    """, timeout=400)
-
-
 def test_jax_value_and_grad_equals_symbolic_gradient():
     """The Op alone, in and out of JAX mode, against pytensor.grad on random points; a shared
     variable of the graph is an input like any other."""
