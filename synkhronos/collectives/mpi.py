@@ -227,10 +227,20 @@ class MpiCommunicator(Communicator):
         if self._notices is not None:
             self._notices.send((self.rank, reason), lambda v: (v[0], v[1][:NOTICE_BYTES // 2] + " ..."))
 
-    def plan_exchanged(self) -> None:
-        """A kept plan's step made its exchange of header slots (see :mod:`.mpi_plans`)."""
+    def plan_step(self, mark: int, words) -> int:
+        """A kept plan's step (see :mod:`.mpi_plans`): numbered first (:meth:`begin_marked`),
+        then entered (:meth:`enter`, which raises when no step can be made); its number."""
+        self.begin_marked(mark, words)
+        self.enter("all_reduce")
+        return self.step[0]
+
+    def plan_exchanged(self, equal: bool) -> None:
+        """A kept plan's step made its exchange of header slots; ``equal``: every node's
+        head and blob was this node's (none has joined)."""
         self._exchanges += 1
         self.plan_steps += 1
+        if equal and self.joined:
+            self.joined = []
 
     def settle_slots(self, what: str, values, slots, blob: bytes, op: str) -> None:
         """A kept plan's exchange found slots that differ from this node's (see
@@ -268,12 +278,20 @@ class MpiCommunicator(Communicator):
         its arguments that make it, as a tuple) name the step in that error: they
         travel only then. ``key`` None: a step that failed before it knew its key,
         its checksum FAILED (which matches any step of its number)."""
+        self.begin_marked(FAILED if key is None else self.mark_of(key), words)
+
+    def mark_of(self, key: tuple) -> int:
+        """The checksum of step key ``key`` that travels in its steps' exchanges (see :meth:`begin`)."""
         crc = self._crcs.get(key)
-        if crc is None and key is not None:
-            crc = self._crcs[key] = zlib.crc32(repr(key).encode())
-            if len(self._crcs) > 4096:
+        if crc is None:
+            if len(self._crcs) >= 4096:
                 self._crcs.clear()
-        self.step = (self.step[0] + 1, FAILED if crc is None else crc)
+            crc = self._crcs[key] = zlib.crc32(repr(key).encode())
+        return crc
+
+    def begin_marked(self, mark: int, words) -> None:
+        """:meth:`begin` of a step whose key's checksum is ``mark`` (:meth:`mark_of`)."""
+        self.step = (self.step[0] + 1, mark)
         self._words = words
         self.begun += 1
         self._exchanges = 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import struct
 import zlib
 
 import numpy as np
@@ -25,8 +24,8 @@ from .ops import REDUCE_OPS, Reducer
 
 __all__ = ["LargePlan", "StepPlan"]
 
-#: The step number's place in a header slot (see mpi_wire.HEAD).
-_NUMBER = struct.Struct("<q")
+#: The step number's place in a header slot (see mpi_wire.HEAD: an int64 after the blob's length).
+_NUMBER = 8
 
 
 class StepPlan(CommPlan):
@@ -63,28 +62,42 @@ class StepPlan(CommPlan):
         self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
         self.MPI, self.mpi_comm = lines
         self.key, self.words = step
+        self.mark = comm.mark_of(self.key)  # the step key's checksum, as begin() gives it
         self.fingerprint = zlib.crc32(blob)
         size, at = comm.size, payload_at(len(blob))
         self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
         self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        # the head and blob once; each run writes its step's number (and values) only
+        fill_slot(self.slot, 0, blob, self.mark, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
+        self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
         n = HEAD.size + len(blob)
         self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
         self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
         self.sends: list = []
+        self.folds: list = []
         if meta[3]:  # the values travel in the header slots
             self.sends = packed_views(self.slot, layout, at, 8)
             received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
-            self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
-            self.reducers = [Reducer(op, dtype, shape, None, size) for dtype, shape in layout]
-            # a plain fold into the value where the reducer folds too (ops._fold, its order)
-            self.ufunc = REDUCE_OPS[op] if op != "avg" and size > 1 else None
+            self.folds = [self._fold_of(Reducer(op, dtype, shape, None, size), [received[r][i] for r in range(size)])
+                          for i, (dtype, shape) in enumerate(layout)]
         self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
-        self.code = (WHAT_CODES["all_reduce"], OP_CODES[op], -1)
-        self.mark: int | None = None  # the step key's checksum, known at the first run
+        self.keep = (self.slot, self.slots)
+        self.count = len(layout)
+
+    def _fold_of(self, reducer, parts):
+        """``(how, reducer, parts)``: how every node's ``parts`` (views of the receive slots)
+        combine into a value, with the operations of :func:`.ops.combine` in its order:
+        0 as numpy scalars (:meth:`.ops.Reducer.scalar`), 1 a ufunc fold into the value,
+        2 the reducer into the value."""
+        if reducer.scalar_path:
+            return 0, reducer.scalar, parts
+        if self.op != "avg" and len(parts) > 1:  # (ops._fold, into the value)
+            return 1, REDUCE_OPS[self.op], parts
+        return 2, reducer, parts
 
     def run(self, values, outs=None) -> bool:
         comm = self.comm
-        if comm.pre_begun or len(values) != len(self.layout):
+        if comm.pre_begun or len(values) != self.count:
             return False
         for v, (dtype, shape) in zip(values, self.layout):
             if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
@@ -92,30 +105,22 @@ class StepPlan(CommPlan):
         if not self._exchange(values):
             self._read_long(values)
             return True
-        ufunc = self.ufunc
-        for value, red, parts in zip(values, self.reducers, self.parts):
-            # (the same operations in the same order as ops.combine, into the value)
-            if red.scalar_path:
-                value[()] = red.scalar(parts)
-            elif ufunc is not None:
-                acc = ufunc(parts[0], parts[1], out=value)
+        for value, (how, fn, parts) in zip(values, self.folds):
+            if how == 1:
+                acc = fn(parts[0], parts[1], out=value)
                 for x in parts[2:]:
-                    ufunc(acc, x, out=acc)
+                    fn(acc, x, out=acc)
+            elif how == 0:
+                value[()] = fn(parts)
             else:
-                red(parts, out=value)
+                fn(parts, out=value)
         return True
 
     def _exchange(self, values) -> bool:
         """Number the step, exchange the header slots (with ``values`` where they travel
         there): whether every node's head and blob is this node's."""
         comm = self.comm
-        comm.begin(self.key, self.words)  # numbered before anything can fail
-        comm.enter("all_reduce")
-        slot = self.slot
-        if comm.step[1] != self.mark:  # (the first run, or a key whose checksum was forgotten)
-            self.mark = comm.step[1]
-            fill_slot(slot, comm.step[0], self.blob, self.mark, self.code)
-        _NUMBER.pack_into(slot, 8, comm.step[0])  # type: ignore[arg-type, unused-ignore]
+        self.number[0] = comm.plan_step(self.mark, self.words)  # numbered before anything can fail
         for view, v in zip(self.sends, values):
             view[...] = v
         req = self.mpi_comm.Iallgather(*self.spec)
@@ -124,13 +129,13 @@ class StepPlan(CommPlan):
         except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
             done = False
         if not done:
-            comm.wait([req], "all_reduce", (slot, self.slots), header=True)
-        comm.plan_exchanged()
+            comm.wait([req], "all_reduce", self.keep, header=True)
         own = self.own.tobytes()
         for head in self.heads:
             if head.tobytes() != own:
+                comm.plan_exchanged(False)
                 return False
-        comm.joined = []
+        comm.plan_exchanged(True)
         return True
 
     def _read_long(self, values) -> None:
