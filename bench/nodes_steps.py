@@ -189,8 +189,8 @@ def main() -> None:
         if "other" in med:
             line += f"   other {med['other']:10.1f}"
             if m in AGAINST:
-                ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["other"])
-                line += f" ({ratio:6.2f} x MPI)"
+                each = [run[m] / run[AGAINST[m]] for run in runs["other"]]
+                line += f" ({statistics.median(each):6.2f} x MPI; rounds {' '.join(f'{x:.2f}' for x in each)})"
             line += f"   this/other {med['this'] / med['other']:.3f}"
         print(line)
     if a.profile:

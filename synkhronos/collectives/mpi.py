@@ -231,7 +231,9 @@ class MpiCommunicator(Communicator):
         """A kept plan's step (see :mod:`.mpi_plans`): numbered first (:meth:`begin_marked`),
         then entered (:meth:`enter`, which raises when no step can be made); its number."""
         self.begin_marked(mark, words)
-        self.enter("all_reduce")
+        if self._comm is None or self.ended is not None or self.broken is not None \
+                or self._notices.received() is not None:  # (enter's checks, its call only to raise)
+            self.enter("all_reduce")
         return self.step[0]
 
     def plan_exchanged(self, equal: bool) -> None:

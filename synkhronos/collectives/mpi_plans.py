@@ -124,13 +124,13 @@ class StepPlan(CommPlan):
         for view, v in zip(self.sends, values):
             view[...] = v
         req = self.mpi_comm.Iallgather(*self.spec)
+        own = self.own.tobytes()  # (meanwhile: MPI only reads the send slot)
         try:  # (the answer is usually there within a few tests: no wait set up for it)
             done = req.Test() or req.Test() or req.Test() or req.Test()
         except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
             done = False
         if not done:
             comm.wait([req], "all_reduce", self.keep, header=True)
-        own = self.own.tobytes()
         for head in self.heads:
             if head.tobytes() != own:
                 comm.plan_exchanged(False)
