@@ -7,7 +7,8 @@ beside mpi4py's own calls on the same bytes in the same job (the floors).
 The mpi4py rows: blocking ``Allreduce`` of 4 B and 64 MiB; ``Iallgather`` of a
 512-byte slot then a Python ``Test`` loop (the floor of a step that never blocks
 inside MPI and carries a header); ``Iallreduce`` of 64 MiB into another buffer
-then a ``Test`` loop, without and with a 64 MiB copy back. ``--np 1`` gives a
+then a ``Test`` loop, without and with a 64 MiB copy back, and without on shared
+mappings of 4 KiB pages (what synk's homes in POSIX shared memory are). ``--np 1`` gives a
 step's Python alone (the exchange completes at once); ``--profile`` prints node
 0's cProfile of 4-byte all_reduce steps.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -34,12 +36,13 @@ HERE = Path(__file__).resolve().parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
 MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "call 8 rows", "mpi4py Allreduce 4 B",
             "mpi4py Allreduce 64 MiB", "mpi4py Iallgather 512 B + Test", "mpi4py Iallreduce 64 MiB + Test",
-            "mpi4py Iallreduce 64 MiB + Test + copy")
+            "mpi4py Iallreduce 64 MiB + Test + copy", "mpi4py Iallreduce 64 MiB + Test, shared pages")
 #: Per measure, the measure it is compared with in the printed ratio (synk against MPI's own).
 AGAINST = {"all_reduce 4 B": "mpi4py Allreduce 4 B", "all_reduce 64 MiB": "mpi4py Allreduce 64 MiB",
            "mpi4py Iallgather 512 B + Test": "mpi4py Allreduce 4 B",
            "mpi4py Iallreduce 64 MiB + Test": "mpi4py Allreduce 64 MiB",
-           "mpi4py Iallreduce 64 MiB + Test + copy": "mpi4py Allreduce 64 MiB"}
+           "mpi4py Iallreduce 64 MiB + Test + copy": "mpi4py Allreduce 64 MiB",
+           "mpi4py Iallreduce 64 MiB + Test, shared pages": "mpi4py Allreduce 64 MiB"}
 
 
 def mpi_steps(np):
@@ -56,11 +59,17 @@ def mpi_steps(np):
         while not req.Test():
             pass
 
-    def iallreduce(copy):
+    # the same on shared mappings of 4 KiB pages, as synk's homes in POSIX shared memory
+    # (numpy's own large buffers may get transparent huge pages, tmpfs's do not here)
+    maps = [mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED) for _ in range(2)]
+    shared, shared_out = (np.frombuffer(m, dtype=np.float32) for m in maps)
+    shared[:] = 1
+
+    def iallreduce(copy, send=large, recv=large_out):
         def step():
-            test_loop(comm.Iallreduce(large, large_out, MPI.MAX))
+            test_loop(comm.Iallreduce(send, recv, MPI.MAX))
             if copy:
-                np.copyto(large, large_out)
+                np.copyto(send, recv)
         return step
 
     return {"mpi4py Allreduce 4 B": (lambda: comm.Allreduce(small, small_out, MPI.MAX), 20000),
@@ -68,7 +77,8 @@ def mpi_steps(np):
             "mpi4py Iallgather 512 B + Test": (
                 lambda: test_loop(comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])), 20000),
             "mpi4py Iallreduce 64 MiB + Test": (iallreduce(False), 10),
-            "mpi4py Iallreduce 64 MiB + Test + copy": (iallreduce(True), 10)}, comm
+            "mpi4py Iallreduce 64 MiB + Test + copy": (iallreduce(True), 10),
+            "mpi4py Iallreduce 64 MiB + Test, shared pages": (iallreduce(False, shared, shared_out), 10)}, comm
 
 
 def timed(step, n) -> float:
@@ -136,6 +146,18 @@ def job(tree: Path, np_: int = 2, profile: bool = False) -> dict:
         return json.loads(out.read_text())
 
 
+def _thp() -> str:
+    """Transparent huge pages for anonymous memory and for shared memory (tmpfs)."""
+    out = []
+    for name in ("enabled", "shmem_enabled"):
+        try:
+            text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
+            out.append(text[text.index("[") + 1:text.index("]")])
+        except (OSError, ValueError):
+            out.append("?")
+    return "/".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--node", help=argparse.SUPPRESS)
@@ -155,19 +177,20 @@ def main() -> None:
         for k, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
             runs[k].append(job(tree, a.np, a.profile))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"{cpu}, {os.cpu_count()} cores; mpirun -np {a.np}, 1 process per node; median of {a.rounds} "
-          "rounds (us); 'x MPI': this tree's row over the mpi4py row named, per round, then the median")
+    print(f"{cpu}, {os.cpu_count()} cores; THP {_thp()}; mpirun -np {a.np}, 1 process per node; median of {a.rounds} "
+          "rounds (us); 'x MPI': this tree's row over the mpi4py row named in the same job, the median "
+          "over rounds, then each round's")
     for m in MEASURES:
         med = {k: statistics.median(run[m] for run in runs[k]) for k in trees}
         line = f"  {m:38s} this {med['this']:10.1f}"
         if m in AGAINST:
-            ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["this"])
-            line += f" ({ratio:6.2f} x MPI)"
+            each = [run[m] / run[AGAINST[m]] for run in runs["this"]]
+            line += f" ({statistics.median(each):6.2f} x MPI; rounds {' '.join(f'{x:.2f}' for x in each)})"
         if "other" in med:
             line += f"   other {med['other']:10.1f}"
             if m in AGAINST:
-                ratio = statistics.median(run[m] / run[AGAINST[m]] for run in runs["other"])
-                line += f" ({ratio:6.2f} x MPI)"
+                each = [run[m] / run[AGAINST[m]] for run in runs["other"]]
+                line += f" ({statistics.median(each):6.2f} x MPI; rounds {' '.join(f'{x:.2f}' for x in each)})"
             line += f"   this/other {med['this'] / med['other']:.3f}"
         print(line)
     if a.profile:

@@ -82,7 +82,8 @@ def _planned_somewhere(verdicts, sizes: str) -> None:
 
 
 @needs_mpi
-@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(2, "1,1", marks=pytest.mark.slow), pytest.param(3, "2,1", marks=pytest.mark.slow)],
+@pytest.mark.parametrize("n, sizes", [(2, "1,2"), pytest.param(2, "1,1", marks=pytest.mark.slow),
+                                      pytest.param(3, "2,1", marks=pytest.mark.slow)],
                          ids=["np2", "np2-planned", "np3"])
 def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
     """Node 1 calls g where the others call f, all_reduce against a call, another op,

@@ -340,7 +340,7 @@ class _CommAllReducePlan:
             return False
         values = [storage[0] for storage in self.storages]
         cplan = self.cplan
-        if cplan.needs_exclusive and self._held_elsewhere(values):
+        if cplan.needs_exclusive and self._held_elsewhere(values, s.proc.shareds):
             return False
         outs = None
         if cplan.out_of_place:
@@ -361,20 +361,25 @@ class _CommAllReducePlan:
         s.close_if_requested()
         return done
 
-    def _held_elsewhere(self, values) -> bool:
+    def _held_elsewhere(self, values, shareds) -> bool:
         """Whether two of ``values`` are one array, or another shared variable of the
-        fork holds one of them (JAX forwards inputs to outputs: after
+        fork (``shareds``) holds one of them (JAX forwards inputs to outputs: after
         ``updates=[(b, a)]`` b may hold a's very array); an in-place plan would
         then change that variable too."""
-        ids = {id(v) for v in values}
-        if len(ids) != len(values):
-            return True
-        shareds = self.s.proc.shareds
         count, others = self.others
         if count != len(shareds):  # (variables come only with distribute)
             mine = set(self.sids)
             others = [var.container.storage for sid, var in shareds.items() if sid not in mine]
             self.others = (len(shareds), others)
+        if len(values) == 1:  # (the usual case: no set to build)
+            value = values[0]
+            for storage in others:
+                if storage[0] is value:
+                    return True
+            return False
+        ids = {id(v) for v in values}
+        if len(ids) != len(values):
+            return True
         for storage in others:
             if id(storage[0]) in ids:
                 return True

@@ -321,7 +321,8 @@ def stepped(what: str):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             s = state.current()
-            before = None if s is None else steps_begun(s.proc)
+            comm = None if s is None else s.proc.comm  # (steps_begun, inline: this runs at every step)
+            before = None if comm is None else comm.steps_begun()
             try:
                 return fn(*args, **kwargs)
             except Exception as err:

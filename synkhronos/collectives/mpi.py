@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import math
 import pickle
-import struct
 import zlib
 from typing import Any, Callable, cast
 
@@ -56,13 +55,14 @@ from .._protocol.control import WAIT_SLICE
 from ..errors import NodeFailedError, PeerFailed, StepMismatchError, SynkError
 from .._procs.launch import Notices, mpi as _mpi
 from .._procs.waits import wait_until
-from .base import CommPlan, Communicator
+from .base import Communicator
 from . import mpi_wire
-from .._arrays import packed_views, round_up
-from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, INLINE_BYTES, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       PIECE_TAG, POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
-                       fit_into, payload_at, pieces, reduce_plan, spans)
-from .ops import REDUCE_OPS, Reducer, agreed_layout, cast_to, combine, identity, result_dtype
+from .mpi_plans import LargePlan, StepPlan
+from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
+                       POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales, fill_slot,
+                       finish_reduce, fit_into, gather_in_pieces, inline_reduce, left_reason, no_failure,
+                       payload_fits, pieces, read_equal, read_meta, reduce_plan, spans)
+from .ops import agreed_layout, identity, result_dtype
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
@@ -106,7 +106,7 @@ class MpiCommunicator(Communicator):
         self.size = size
         self.master_rank = int(master_rank)
         # the duplicate of comm (mpi4py) and the failure channel between nodes (launch.Notices):
-        # None before they are made and once closed (every use follows _enter's check, or is in a step)
+        # None before they are made and once closed (every use follows enter's check, or is in a step)
         self._comm: Any = None
         self._notices: Any = None
         self.step = (0, 0)          # (number, key checksum) of this node's step: see begin()
@@ -133,7 +133,7 @@ class MpiCommunicator(Communicator):
             comm_dup, req = comm.Idup()
             ctl_dup, req2 = comm.Idup()
         try:
-            self._wait([req, req2], "creating the MPI communicator", notices=False)
+            self.wait([req, req2], "creating the MPI communicator", notices=False)
         except BaseException:
             state.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
             raise
@@ -162,40 +162,16 @@ class MpiCommunicator(Communicator):
         state.mpi_leaving.append(self._post_header(b"", LEFT))
 
     def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1), payload=None):
-        """Start the exchange of every node's header slot (see :meth:`_fill_slot`), on new
+        """Start the exchange of every node's header slot (see :func:`.mpi_wire.fill_slot`), on new
         buffers. ``(request, (slot, slots))``: the request and the buffers it uses."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        self._fill_slot(slot, blob, mark, plan, payload)
+        fill_slot(slot, self.step[0], blob, mark, plan, payload)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         return self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE]), (slot, slots)
 
-    def _fill_slot(self, slot, blob: bytes, mark: int, plan=(0, 0, -1), payload=None) -> None:
-        """This node's header slot: its head (the blob's length, its step's number, ``mark``,
-        the blob's fingerprint and ``plan``: what, op, root), then ``blob`` when it fits,
-        then ``payload`` (arrays' bytes, each on an 8-byte boundary) from :func:`payload_at`."""
-        what, op, root = plan
-        # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
-        HEAD.pack_into(slot, 0, len(blob), self.step[0], mark, zlib.crc32(blob),  # type: ignore[arg-type, unused-ignore]
-                       what, op, 0, root)
-        if len(blob) <= HEADER_SLOT - HEAD.size:
-            slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        if payload is not None:
-            at = payload_at(len(blob))
-            for a in payload:
-                slot[at:at + a.nbytes] = as_bytes(a)
-                at = round_up(at + a.nbytes, 8)
-
-    @staticmethod
-    def _payload_fits(arrays, blob_length: int) -> bool:
-        """Whether ``arrays`` travel in the header slot after a blob of ``blob_length`` bytes."""
-        if sum(a.nbytes for a in arrays) > INLINE_BYTES or any(a.dtype.hasobject for a in arrays):
-            return False
-        end = payload_at(blob_length)
-        for a in arrays:
-            end = round_up(end + a.nbytes, 8)
-        return end <= HEADER_SLOT
-
-    def _enter(self, what: str) -> None:
+    def enter(self, what: str) -> None:
+        """Before an exchange of ``what``: raises when this communicator can make no
+        step (closed, ended, broken) or another node sent a failure notice."""
         if self._comm is None:
             raise SynkError(f"{what} on a closed MPI communicator")
         if self.ended is not None:
@@ -206,7 +182,7 @@ class MpiCommunicator(Communicator):
             raise SynkError(f"the MPI communicator was abandoned after an earlier failure "
                             f"({self.broken}); call synk.close() and synk.fork() again")
 
-    def _wait(self, reqs, what: str, keep=None, notices: bool = True, header: bool = False) -> None:
+    def wait(self, reqs, what: str, keep=None, notices: bool = True, header: bool = False) -> None:
         """Until every request in ``reqs`` completes; ``check()`` between slices,
         and a peer's failure notice ends the wait at once. Never a blocking wait.
 
@@ -251,7 +227,40 @@ class MpiCommunicator(Communicator):
         if self._notices is not None:
             self._notices.send((self.rank, reason), lambda v: (v[0], v[1][:NOTICE_BYTES // 2] + " ..."))
 
-    def _started(self, what: str, start):
+    def plan_step(self, mark: int, words) -> int:
+        """A kept plan's step (see :mod:`.mpi_plans`): numbered first (:meth:`begin_marked`),
+        then entered (:meth:`enter`, which raises when no step can be made); its number."""
+        self.begin_marked(mark, words)
+        if self._comm is None or self.ended is not None or self.broken is not None \
+                or self._notices.received() is not None:  # (enter's checks, its call only to raise)
+            self.enter("all_reduce")
+        return self.step[0]
+
+    def plan_exchanged(self, equal: bool) -> None:
+        """A kept plan's step made its exchange of header slots; ``equal``: every node's
+        head and blob was this node's (none has joined)."""
+        self._exchanges += 1
+        self.plan_steps += 1
+        if equal and self.joined:
+            self.joined = []
+
+    def settle_slots(self, what: str, values, slots, blob: bytes, op: str) -> None:
+        """A kept plan's exchange found slots that differ from this node's (see
+        :mod:`.mpi_plans`): read them as the full path does (a node that joined, left,
+        failed, is in another step or holds another layout), then reduce into ``values``
+        in place, or raise, as the full path would."""
+        heads, metas = self._read_headers_long(what, slots, blob)
+        try:
+            self._same_step(what, heads)
+            no_failure(what, metas)
+        except (StepMismatchError, PeerFailed, TypeError) as err:
+            self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
+            raise
+        # the payload views are of the plan's kept slots: copied before the slots are used again
+        payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
+        self._reduce_rest(what, list(values), [(m[0], m[1]) for m in metas], payloads, op, None, in_place=True)
+
+    def started(self, what: str, start):
         """``start()`` (buffers and MPI calls); a local error there abandons the
         communicator and tells the others, who would otherwise wait for this node."""
         try:
@@ -271,12 +280,20 @@ class MpiCommunicator(Communicator):
         its arguments that make it, as a tuple) name the step in that error: they
         travel only then. ``key`` None: a step that failed before it knew its key,
         its checksum FAILED (which matches any step of its number)."""
+        self.begin_marked(FAILED if key is None else self.mark_of(key), words)
+
+    def mark_of(self, key: tuple) -> int:
+        """The checksum of step key ``key`` that travels in its steps' exchanges (see :meth:`begin`)."""
         crc = self._crcs.get(key)
-        if crc is None and key is not None:
-            crc = self._crcs[key] = zlib.crc32(repr(key).encode())
-            if len(self._crcs) > 4096:
+        if crc is None:
+            if len(self._crcs) >= 4096:
                 self._crcs.clear()
-        self.step = (self.step[0] + 1, FAILED if crc is None else crc)
+            crc = self._crcs[key] = zlib.crc32(repr(key).encode())
+        return crc
+
+    def begin_marked(self, mark: int, words) -> None:
+        """:meth:`begin` of a step whose key's checksum is ``mark`` (:meth:`mark_of`)."""
+        self.step = (self.step[0] + 1, mark)
         self._words = words
         self.begun += 1
         self._exchanges = 0
@@ -312,8 +329,8 @@ class MpiCommunicator(Communicator):
         raw = f"{words} (step {self.step[0]})".encode()[:STEP_TEXT]
         mine[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         every = np.zeros((self.size, STEP_TEXT), dtype=np.uint8)
-        self._wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
-                   (mine, every))
+        self.wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
+                  (mine, every))
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
         numbers = [h.number for h in heads if h.mark != JOINED]
         if numbers:
@@ -329,7 +346,7 @@ class MpiCommunicator(Communicator):
         ``op`` and ``root`` tell a node that has joined (see :meth:`join`) which
         exchange follows. A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
-        self._enter(what)
+        self.enter(what)
         if self._failed is not None:
             # every node learnt in one exchange of this step that it failed: none makes another,
             # so every node makes the same number of exchanges in it, whatever each had left to do
@@ -340,14 +357,14 @@ class MpiCommunicator(Communicator):
         meta = (layout, float(weight), flag, False)
         blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         payload = None
-        if inline and arrays is not None and not failed and self._payload_fits(arrays, len(blob)):
+        if inline and arrays is not None and not failed and payload_fits(arrays, len(blob)):
             payload, meta = arrays, (layout, float(weight), flag, True)
             blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)  # (True pickles as long as False)
         plan = (WHAT_CODES.get(what, 0), OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, meta, blob, self.step[1], plan, payload)
         try:
             self._same_step(what, heads)
-            self._no_failure(what, metas)
+            no_failure(what, metas)
         except (StepMismatchError, PeerFailed, TypeError) as err:
             if self.begun:  # (a communicator whose user numbers no steps makes each exchange a step)
                 self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
@@ -361,7 +378,7 @@ class MpiCommunicator(Communicator):
         None)``; pickled into its slot as ``blob``, or in a second, sized round when
         too long)."""
         slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        self._fill_slot(slot, blob, mark, plan, payload)
+        fill_slot(slot, self.step[0], blob, mark, plan, payload)
         slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
         self._exchange_headers(what, slot, slots)
         return self._read_headers(what, slots, blob, meta)
@@ -370,7 +387,7 @@ class MpiCommunicator(Communicator):
         """Every node's header slot ``slot`` into ``slots`` (one all-gather, waited for)."""
         BYTE = self._MPI.BYTE
         req = self._comm.Iallgather([slot, BYTE], [slots, BYTE])
-        self._wait([req], what, (slot, slots), header=True)
+        self.wait([req], what, (slot, slots), header=True)
         self._exchanges += 1
 
     def _read_headers(self, what: str, slots, blob: bytes, meta):
@@ -380,19 +397,11 @@ class MpiCommunicator(Communicator):
         root), every meta is ``meta``: nothing is unpickled, and the payloads are
         views of the slots. Otherwise each is read: a node that left, that joined,
         or whose blob did not fit, as before."""
-        n = HEAD.size + len(blob)
-        if n <= HEADER_SLOT:
-            own = slots[self.rank, :n].tobytes()
-            if all(r == self.rank or slots[r, :n].tobytes() == own for r in range(self.size)):
-                head = Head._make(HEAD.unpack_from(slots[self.rank]))
-                if head.mark != LEFT:
-                    self.joined = list(range(self.size)) if head.mark == JOINED else []
-                    layout, weight, flag, has_payload = meta
-                    at = payload_at(len(blob))
-                    return [head] * self.size, [
-                        (layout, weight, flag, packed_views(slots[r], layout, at, 8) if has_payload else None)
-                        for r in range(self.size)]
-        return self._read_headers_long(what, slots, blob)
+        equal = read_equal(slots, self.rank, blob, meta)
+        if equal is None:
+            return self._read_headers_long(what, slots, blob)
+        self.joined = list(range(self.size)) if equal[0][0].mark == JOINED else []
+        return equal
 
     def _read_headers_long(self, what: str, slots, blob: bytes):
         """:meth:`_read_headers` when the slots differ: each node's head and blob read on its own."""
@@ -403,10 +412,7 @@ class MpiCommunicator(Communicator):
         marks = {h.mark for h in heads}
         if LEFT in marks:  # its last header: it takes no step any more (no second round either)
             node = next(r for r, h in enumerate(heads) if h.mark == LEFT)
-            try:
-                reason = pickle.loads(slots[node, HEAD.size:HEAD.size + lens[node]].tobytes())[2]
-            except Exception:  # noqa: BLE001
-                reason = "(unreadable)"
+            reason = left_reason(slots[node], lens[node])
             self.ended = f"node {node} left after a failure ({reason})"
             raise NodeFailedError(node, f"it left after a failure: {reason}", what)
         if max(lens) <= room:
@@ -415,16 +421,11 @@ class MpiCommunicator(Communicator):
             displs = [sum(lens[:r]) for r in range(size)]
             recv = np.empty(sum(lens), dtype=np.uint8)
             send = np.frombuffer(blob, dtype=np.uint8)
-            self._wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
-                       what, (send, recv))
+            self.wait([self._comm.Iallgatherv([send, MPI.BYTE], [recv, (lens, displs), MPI.BYTE])],
+                      what, (send, recv))
             blobs = [recv[d:d + n].tobytes() for d, n in zip(displs, lens)]
         self.joined = [r for r, h in enumerate(heads) if h.mark == JOINED] if JOINED in marks else []
-        metas = []
-        for r, b in enumerate(blobs):
-            layout, weight, flag, has_payload = pickle.loads(b)
-            views = packed_views(slots[r], layout, payload_at(lens[r]), 8) if has_payload else None
-            metas.append((layout, weight, flag, views))
-        return heads, metas
+        return heads, [read_meta(slots[r], b, lens[r]) for r, b in enumerate(blobs)]
 
     def _same_step(self, what: str, heads) -> None:
         """StepMismatchError (on every node, after one more exchange) when the nodes that
@@ -440,21 +441,6 @@ class MpiCommunicator(Communicator):
         # a node whose step failed before it knew its key (FAILED) matches any step of its number
         if len({h.number for h in active}) > 1 or len({h.mark for h in active if h.mark != FAILED}) > 1:
             raise self._mismatch(what, heads)
-
-    def _no_failure(self, what: str, metas) -> None:
-        """PeerFailed (every node) when a node flagged a failure; TypeError for object arrays."""
-        for m in metas:
-            if m[2]:
-                failed_nodes = [r for r, m in enumerate(metas) if m[2]]
-                reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes
-                                    if isinstance(metas[r][2], str))
-                raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
-                                 f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
-        for r, m in enumerate(metas):
-            for dtype, _ in m[0] or ():
-                if dtype.hasobject:
-                    raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
-                                    "arrays of numbers and booleans only")
 
     def leave(self, reason: str) -> None:
         """This node can make no more steps (its fork broke between two of its
@@ -487,7 +473,7 @@ class MpiCommunicator(Communicator):
             SynkError: the other nodes closed (``synk.close()``) without joining;
                 this communicator then only closes.
         """
-        self._enter("join")
+        self.enter("join")
         self._words = "join()"
         served = 0
         meta = (None, 0.0, False, False)
@@ -501,7 +487,7 @@ class MpiCommunicator(Communicator):
             served += 1
             try:
                 self._same_step("join", heads)
-                self._no_failure("join", metas)
+                no_failure("join", metas)
             except (StepMismatchError, PeerFailed, TypeError):
                 continue  # the others raise; nothing moves
             head = heads[active[0]]
@@ -554,55 +540,19 @@ class MpiCommunicator(Communicator):
             pre, post = avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
         gets = root is None or self.rank == root
         if all(payloads[r] is not None for r in present):  # small: it all came with the agreement
-            return self._inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
+            return inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
                 if gets else None
         into = into if root is None else None
         fit = fit_into(into, layout, op)
         start = functools.partial(self._start_reduce, contrib, layout, op, pre, root,
                                   in_place if fit is None else fit, gets, metas)
-        reqs, jobs, keep = self._started(what, start)
-        self._wait(reqs, what, keep)
+        reqs, jobs, keep = self.started(what, start)
+        self.wait(reqs, what, keep)
         if not gets:
             return None
         if into is not None:  # the results are in ``into`` already (or copied there)
-            return self._finish_reduce(into, layout, jobs, op, present, weights, post, True)
-        return self._finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
-
-    @staticmethod
-    def _inline_reduce(arrays, layout, payloads, op, present, weights, in_place):
-        """A reduction whose every part came inside the agreement, combined here
-        as :func:`.ops.combine` does (every node the same, in node order)."""
-        out = []
-        for i, (dtype, shape) in enumerate(layout):
-            parts = [payloads[r][i] for r in present]  # (views of the received slots)
-            out.append(np.asarray(combine(parts, op, weights)))
-        if in_place and arrays is not None:
-            for a, res in zip(arrays, out):
-                np.copyto(a, cast_to(res, a.dtype))
-            return arrays
-        return out
-
-    def _finish_reduce(self, arrays, layout, jobs, op, present, weights, post, in_place):
-        """The results of a reduction whose requests completed, in their result dtypes."""
-        out = []
-        for (dtype, shape), (kind, val) in zip(layout, jobs):
-            rdtype = result_dtype(dtype, op)
-            if kind == "empty":
-                out.append(np.empty(shape, dtype=rdtype))
-            elif kind == "local":
-                parts = [val[r] for r in present]
-                out.append(np.asarray(combine(parts, op, weights)))
-            else:
-                if post is not None:
-                    val *= val.dtype.type(post)
-                out.append(val.view(rdtype) if val.dtype.kind == "u" and rdtype.kind == "b"
-                           else val.astype(rdtype, copy=False))
-        if in_place and arrays is not None:
-            for a, res in zip(arrays, out):
-                if not np.shares_memory(a, res):
-                    np.copyto(a, cast_to(res, a.dtype))
-            return arrays
-        return out
+            return finish_reduce(into, layout, jobs, op, present, weights, post, True)
+        return finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
 
     def _scratch(self, dtype, shape, i: int = 0) -> np.ndarray:
         """The receive buffer of array ``i`` of an in-place all-reduce of this dtype
@@ -676,7 +626,7 @@ class MpiCommunicator(Communicator):
         recv = np.empty(sum(sizes), dtype=np.uint8) if gets else None
         keep += [send, recv]
         if sum(sizes) > mpi_wire.PIECE_BYTES:  # displacements or counts past a C int: node by node, in pieces
-            reqs += self._start_gather_in_pieces(send, recv, sizes, displs, root)
+            reqs += gather_in_pieces(self._comm, self._MPI, send, recv, sizes, displs, root)
         else:
             spec = [recv, (sizes, displs), MPI.BYTE] if gets else None
             if root is None:
@@ -696,28 +646,6 @@ class MpiCommunicator(Communicator):
                 return got[displs[r]:displs[r] + sizes[r]].view(dtype).reshape(shape)
 
         return Parts()
-
-    def _start_gather_in_pieces(self, send, recv, sizes, displs, root):
-        """A gather too large for one MPI call: for an all-gather, each node broadcasts
-        its part piece by piece; for a gather, each node sends its pieces to ``root``
-        (non-overtaking: they arrive in order). Requests, in the same order on every node."""
-        MPI, reqs = self._MPI, []
-        if recv is not None and sizes[self.rank]:  # this node's own part, in place
-            recv[displs[self.rank]:displs[self.rank] + sizes[self.rank]] = send
-        for r in range(self.size):
-            if not sizes[r]:
-                continue
-            if root is None:
-                part = recv[displs[r]:displs[r] + sizes[r]]
-                reqs += [self._comm.Ibcast([p, MPI.BYTE], r) for p in pieces(part)]
-            elif r == root:
-                continue
-            elif self.rank == root:
-                part = recv[displs[r]:displs[r] + sizes[r]]
-                reqs += [self._comm.Irecv([p, MPI.BYTE], r, PIECE_TAG) for p in pieces(part)]
-            elif self.rank == r:
-                reqs += [self._comm.Isend([p, MPI.BYTE], root, PIECE_TAG) for p in pieces(send)]
-        return reqs
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every node's arrays (None: nothing to add); the result on
@@ -765,8 +693,8 @@ class MpiCommunicator(Communicator):
                      for i in range(n)]
             return reqs, views, keep
 
-        reqs, views, keep = self._started(what, start)
-        self._wait(reqs, what, keep)
+        reqs, views, keep = self.started(what, start)
+        self.wait(reqs, what, keep)
         if root is not None and self.rank != root:
             return None
         out = []
@@ -822,8 +750,8 @@ class MpiCommunicator(Communicator):
             reqs = [self._comm.Ibcast([p, MPI.BYTE], root) for b in bufs if b is not None for p in pieces(b)]
             return reqs, bufs
 
-        reqs, bufs = self._started("broadcast", start)
-        self._wait(reqs, "broadcast", bufs)
+        reqs, bufs = self.started("broadcast", start)
+        self.wait(reqs, "broadcast", bufs)
         if is_root:
             return arrays_
         out = [np.empty(s, dtype=d) if b is None else b.view(d).reshape(s)
@@ -833,11 +761,12 @@ class MpiCommunicator(Communicator):
         return out
 
     def plan(self, kind, layout, op, step=None):
-        """A :class:`_StepPlan` of later all-reduces of ``layout`` with ``op`` (see
-        :meth:`.base.Communicator.plan`): when every array is of numbers or booleans
-        whose ``op`` result keeps its dtype (no ``avg`` of integers) and all of them
-        travel in the header slot; None otherwise, or on a communicator that cannot
-        make steps any more."""
+        """A kept plan of later all-reduces of ``layout`` with ``op`` (see
+        :meth:`.base.Communicator.plan`) when every array is of numbers or booleans
+        whose ``op`` result keeps its dtype (no ``avg`` of integers): a
+        :class:`.mpi_plans.StepPlan` when all of them travel in the header slot, else a
+        :class:`.mpi_plans.LargePlan` where MPI reduces them in their own bytes; None
+        otherwise, or on a communicator that cannot make steps any more."""
         if kind != "all_reduce" or op not in MPI_OPS or step is None or self._comm is None \
                 or self.broken is not None or self.ended is not None:
             return None
@@ -847,7 +776,8 @@ class MpiCommunicator(Communicator):
                     or result_dtype(dtype, op) != dtype:
                 return None
             lay.append((dtype, tuple(int(d) for d in shape)))
-        return _StepPlan.make(self, lay, op, step) or _LargePlan.make(self, lay, op, step)
+        lines = (self._MPI, self._comm)
+        return StepPlan.make(self, lines, lay, op, step) or LargePlan.make(self, lines, lay, op, step)
 
     def reset(self) -> None:
         """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""
@@ -882,184 +812,3 @@ class MpiCommunicator(Communicator):
         self._comm = self._notices = None
         if error is not None:
             raise error
-
-
-#: The step number's place in a header slot (see mpi_wire.HEAD).
-_NUMBER = struct.Struct("<q")
-
-
-class _StepPlan(CommPlan):
-    """A kept all-reduce among node masters of nodes of one process: the full path's
-    header slot, made once (only the step number changes), its payload views in the
-    send slot and in every node's receive slot, and a reducer per array.
-
-    Each :meth:`run` numbers the step first (as ``Session`` does), makes the one
-    exchange of header slots, which carry the values, and compares every node's head
-    and blob with this node's, byte for byte (the fingerprint is the blob's
-    checksum): all equal, every node combines every node's values, in node order, as
-    the full path does (:func:`.ops.combine`); any difference reads the slots as the
-    full path reads them (a node that joined, left, failed, is in another step or
-    holds another layout) and then goes on, or raises, as the full path would.
-    """
-
-    needs_exclusive = True
-
-    @classmethod
-    def make(cls, comm: MpiCommunicator, layout, op: str, step):
-        meta = (layout, 1.0, False, True)  # (as the full path's: a node of one process weighs 1)
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in layout]
-        end = payload_at(len(blob))
-        for n in nbytes:
-            end = round_up(end + n, 8)
-        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
-            return None
-        return cls(comm, layout, op, step, meta, blob)
-
-    def __init__(self, comm: MpiCommunicator, layout, op: str, step, meta, blob: bytes):
-        self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
-        self.key, self.words = step
-        self.fingerprint = zlib.crc32(blob)
-        size, at = comm.size, payload_at(len(blob))
-        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
-        n = HEAD.size + len(blob)
-        self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
-        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
-        self.sends: list = []
-        if meta[3]:  # the values travel in the header slots
-            self.sends = packed_views(self.slot, layout, at, 8)
-            received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
-            self.parts = [[received[r][i] for r in range(size)] for i in range(len(layout))]
-            self.reducers = [Reducer(op, dtype, shape, None, size) for dtype, shape in layout]
-            # a plain fold into the value where the reducer folds too (ops._fold, its order)
-            self.ufunc = REDUCE_OPS[op] if op != "avg" and size > 1 else None
-        self.spec = ([self.slot, comm._MPI.BYTE], [self.slots, comm._MPI.BYTE])
-        self.code = (WHAT_CODES["all_reduce"], OP_CODES[op], -1)
-        self.mark: int | None = None  # the step key's checksum, known at the first run
-
-    def run(self, values, outs=None) -> bool:
-        comm = self.comm
-        if comm.pre_begun or len(values) != len(self.layout):
-            return False
-        for v, (dtype, shape) in zip(values, self.layout):
-            if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
-                return False
-        if not self._exchange(values):
-            self._read_long(values)
-            return True
-        ufunc = self.ufunc
-        for value, red, parts in zip(values, self.reducers, self.parts):
-            # (the same operations in the same order as ops.combine, into the value)
-            if red.scalar_path:
-                value[()] = red.scalar(parts)
-            elif ufunc is not None:
-                acc = ufunc(parts[0], parts[1], out=value)
-                for x in parts[2:]:
-                    ufunc(acc, x, out=acc)
-            else:
-                red(parts, out=value)
-        return True
-
-    def _exchange(self, values) -> bool:
-        """Number the step, exchange the header slots (with ``values`` where they travel
-        there): whether every node's head and blob is this node's."""
-        comm = self.comm
-        comm.begin(self.key, self.words)  # numbered before anything can fail
-        comm._enter("all_reduce")
-        slot = self.slot
-        if comm.step[1] != self.mark:  # (the first run, or a key whose checksum was forgotten)
-            self.mark = comm.step[1]
-            comm._fill_slot(slot, self.blob, self.mark, self.code)
-        _NUMBER.pack_into(slot, 8, comm.step[0])  # type: ignore[arg-type, unused-ignore]
-        for view, v in zip(self.sends, values):
-            view[...] = v
-        req = comm._comm.Iallgather(*self.spec)
-        try:  # (the answer is usually there within a few tests: no wait set up for it)
-            done = req.Test() or req.Test() or req.Test() or req.Test()
-        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
-            done = False
-        if not done:
-            comm._wait([req], "all_reduce", (slot, self.slots), header=True)
-        comm._exchanges += 1
-        comm.plan_steps += 1
-        own = self.own.tobytes()
-        for head in self.heads:
-            if head.tobytes() != own:
-                return False
-        comm.joined = []
-        return True
-
-    def _read_long(self, values) -> None:
-        """The slots differ: read them as the full path does, then reduce or raise as it would."""
-        comm = self.comm
-        heads, metas = comm._read_headers_long("all_reduce", self.slots, self.blob)
-        try:
-            comm._same_step("all_reduce", heads)
-            comm._no_failure("all_reduce", metas)
-        except (StepMismatchError, PeerFailed, TypeError) as err:
-            comm._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
-            raise
-        # the payload views are of the kept slots: copied before the slots are used again
-        payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
-        comm._reduce_rest("all_reduce", list(values), [(m[0], m[1]) for m in metas], payloads, self.op, None,
-                          in_place=True)
-
-
-class _LargePlan(_StepPlan):
-    """A kept all-reduce among node masters of nodes of one process whose values do not
-    travel in the header: the header exchange as :class:`_StepPlan` makes it (with the
-    full path's header, its values left out), then one ``Iallreduce`` per array (in
-    pieces) from the value straight into ``outs`` (spare arrays the engine gives and
-    then swaps in): no copy. Only for dtypes MPI reduces in their own bytes."""
-
-    out_of_place = True
-    needs_exclusive = False
-
-    @classmethod
-    def make(cls, comm: MpiCommunicator, layout, op: str, step):
-        for dtype, shape in layout:
-            plan = reduce_plan(dtype, op)
-            if plan is None or plan[0].itemsize != dtype.itemsize or (plan[0] != dtype and dtype.kind != "b"):
-                return None
-        meta = (layout, 1.0, False, False)
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        if HEAD.size + len(blob) > HEADER_SLOT:
-            return None
-        return cls(comm, layout, op, step, meta, blob)
-
-    def run(self, values, outs=None) -> bool:
-        comm = self.comm
-        if comm.pre_begun or outs is None or len(values) != len(self.layout) or len(outs) != len(values):
-            return False
-        for v, o, (dtype, shape) in zip(values, outs, self.layout):
-            for a in (v, o):
-                if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous \
-                        or not a.flags.writeable:
-                    return False
-            if v.dtype is not dtype or np.may_share_memory(v, o):
-                return False
-        if not self._exchange(()):
-            self._read_long(values)
-            for v, o in zip(values, outs):
-                np.copyto(o, v)
-            return True
-        MPI, op = comm._MPI, self.op
-        mpi_op = getattr(MPI, MPI_OPS[op])
-
-        def start():
-            reqs = []
-            for v, o in zip(values, outs):
-                send, recv = v.reshape(-1), o.reshape(-1)
-                if v.dtype.kind == "b":
-                    send, recv = send.view(np.uint8), recv.view(np.uint8)
-                for lo, hi in spans(send.size, send.itemsize):
-                    reqs.append(comm._comm.Iallreduce(send[lo:hi], recv[lo:hi], mpi_op))
-            return reqs
-
-        reqs = comm._started("all_reduce", start)
-        comm._wait(reqs, "all_reduce", (values, outs))
-        if op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)
-            for o in outs:
-                o *= o.dtype.type(1.0 / comm.size)
-        return True

@@ -1,16 +1,23 @@
-"""What the MPI communicator's messages carry: the header every node posts for
-a step (its size, the step's number and checksum, the reduce plan), the codes
-of its words, the reduce plans of dtypes and ops, and large messages in pieces
-(Open MPI's wheel speaks MPI 3.1: no message over 2**31 - 1 bytes)."""
+"""What the MPI communicator's messages carry: the header slot every node posts for
+a step (its size, the step's number and checksum, the reduce plan; packed and read
+here), the codes of its words, the reduce plans of dtypes and ops and the results
+of reductions, and large messages in pieces (Open MPI's wheel speaks MPI 3.1: no
+message over 2**31 - 1 bytes)."""
 
 from __future__ import annotations
 
+import pickle
 import struct
+import zlib
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = []
+from .._arrays import packed_views, round_up
+from ..errors import PeerFailed
+from .ops import cast_to, combine, result_dtype
+
+__all__: list = []
 
 #: Seconds a wait polls MPI with only a yield in between, before it sleeps:
 #: MPI progresses only inside its calls, so a large transfer wants them often
@@ -152,3 +159,145 @@ def pieces(flat: np.ndarray):
 def as_bytes(a: np.ndarray) -> np.ndarray:
     """The bytes of ``a`` in C order (a view when ``a`` is contiguous)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def inline_reduce(arrays, layout, payloads, op, present, weights, in_place):
+    """A reduction whose every part came inside the agreement, combined here
+    as :func:`.ops.combine` does (every node the same, in node order)."""
+    out = []
+    for i, (dtype, shape) in enumerate(layout):
+        parts = [payloads[r][i] for r in present]  # (views of the received slots)
+        out.append(np.asarray(combine(parts, op, weights)))
+    if in_place and arrays is not None:
+        for a, res in zip(arrays, out):
+            np.copyto(a, cast_to(res, a.dtype))
+        return arrays
+    return out
+
+
+def finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place):
+    """The results of a reduction whose requests completed, in their result dtypes."""
+    out = []
+    for (dtype, shape), (kind, val) in zip(layout, jobs):
+        rdtype = result_dtype(dtype, op)
+        if kind == "empty":
+            out.append(np.empty(shape, dtype=rdtype))
+        elif kind == "local":
+            parts = [val[r] for r in present]
+            out.append(np.asarray(combine(parts, op, weights)))
+        else:
+            if post is not None:
+                val *= val.dtype.type(post)
+            out.append(val.view(rdtype) if val.dtype.kind == "u" and rdtype.kind == "b"
+                       else val.astype(rdtype, copy=False))
+    if in_place and arrays is not None:
+        for a, res in zip(arrays, out):
+            if not np.shares_memory(a, res):
+                np.copyto(a, cast_to(res, a.dtype))
+        return arrays
+    return out
+
+
+# -- the header slot ---------------------------------------------------------
+
+
+def fill_slot(slot, number: int, blob: bytes, mark: int, plan=(0, 0, -1), payload=None) -> None:
+    """A node's header slot: its head (the blob's length, its step's ``number``, ``mark``,
+    the blob's fingerprint and ``plan``: what, op, root), then ``blob`` when it fits, then
+    ``payload`` (arrays' bytes, each on an 8-byte boundary) from :func:`payload_at`."""
+    what, op, root = plan
+    # (numpy < 2.5's stubs make an ndarray a Buffer on Python 3.12+ only)
+    HEAD.pack_into(slot, 0, len(blob), number, mark, zlib.crc32(blob),  # type: ignore[arg-type, unused-ignore]
+                   what, op, 0, root)
+    if len(blob) <= HEADER_SLOT - HEAD.size:
+        slot[HEAD.size:HEAD.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    if payload is not None:
+        at = payload_at(len(blob))
+        for a in payload:
+            slot[at:at + a.nbytes] = as_bytes(a)
+            at = round_up(at + a.nbytes, 8)
+
+
+def payload_fits(arrays, blob_length: int) -> bool:
+    """Whether ``arrays`` travel in the header slot after a blob of ``blob_length`` bytes."""
+    if sum(a.nbytes for a in arrays) > INLINE_BYTES or any(a.dtype.hasobject for a in arrays):
+        return False
+    end = payload_at(blob_length)
+    for a in arrays:
+        end = round_up(end + a.nbytes, 8)
+    return end <= HEADER_SLOT
+
+
+def read_equal(slots, rank: int, blob: bytes, meta):
+    """``(heads, metas)`` of every node, as node ``rank`` reads them from ``slots``, when
+    every node's head and blob are byte for byte that node's (the same step number and
+    key, layouts, weight, flag, what, op and root) and none left: every meta is ``meta``
+    (nothing is unpickled), its payloads views of the slots. Else None."""
+    n = HEAD.size + len(blob)
+    if n > HEADER_SLOT:
+        return None
+    own = slots[rank, :n].tobytes()
+    if not all(r == rank or slots[r, :n].tobytes() == own for r in range(len(slots))):
+        return None
+    head = Head._make(HEAD.unpack_from(slots[rank]))
+    if head.mark == LEFT:
+        return None
+    layout, weight, flag, has_payload = meta
+    at = payload_at(len(blob))
+    return [head] * len(slots), [(layout, weight, flag, packed_views(slot, layout, at, 8) if has_payload else None)
+                                 for slot in slots]
+
+
+def read_meta(slot, blob: bytes, length: int):
+    """A node's meta from its ``blob`` (``length`` bytes, as its head says) and its
+    ``slot``: ``(layout, weight, flag, payload views of the slot or None)``."""
+    layout, weight, flag, has_payload = pickle.loads(blob)
+    return layout, weight, flag, packed_views(slot, layout, payload_at(length), 8) if has_payload else None
+
+
+def left_reason(slot, length: int) -> str:
+    """The reason in the last header of a node that left (see MpiCommunicator.leave)."""
+    try:
+        return pickle.loads(slot[HEAD.size:HEAD.size + length].tobytes())[2]
+    except Exception:  # noqa: BLE001
+        return "(unreadable)"
+
+
+def no_failure(what: str, metas) -> None:
+    """PeerFailed (every node) when a node flagged a failure; TypeError for object arrays."""
+    for m in metas:
+        if m[2]:
+            failed_nodes = [r for r, m in enumerate(metas) if m[2]]
+            reasons = "; ".join(f"node {r}: {metas[r][2]}" for r in failed_nodes
+                                if isinstance(metas[r][2], str))
+            raise PeerFailed(f"{what}: node(s) {failed_nodes} flagged a failure"
+                             f"{' (' + reasons + ')' if reasons else ''}; nothing was combined")
+    for r, m in enumerate(metas):
+        for dtype, _ in m[0] or ():
+            if dtype.hasobject:
+                raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
+                                "arrays of numbers and booleans only")
+
+
+def gather_in_pieces(comm, MPI, send, recv, sizes, displs, root):
+    """A gather too large for one MPI call, on the mpi4py communicator ``comm``: for an
+    all-gather, each node broadcasts its part piece by piece; for a gather, each node
+    sends its pieces to ``root`` (non-overtaking: they arrive in order). Requests, in
+    the same order on every node."""
+    rank, reqs = comm.Get_rank(), []
+    if recv is not None and sizes[rank]:  # this node's own part, in place
+        recv[displs[rank]:displs[rank] + sizes[rank]] = send
+    for r in range(len(sizes)):
+        if not sizes[r]:
+            continue
+        if root is None:
+            part = recv[displs[r]:displs[r] + sizes[r]]
+            reqs += [comm.Ibcast([p, MPI.BYTE], r) for p in pieces(part)]
+        elif r == root:
+            continue
+        elif rank == root:
+            part = recv[displs[r]:displs[r] + sizes[r]]
+            reqs += [comm.Irecv([p, MPI.BYTE], r, PIECE_TAG) for p in pieces(part)]
+        elif rank == r:
+            reqs += [comm.Isend([p, MPI.BYTE], root, PIECE_TAG) for p in pieces(send)]
+    return reqs

@@ -19,7 +19,9 @@ MODE:
           stops the job with SIGTERM: the others, polling, run their Python
           handler (which raises here) and end within seconds.
 
-Each surviving rank writes what it raised and after how long to its verdict.
+Each surviving rank writes what it raised and after how long to its verdict. In
+``notice`` and ``die`` a kept plan (MpiCommunicator.plan) makes a step before the
+failure; after it, the plan's next step is numbered, then raises.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ def main() -> int:
     data = [np.full(PAYLOAD, rank, dtype=np.float64)]
     got = comm.all_reduce(data, "sum")  # a good one first
     v.expect(float(got[0][0]) == sum(range(size)), "a collective before the failure")
+    plan = comm.plan("all_reduce", [(np.dtype(np.float64), (2,))], "sum", (("faults",), "a planned step"))
+    small = [np.full(2, float(rank))]
+    v.expect(plan is not None and plan.run(small) and float(small[0][0]) == sum(range(size)),
+             "a kept plan's step before the failure")
     start = time.perf_counter()
     try:
         if mode == "notice":
@@ -100,6 +106,16 @@ def main() -> int:
         v.info.update(raised=type(exc).__name__, message=str(exc))
     v.info["elapsed"] = time.perf_counter() - start
     v.info["broken"] = comm.broken
+    if mode != "term":  # the plan's next step is numbered before it raises (as every step is)
+        begun = comm.begun
+        try:
+            plan.run([np.zeros(2)])
+            v.info["plan_after"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - what it raised is the verdict
+            v.info["plan_after"] = f"{type(exc).__name__}: {exc}"
+        v.expect(comm.begun == begun + 1 and v.info["plan_after"].split(":")[0] in ("SynkError", "NodeFailedError"),
+                 f"a planned step after the failure: numbered ({comm.begun - begun}), then raised "
+                 f"({v.info['plan_after']})")
     if mode == "term":  # mpirun's SIGKILL follows its SIGTERM closely: the verdict first, nothing else
         v.expect(v.info["raised"] is not None, "the collective raised")
         v.write()

@@ -46,11 +46,11 @@ def check_reading(v, comm, rank, size):
     on one node reads every slot the long way, with the usual results and messages."""
     import pickle
 
-    from synkhronos.collectives import mpi
+    from synkhronos.collectives import mpi_wire
 
     loads = []
 
-    class Counted:  # mpi's pickle, counting loads
+    class Counted:  # mpi_wire's pickle (where headers are read), counting loads
         HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
         dumps = staticmethod(pickle.dumps)
 
@@ -59,7 +59,7 @@ def check_reading(v, comm, rank, size):
             loads.append(1)
             return pickle.loads(b)
 
-    mpi.pickle = Counted
+    mpi_wire.pickle = Counted
     try:
         got = comm.all_reduce([np.full(3, rank, dtype=np.int64), np.float32(rank)], "sum")
         v.expect(not loads and int(got[0][0]) == sum(range(size)) and float(got[1]) == sum(range(size)),
@@ -72,7 +72,7 @@ def check_reading(v, comm, rank, size):
         except ValueError as exc:
             v.expect("cannot sum-reduce" in str(exc) and "node 1" in str(exc), f"other layouts: {exc}")
     finally:
-        mpi.pickle = pickle
+        mpi_wire.pickle = pickle
 
 
 def check_step_plan(v, comm, rank, size):

@@ -749,7 +749,6 @@ def scenario_caught(v, node, node_sizes):
     w = pytensor.shared(np.full(3, node + 1.0), name="w")
     data, per_node = all_rows(node_sizes)
     mine = per_node[node]
-    size = sum(node_sizes)
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
     f2 = synk.function([x], [(x.sum(axis=0), "sum"), (x.max(axis=0), "max")], mode=MODE, name="f2")
     h = synk.function([x], (x.sum(axis=0), None), mode=MODE, name="h")

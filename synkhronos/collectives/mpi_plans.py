@@ -1,0 +1,204 @@
+"""The MPI communicator's kept all-reduce plans among node masters of nodes of one process.
+
+:meth:`.mpi.MpiCommunicator.plan` makes them after a full-path all-reduce (see
+:meth:`.base.Communicator.plan`). A plan reaches its communicator only through
+public names: ``begin`` (the step's number, first), ``enter``, ``fill_slot``,
+``wait``, ``started``, ``plan_exchanged`` and ``settle_slots`` (the full path's
+reading of slots that differ); the MPI module and the duplicated mpi4py
+communicator come with it when it is made (``lines``).
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import zlib
+
+import numpy as np
+
+from .._arrays import packed_views, round_up
+from .base import CommPlan
+from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, WHAT_CODES, fill_slot, payload_at, reduce_plan,
+                       spans)
+from .ops import REDUCE_OPS, Reducer
+
+__all__ = ["LargePlan", "StepPlan"]
+
+#: The step number's place in a header slot (see mpi_wire.HEAD: an int64 after the blob's length).
+_NUMBER = 8
+
+
+class StepPlan(CommPlan):
+    """A kept all-reduce among node masters of nodes of one process: the full path's
+    header slot, made once (only the step number changes), its payload views in the
+    send slot and in every node's receive slot, and a reducer per array.
+
+    Each :meth:`run` numbers the step first (as ``Session`` does), makes the one
+    exchange of header slots, which carry the values, and compares every node's head
+    and blob with this node's, byte for byte (the fingerprint is the blob's
+    checksum): all equal, every node combines every node's values, in node order, as
+    the full path does (:func:`.ops.combine`); any difference reads the slots as the
+    full path reads them (a node that joined, left, failed, is in another step or
+    holds another layout) and then goes on, or raises, as the full path would.
+    """
+
+    needs_exclusive = True
+
+    @classmethod
+    def make(cls, comm, lines, layout, op: str, step):
+        """The plan, or None when the values do not travel in the header slot. ``comm``:
+        the :class:`.mpi.MpiCommunicator`; ``lines``: its MPI module and mpi4py communicator."""
+        meta = (layout, 1.0, False, True)  # (as the full path's: a node of one process weighs 1)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in layout]
+        end = payload_at(len(blob))
+        for n in nbytes:
+            end = round_up(end + n, 8)
+        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
+            return None
+        return cls(comm, lines, layout, op, step, meta, blob)
+
+    def __init__(self, comm, lines, layout, op: str, step, meta, blob: bytes):
+        self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
+        self.MPI, self.mpi_comm = lines
+        self.key, self.words = step
+        self.mark = comm.mark_of(self.key)  # the step key's checksum, as begin() gives it
+        self.fingerprint = zlib.crc32(blob)
+        size, at = comm.size, payload_at(len(blob))
+        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        # the head and blob once; each run writes its step's number (and values) only
+        fill_slot(self.slot, 0, blob, self.mark, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
+        self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
+        n = HEAD.size + len(blob)
+        self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
+        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
+        self.sends: list = []
+        self.folds: list = []
+        if meta[3]:  # the values travel in the header slots
+            self.sends = packed_views(self.slot, layout, at, 8)
+            received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
+            self.folds = [self._fold_of(Reducer(op, dtype, shape, None, size), [received[r][i] for r in range(size)])
+                          for i, (dtype, shape) in enumerate(layout)]
+        self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
+        self.keep = (self.slot, self.slots)
+        self.count = len(layout)
+
+    def _fold_of(self, reducer, parts):
+        """``(how, reducer, parts)``: how every node's ``parts`` (views of the receive slots)
+        combine into a value, with the operations of :func:`.ops.combine` in its order:
+        0 as numpy scalars (:meth:`.ops.Reducer.scalar`), 1 a ufunc fold into the value,
+        2 the reducer into the value."""
+        if reducer.scalar_path:
+            return 0, reducer.scalar, parts
+        if self.op != "avg" and len(parts) > 1:  # (ops._fold, into the value)
+            return 1, REDUCE_OPS[self.op], parts
+        return 2, reducer, parts
+
+    def run(self, values, outs=None) -> bool:
+        comm = self.comm
+        if comm.pre_begun or len(values) != self.count:
+            return False
+        for v, (dtype, shape) in zip(values, self.layout):
+            if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
+                return False
+        if not self._exchange(values):
+            self._read_long(values)
+            return True
+        for value, (how, fn, parts) in zip(values, self.folds):
+            if how == 1:
+                acc = fn(parts[0], parts[1], out=value)
+                for x in parts[2:]:
+                    fn(acc, x, out=acc)
+            elif how == 0:
+                value[()] = fn(parts)
+            else:
+                fn(parts, out=value)
+        return True
+
+    def _exchange(self, values) -> bool:
+        """Number the step, exchange the header slots (with ``values`` where they travel
+        there): whether every node's head and blob is this node's."""
+        comm = self.comm
+        self.number[0] = comm.plan_step(self.mark, self.words)  # numbered before anything can fail
+        for view, v in zip(self.sends, values):
+            view[...] = v
+        req = self.mpi_comm.Iallgather(*self.spec)
+        own = self.own.tobytes()  # (meanwhile: MPI only reads the send slot)
+        try:  # (the answer is usually there within a few tests: no wait set up for it)
+            done = req.Test() or req.Test() or req.Test() or req.Test()
+        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
+            done = False
+        if not done:
+            comm.wait([req], "all_reduce", self.keep, header=True)
+        for head in self.heads:
+            if head.tobytes() != own:
+                comm.plan_exchanged(False)
+                return False
+        comm.plan_exchanged(True)
+        return True
+
+    def _read_long(self, values) -> None:
+        """The slots differ: read them as the full path does, then reduce or raise as it would."""
+        self.comm.settle_slots("all_reduce", values, self.slots, self.blob, self.op)
+
+
+class LargePlan(StepPlan):
+    """A kept all-reduce among node masters of nodes of one process whose values do not
+    travel in the header: the header exchange as :class:`StepPlan` makes it (with the
+    full path's header, its values left out), then one ``Iallreduce`` per array (in
+    pieces) from the value straight into ``outs`` (spare arrays the engine gives and
+    then swaps in): no copy. Only for dtypes MPI reduces in their own bytes."""
+
+    out_of_place = True
+    needs_exclusive = False
+
+    @classmethod
+    def make(cls, comm, lines, layout, op: str, step):
+        """The plan, or None where MPI cannot reduce a dtype in its own bytes (see
+        :meth:`StepPlan.make`)."""
+        for dtype, shape in layout:
+            plan = reduce_plan(dtype, op)
+            if plan is None or plan[0].itemsize != dtype.itemsize or (plan[0] != dtype and dtype.kind != "b"):
+                return None
+        meta = (layout, 1.0, False, False)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        if HEAD.size + len(blob) > HEADER_SLOT:
+            return None
+        return cls(comm, lines, layout, op, step, meta, blob)
+
+    def run(self, values, outs=None) -> bool:
+        comm = self.comm
+        if comm.pre_begun or outs is None or len(values) != len(self.layout) or len(outs) != len(values):
+            return False
+        for v, o, (dtype, shape) in zip(values, outs, self.layout):
+            for a in (v, o):
+                if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous \
+                        or not a.flags.writeable:
+                    return False
+            if v.dtype is not dtype or np.may_share_memory(v, o):
+                return False
+        if not self._exchange(()):
+            self._read_long(values)
+            for v, o in zip(values, outs):
+                np.copyto(o, v)
+            return True
+        MPI, op, mpi_comm = self.MPI, self.op, self.mpi_comm
+        mpi_op = getattr(MPI, MPI_OPS[op])
+
+        def start():
+            reqs = []
+            for v, o in zip(values, outs):
+                send, recv = v.reshape(-1), o.reshape(-1)
+                if v.dtype.kind == "b":
+                    send, recv = send.view(np.uint8), recv.view(np.uint8)
+                for lo, hi in spans(send.size, send.itemsize):
+                    reqs.append(mpi_comm.Iallreduce(send[lo:hi], recv[lo:hi], mpi_op))
+            return reqs
+
+        reqs = comm.started("all_reduce", start)
+        comm.wait(reqs, "all_reduce", (values, outs))
+        if op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)
+            for o in outs:
+                o *= o.dtype.type(1.0 / comm.size)
+        return True
