@@ -77,7 +77,7 @@ class Device:
         """Per variable of ``sids``, whether this process holds its value on the device."""
         return np.zeros(len(sids), dtype=bool)
 
-    def guarded(self, proc, inputs) -> list | None:
+    def guarded(self, proc, inputs) -> tuple | None:
         """Before a call's share runs in the master: the memory its outputs' reduction
         must never write into (see :meth:`writable_outputs`); None: it writes into none."""
         return None

@@ -230,24 +230,28 @@ class GpuDevice(Device):
 
     # -- outputs -----------------------------------------------------------
 
-    def guarded(self, proc, inputs) -> list | None:
-        """The memory of the call's inputs and of every shared variable's value before
-        the call (``(low, high)`` ranges): an output may be one of them, or a view of
-        one (JAX forwards inputs to outputs: ``outputs=x``, ``updates=[(b, a)]``)."""
+    def guarded(self, proc, inputs) -> tuple | None:
+        """``(ranges, values)``: the memory (``(low, high)`` ranges) of the call's inputs
+        and of every shared variable's value before the call, and those values (an output
+        may be one of them, or a view of one: JAX forwards inputs to outputs,
+        ``outputs=x``, ``updates=[(b, a)]``)."""
         if self.state is None or self.comm is None:
             return None
-        return _ranges([*inputs, *(var.container.storage[0] for var in proc.shareds.values())])
+        values = [var.container.storage[0] for var in proc.shareds.values()]
+        return _ranges([*inputs, *values]), values
 
     def writable_outputs(self, proc, outs, idx, guarded) -> list | None:
         """Per output ``outs[i]`` of ``idx``: whether NCCL may reduce it in place, on its own
-        buffer: a device array sharing no byte with ``guarded``, with the shared variables'
-        values after the call (their updates), or with another output (one array may be
-        two outputs). NCCL itself then checks that the array may be written
+        buffer: a device array sharing no byte with the ``guarded`` memory, with a shared
+        variable's new value (an update), or with another output (one array may be two
+        outputs). NCCL itself then checks that the array may be written
         (:func:`writable_in_place`: no cached host copy) and that it reduces it in its dtype."""
         if guarded is None:
             return None
+        taken, before = guarded
+        new = [var.container.storage[0] for var in proc.shareds.values()]
+        taken = taken + _ranges(v for v, old in zip(new, before) if v is not old)
         spans = [buffer_range(o) for o in outs]
-        taken = guarded + _ranges(var.container.storage[0] for var in proc.shareds.values())
         writable = []
         for i in idx:
             span = spans[i]
