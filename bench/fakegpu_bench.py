@@ -53,7 +53,8 @@ p.add_argument("--rounds", type=int, default=None, help="rounds per row; the bes
 p.add_argument("--reps", type=int, default=None, help="calls per round (default 300)")
 p.add_argument("--rows", type=int, default=256, help="rows of the per-call input (as gpu_bench.py)")
 p.add_argument("--profile", action="store_true",
-               help="also print cProfile's top functions over 300 calls of synk.all_reduce (4 B)")
+               help="also print cProfile's top functions over 300 calls of synk.all_reduce (4 B) and of "
+                    "each synk call row")
 p.add_argument("--json", default=None, help="where to write the results (default "
                                             "bench/results/fakegpu-<time>.json and fakegpu-latest.json)")
 args = p.parse_args()
@@ -196,6 +197,14 @@ if args.profile:
     print("--- profile: synk.all_reduce 4 B on the stand-in, 300 calls (cumulative, then own time) ---")
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    for label in (SYNK_NP, SYNK_DEV):
+        prof = cProfile.Profile()
+        prof.enable()
+        per_call(ROWS[label], 300)
+        prof.disable()
+        print(f"--- profile: {label}, 300 calls (cumulative, then own time) ---")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 synk.close()
 
 print("\n".join(report.fakegpu_lines(result)))

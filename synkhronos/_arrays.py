@@ -17,7 +17,8 @@ except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
-           "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place", "still_writable", "cupy_at"]
+           "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place", "still_writable", "cupy_at",
+           "buffer_range"]
 
 
 def round_up(n: int, to: int = 64) -> int:
@@ -105,6 +106,26 @@ def device_pointer(x) -> int:
     if _is_cupy(x):
         return int(x.data.ptr)
     return int(x.block_until_ready().unsafe_buffer_pointer())
+
+
+def buffer_range(x):
+    """``(low, high)``, the addresses of the memory ``x`` holds (a numpy, CuPy or
+    single-device JAX array); None for what holds none (not an array, empty);
+    every address for a device array whose buffer cannot be read (several
+    devices, deleted, an unknown JAX): it overlaps anything. Device and host
+    addresses are compared alike: a false overlap only refuses a write."""
+    if isinstance(x, np.ndarray):
+        return byte_bounds(x) if x.size else None
+    if not is_device_array(x):
+        return None
+    try:
+        n = int(x.nbytes)
+        if not n:
+            return None
+        lo = int(x.data.ptr) if _is_cupy(x) else int(x.unsafe_buffer_pointer())
+    except Exception:
+        return 0, 1 << 64
+    return lo, lo + n
 
 
 def cupy_at(ptr: int, dtype, shape, owner):

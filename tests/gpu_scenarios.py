@@ -548,6 +548,202 @@ def planned(n: int) -> dict:
     return facts
 
 
+#: The output ops, dtypes and per-row shapes of the "calls" scenario.
+CALL_OPS = ("sum", "avg", "max", "min", "prod")
+CALL_DTYPES = ("float32", "float64", "int32", "int64")
+CALL_SHAPES = ((), (1,), (7, 3))
+
+
+class _InPlaceReduces:
+    """Stands in front of the master's NCCL communicator: counts its reduces, and
+    those whose send buffer is the receive buffer (in place, on an output)."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.total = self.in_place = 0
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def reduce(self, send, recv, *args):
+        self.total += 1
+        self.in_place += send == recv
+        return self._comm.reduce(send, recv, *args)
+
+
+def _call_model(data, op):
+    if op == "sum":
+        return data.sum(axis=0)
+    if op == "avg":
+        return data.mean(axis=0)
+    if op == "prod":
+        return data.prod(axis=0)
+    return data.max(axis=0) if op == "max" else data.min(axis=0)
+
+
+def _call_graph(x, op):
+    import pytensor.tensor as pt
+
+    if op == "sum":
+        return pt.sum(x, axis=0)
+    if op == "avg":
+        return pt.mean(x, axis=0)
+    if op == "prod":
+        return pt.prod(x, axis=0)
+    return pt.max(x, axis=0) if op == "max" else pt.min(x, axis=0)
+
+
+def _same_call(got, want, what, dtype):
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if np.dtype(dtype).kind == "f":
+        assert got.dtype == np.dtype(dtype), f"{what}: dtype {got.dtype}, the graph's is {dtype}"
+        np.testing.assert_allclose(got, want, rtol=_rtol(dtype), atol=1e-5, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def _random_calls(s, n, rng, facts) -> None:
+    """Per dtype and row shape, one function of every op, called (planned from the second
+    call) with numpy and with device outputs on seeded random rows: each output equals
+    numpy's on all the rows; the inputs stay as they were."""
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    for dtype in CALL_DTYPES:
+        for shape in CALL_SHAPES:
+            x = pt.tensor(dtype=dtype, shape=(None,) + shape, name="x")
+            f = synk.function([x], [(_call_graph(x, op), op) for op in CALL_OPS])
+            for call in range(4):
+                rows = int(rng.integers(1, 3 * n + 2))
+                data = rng.integers(-3, 4, size=(rows,) + shape).astype(dtype)
+                if np.dtype(dtype).kind == "f":
+                    data += rng.standard_normal(data.shape).astype(dtype) / 4
+                kept = data.copy()
+                device = bool(call % 2)
+                got = f(data, device_outputs=device)
+                assert all(_is_jax(g) == device for g in got), (device, [type(g) for g in got])
+                if not device:
+                    assert all(g.flags.writeable for g in got), "a numpy output is read-only"
+                for op, g in zip(CALL_OPS, got):
+                    want = _call_model(data.astype(np.float64) if op == "avg" else data, op)
+                    out_dtype = dtype if op != "avg" or np.dtype(dtype).kind == "f" else "float64"
+                    _same_call(g, want.astype(out_dtype), f"{op} {dtype}{shape} {rows} rows, "
+                               f"device_outputs={device}", out_dtype)
+                np.testing.assert_array_equal(data, kept, err_msg="the call changed its input")
+                facts["cases"] += 1
+
+
+def _aligned(arr: np.ndarray) -> np.ndarray:
+    """A copy of ``arr`` on a 64-byte boundary (JAX's DLPack then aliases it)."""
+    buf = np.empty(arr.nbytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    out = buf[off:off + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+    out[...] = arr
+    return out
+
+
+def _forwarding_calls(s, n, rng, facts, counting) -> None:
+    """Outputs that are an input or a shared value, as a JAX that forwards inputs to
+    outputs gives them (PyTensor copies such outputs; the master's share is made to
+    forward here): reduced, and never written where they are. ``x`` (an input,
+    aliased through DLPack), ``a`` (a shared variable), ``a`` after
+    ``updates=[(b, a)]`` (two variables, one array), ``c``'s new value after
+    ``updates=[(c, c + 1)]``, and one array as two outputs."""
+    import jax
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos._function import worker as worker_module
+
+    a0 = rng.standard_normal((7, 3)).astype(np.float32)
+    a = pytensor.shared(a0.copy(), name="a")
+    b = pytensor.shared(np.zeros((7, 3), np.float32), name="b")
+    x = pt.tensor(dtype="float32", shape=(7, 3), name="x")
+    fx = synk.function([x], (x * 1, "sum"), bcast_inputs=[x])
+    fa = synk.function([], (a * 1, "sum"))
+    fab = synk.function([], (a * 1, "sum"), updates=[(b, a)])
+    c = pytensor.shared(np.zeros(3, np.float32), name="c")
+    fc = synk.function([], (c + 1, "sum"), updates=[(c, c + 1)])
+    y = pt.tensor(dtype="float32", shape=(None, 3), name="y")
+    f2 = synk.function([y], [(pt.sum(y, axis=0), "sum"), (pt.sum(y, axis=0) * 1, "sum")])
+    synk.distribute()
+    for fn, args in ((fx, (a0,)), (fa, ()), (fab, ()), (fc, ()), (f2, (a0[:2 * n + 1, :],))):
+        fn(*args)  # the full path, which plans the next calls (the master's share forwards in those)
+    if counting is not None:
+        counting.in_place = counting.total = 0
+    a.set_value(a0.copy())
+    real, forward = worker_module._run_kept, {"how": None}
+
+    def forwarding(fn, args, trust):
+        outs = list(real(fn, args, trust))
+        how = forward["how"] if s.proc.is_master else None
+        if how == "x":
+            outs[0] = jax.dlpack.from_dlpack(args[0])
+            facts["x_aliased"] += outs[0].unsafe_buffer_pointer() == args[0].ctypes.data
+        elif how == "a":
+            outs[0] = a.container.storage[0]
+        elif how == "c":  # the output is the update's very array
+            outs[0] = c.container.storage[0]
+        elif how == "twice":
+            outs[1] = outs[0]
+        return outs
+
+    worker_module._run_kept = forwarding
+    try:
+        for call in range(4):
+            device = bool(call % 2)
+            data = _aligned(rng.standard_normal((7, 3)).astype(np.float32))
+            kept = data.copy()
+            forward["how"] = "x"
+            _same_call(fx(data, device_outputs=device), kept * n, f"x forwarded (call {call})", "float32")
+            np.testing.assert_array_equal(data, kept, err_msg="a forwarded input was written")
+            forward["how"] = "a"
+            _same_call(fa(device_outputs=device), a0 * n, f"a forwarded (call {call})", "float32")
+            _same_call(fab(device_outputs=device), a0 * n, f"a forwarded to b (call {call})", "float32")
+            forward["how"] = "c"
+            _same_call(fc(device_outputs=device), np.full(3, 2.0 + call, np.float32) * n,
+                       f"an update's array as the output (call {call})", "float32")
+            _same_call(c.get_value(), np.full(3, 2.0 + call, np.float32), f"c after call {call}", "float32")
+            forward["how"] = "twice"
+            rows = rng.standard_normal((2 * n + 1, 3)).astype(np.float32)
+            for g in f2(rows, device_outputs=device):
+                _same_call(g, rows.sum(axis=0), f"one array as two outputs (call {call})", "float32")
+            forward["how"] = None
+            for var, what in ((a, "a"), (b, "b")):
+                _same_call(var.get_value(), a0, f"shared {what} after call {call}", "float32")
+                _same_call(synk.get_value(0, var), a0, f"shared {what} in rank 0 after call {call}", "float32")
+            facts["forwarded"] += 1
+    finally:
+        worker_module._run_kept = real
+
+
+def calls(n: int) -> dict:
+    """Planned calls against numpy (:func:`_random_calls`) and outputs JAX forwards
+    (:func:`_forwarding_calls`); with NCCL (one process on the stand-in), counted:
+    the ordinary outputs are reduced in place, forwarded ones never."""
+    import synkhronos as synk
+
+    s = _fork(n)
+    rng = np.random.default_rng(4900 + n)
+    facts = {"n": n, "nccl": s.proc.device.comm is not None, "cases": 0, "forwarded": 0, "x_aliased": 0}
+    counting = None
+    if s.proc.device.comm is not None:
+        counting = s.proc.device.comm._comm = _InPlaceReduces(s.proc.device.comm._comm)
+    _random_calls(s, n, rng, facts)
+    if counting is not None:
+        facts["in_place"], facts["reduces"] = counting.in_place, counting.total
+        counting.in_place = counting.total = 0
+    _forwarding_calls(s, n, rng, facts, counting)
+    if counting is not None:
+        facts["forwarded_in_place"], facts["forwarded_reduces"] = counting.in_place, counting.total
+        assert facts["x_aliased"] == 4 and counting.total == 24, facts  # every planned call forwarded
+    synk.close()
+    return facts
+
+
 #: The scenarios that share one fork in "contract": the public contract on the GPU device.
 CONTRACT = {"outputs": outputs, "shareds": shareds, "dtypes": dtypes}
 
@@ -737,7 +933,8 @@ def killed(n: int) -> dict:
 
 
 SCENARIOS = {**{name: _in_a_fork(body) for name, body in CONTRACT.items()}, "contract": contract,
-             "refork": refork, "jax_cpu": jax_cpu, "killed": killed, "planned": planned}
+             "refork": refork, "jax_cpu": jax_cpu, "killed": killed, "planned": planned,
+             "calls": calls}
 
 
 def main(argv) -> int:

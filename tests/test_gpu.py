@@ -156,6 +156,23 @@ def test_planned_scenario_on_fake_gpu(seed):
 
 
 @needs_jax
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_planned_calls_on_fake_gpu(n):
+    """Calls (planned from the second) with numpy and with device outputs against numpy,
+    seeded random rows: every op, float32 (kept float32) to int64, 0-d to (7, 3) per row;
+    and outputs that are an input, a shared value (also after ``updates=[(b, a)]``), an
+    update's new value or one array twice, as a forwarding JAX gives them: inputs and shared values unchanged.
+    With one process (NCCL on the stand-in) the ordinary outputs are reduced in place
+    on their own buffers and the forwarded ones never are."""
+    facts = scenario("calls", n, fake=True)
+    assert facts["cases"] == 48 and facts["forwarded"] == 4, facts
+    assert facts["nccl"] == (n == 1), facts
+    if n == 1:
+        assert facts["in_place"] == facts["reduces"] > 0, facts
+        assert facts["forwarded_in_place"] == 0 and facts["forwarded_reduces"] == 24, facts
+
+
+@needs_jax
 @pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2,
                                pytest.param(3, marks=pytest.mark.slow)])
 def test_jax_mode_on_cpu_workers(n):

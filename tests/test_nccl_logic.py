@@ -492,6 +492,39 @@ def test_all_reduce_in_place_lands_in_the_arrays_and_equals_combine(world, fake_
                 assert_array_equal(host(mine[r][i]), v[r])
 
 
+@pytest.mark.parametrize("n", N)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "bool"])
+def test_reduce_in_place_writes_only_roots_arrays_and_equals_combine(world, fake_cupy, n, op, dtype):
+    """The output reduction of a call: root's arrays (its own outputs) take the result in
+    place where NCCL can; the other ranks' arrays are never written; uneven weights
+    (a multiply before the sum) and ``in_place=False`` leave root's arrays as they were."""
+    comms = world(n)
+    rng = np.random.default_rng([n, OPS.index(op), len(dtype)])
+    shapes = [(), (1,), (7, 3)]
+    for root in (0, n - 1):
+        for weights in ([1.0] * n, [float(r + 1) for r in range(n)]):
+            for allowed in (True, False):
+                vals = [_random_values(rng, n, dtype, s) for s in shapes]
+                mine = {r: [fake_cupy.asarray(v[r]) for v in vals] for r in range(n)}
+                got = run(n, lambda r: comms[r].reduce(mine[r], op, root, weight=weights[r], in_place=allowed))
+                uneven = op == "avg" and weights[root] != max(weights)  # root multiplies first
+                expect = allowed and _expect_in_place(dtype, op) and not uneven
+                for i, v in enumerate(vals):
+                    want = combine([x.copy() for x in v], op, weights if op == "avg" else None)
+                    out = got[root][i]
+                    assert (out is mine[root][i]) == expect, (dtype, op, root, weights, allowed, i)
+                    assert host(out).dtype == want.dtype and host(out).shape == want.shape
+                    if want.dtype.kind in "fc":
+                        assert_allclose(host(out), want, rtol=2e-6, atol=1e-12)
+                    else:
+                        assert_array_equal(host(out), want)
+                    for r in range(n):
+                        assert got[r] is None or r == root
+                        if r != root or not expect:
+                            assert_array_equal(host(mine[r][i]), v[r], err_msg=f"rank {r} array {i} written")
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_in_place_refusals_return_new_arrays_and_leave_the_inputs(world, fake_cupy, n):
     comms = world(n)

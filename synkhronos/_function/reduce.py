@@ -11,9 +11,11 @@ from ..errors import own_share_failed
 __all__ = []
 
 
-def reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
+def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None):
     """Combine outputs across processes, one collective per group of outputs that
-    share an op and a communicator (see :meth:`LocalFunction.plan`)."""
+    share an op and a communicator (see :meth:`LocalFunction.plan`). On a device
+    communicator the master's outputs are reduced in place where the device allows
+    (:meth:`Device.writable_outputs`; ``guarded``: what it must never write into)."""
     root = proc.master_rank
     results = [None] * n_outputs
     failure = None
@@ -48,7 +50,11 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed):
                     for i, joined in zip(idx, got):
                         results[i] = joined
             else:
-                got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged)
+                if on_device and mine is not None and proc.is_master:
+                    writable = proc.device.writable_outputs(proc, outs, idx, guarded)
+                    got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged, in_place=writable or False)
+                else:
+                    got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged)
                 if got is not None:
                     for i, r in zip(idx, got):
                         results[i] = r

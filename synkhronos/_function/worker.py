@@ -243,6 +243,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
     if share is None:
         share = share_of(proc, call)
     outs, error, weight = None, share.error, share.weight
+    guarded = None  # the master: memory its outputs' reduction must not write into
     if share.active and error is None:
         try:
             if share.fn is not None:
@@ -254,6 +255,8 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
             else:
                 args = _local_inputs(proc, call, share.lo, share.hi, own)
             proc.device.keep_on_device(proc)
+            if proc.is_master and not call.inline:
+                guarded = proc.device.guarded(proc, args)
             with interruptible:  # a worker: the master may stop this when it abandons the call
                 if share.fn is not None:
                     outs = _run_kept(share.fn, args, share.trust)
@@ -275,7 +278,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
         got = reply_inline(proc, outs, ops, weight, error)
         return got if own_only is None else (own_only, got[1], got[2])
     try:
-        results = reduce_outputs(proc, outs, len(ops), groups, weight, error is not None)
+        results = reduce_outputs(proc, outs, len(ops), groups, weight, error is not None, guarded)
         if own_only is not None:
             results = [own_only[k] if op is None else r for k, (op, r) in enumerate(zip(ops, results))]
         if proc.is_master and call.n_rows == 0 and not proc.comm.within_fork and any(

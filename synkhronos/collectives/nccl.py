@@ -284,7 +284,7 @@ class NcclCommunicator(Communicator):
         if op == "avg":
             pre, post = avg_factors([metas[r][1] for r in present], metas[self.rank][1])
         gets_result = root is None or self.rank == root
-        direct = self._direct(arrays, writable if root is None else None, layout, plans, pre)
+        direct = self._direct(arrays, writable if gets_result else None, layout, plans, pre)
         bufs = self._ready(lambda: self._buffers(arrays, op, layout, plans, pre, gets_result, direct))
         if any(direct):  # JAX's readers and writers of these buffers (its own stream) are done
             self._cp.cuda.runtime.deviceSynchronize()
@@ -359,9 +359,12 @@ class NcclCommunicator(Communicator):
             recv *= recv.dtype.type(post)
         return recv.astype(result, copy=False)
 
-    def reduce(self, arrays, op, root, weight=1.0, failed=False):
-        """``op`` over every process's arrays; CuPy arrays on root, None elsewhere."""
-        return self._reduce(arrays, op, weight, failed, root)
+    def reduce(self, arrays, op, root, weight=1.0, failed=False, in_place=False):
+        """``op`` over every process's arrays; CuPy arrays on root, None elsewhere.
+
+        ``in_place`` as in :meth:`all_reduce`, on root: an array it may write and
+        NCCL can is reduced on its own buffer and comes back itself."""
+        return self._reduce(arrays, op, weight, failed, root, _writable(arrays, in_place))
 
     def all_reduce(self, arrays, op, weight=1.0, failed=False, in_place=False):
         """``op`` over every process's arrays, everywhere.
@@ -372,11 +375,7 @@ class NcclCommunicator(Communicator):
         weighting before the sum) is reduced in place on its own buffer and
         comes back itself; every other result is a new CuPy array.
         """
-        writable = None
-        if arrays is not None and in_place is not False:
-            n = len(arrays)  # (a list too short says False for the rest: never a write unasked)
-            writable = [in_place] * n if isinstance(in_place, bool) else (list(in_place) + [False] * n)[:n]
-        return self._reduce(arrays, op, weight, failed, None, writable)
+        return self._reduce(arrays, op, weight, failed, None, _writable(arrays, in_place))
 
     def all_gather(self, arrays, failed=False, join=None):
         """For each array, the list over ranks of its copies (None where a rank had none),
@@ -508,6 +507,15 @@ class NcclCommunicator(Communicator):
                 comm.destroy()
             except Exception:
                 pass
+
+
+def _writable(arrays, in_place):
+    """Per array, whether it may be written: ``in_place`` is a bool or a list (one too
+    short says False for the rest: never a write unasked); None when none may."""
+    if arrays is None or in_place is False:
+        return None
+    n = len(arrays)
+    return [in_place] * n if isinstance(in_place, bool) else (list(in_place) + [False] * n)[:n]
 
 
 class _NcclPlan(CommPlan):

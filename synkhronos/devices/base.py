@@ -77,6 +77,16 @@ class Device:
         """Per variable of ``sids``, whether this process holds its value on the device."""
         return np.zeros(len(sids), dtype=bool)
 
+    def guarded(self, proc, inputs) -> tuple | None:
+        """Before a call's share runs in the master: the memory its outputs' reduction
+        must never write into (see :meth:`writable_outputs`); None: it writes into none."""
+        return None
+
+    def writable_outputs(self, proc, outs, idx, guarded) -> list | None:
+        """Per output ``outs[i]`` of ``idx``, whether its reduction may write the result
+        into the output's own buffer; None: into none."""
+        return None
+
     def to_user(self, results, device_outputs: bool) -> list:
         """The master's outputs as the user gets them."""
         return results

@@ -15,7 +15,7 @@ from typing import cast
 
 import numpy as np
 
-from .._arrays import concat, is_device_array, join, to_jax, to_numpy
+from .._arrays import buffer_range, concat, is_device_array, join, to_jax, to_numpy
 from ..collectives import BACKENDS, Communicator
 from ..collectives.nccl import new_unique_id
 from ..collectives.ops import cast_to
@@ -230,13 +230,57 @@ class GpuDevice(Device):
 
     # -- outputs -----------------------------------------------------------
 
+    def guarded(self, proc, inputs) -> tuple | None:
+        """``(ranges, values)``: the memory (``(low, high)`` ranges) of the call's inputs
+        and of every shared variable's value before the call, and those values (an output
+        may be one of them, or a view of one: JAX forwards inputs to outputs,
+        ``outputs=x``, ``updates=[(b, a)]``)."""
+        if self.state is None or self.comm is None:
+            return None
+        values = [var.container.storage[0] for var in proc.shareds.values()]
+        return _ranges([*inputs, *values]), values
+
+    def writable_outputs(self, proc, outs, idx, guarded) -> list | None:
+        """Per output ``outs[i]`` of ``idx``: whether NCCL may reduce it in place, on its own
+        buffer: a device array sharing no byte with the ``guarded`` memory, with a shared
+        variable's new value (an update), or with another output (one array may be two
+        outputs). NCCL itself then checks that the array may be written
+        (:func:`writable_in_place`: no cached host copy) and that it reduces it in its dtype."""
+        if guarded is None:
+            return None
+        taken, before = guarded
+        new = [var.container.storage[0] for var in proc.shareds.values()]
+        taken = taken + _ranges(v for v, old in zip(new, before) if v is not old)
+        spans = [buffer_range(o) for o in outs]
+        writable = []
+        for i in idx:
+            span = spans[i]
+            ok = span is not None and span[1] - span[0] < 1 << 63
+            if ok:
+                others = taken + [s for j, s in enumerate(spans) if j != i and s is not None]
+                ok = not any(lo < span[1] and span[0] < hi for lo, hi in others)
+            writable.append(ok)
+        return writable
+
     def to_user(self, results, device_outputs: bool) -> list:
-        """The master's outputs: numpy arrays, or JAX arrays on this GPU with ``device_outputs``."""
+        """The master's outputs: numpy arrays (writable, of their own memory), or JAX arrays
+        on this GPU with ``device_outputs`` (the very arrays the reduction wrote in place)."""
         if self.state is None:
             return results
         if device_outputs:
-            return [None if r is None else to_jax(r, self.state.jax_device) for r in results]
-        return [to_numpy(r) for r in results]
+            return [r if r is None or _is_jax_array(r) else to_jax(r, self.state.jax_device) for r in results]
+        out = [to_numpy(r) for r in results]
+        # a JAX array's host value is read-only (and on the CPU its very buffer): a copy of its own
+        return [r.copy() if isinstance(r, np.ndarray) and not r.flags.writeable else r for r in out]
+
+
+def _ranges(values) -> list:
+    """The ``(low, high)`` memory ranges of those of ``values`` that hold memory."""
+    return [r for r in map(buffer_range, values) if r is not None]
+
+
+def _is_jax_array(value) -> bool:
+    return (type(value).__module__ or "").startswith(("jax", "jaxlib")) and hasattr(value, "block_until_ready")
 
 
 def _held_twice(variables) -> set:
