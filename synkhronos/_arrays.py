@@ -18,7 +18,7 @@ except ImportError:  # numpy < 2
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
            "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place", "still_writable", "cupy_at",
-           "buffer_range"]
+           "buffer_range", "span_overlaps"]
 
 
 def round_up(n: int, to: int = 64) -> int:
@@ -217,5 +217,10 @@ def join(parts, nd_up, var):
 
 def overlaps(a, ranges) -> bool:
     """Whether the bytes of array ``a`` overlap any ``(low, high)`` range of ``ranges``."""
-    lo, hi = byte_bounds(a)
+    return span_overlaps(byte_bounds(a), ranges)
+
+
+def span_overlaps(span, ranges) -> bool:
+    """Whether the ``(low, high)`` range ``span`` overlaps any range of ``ranges``."""
+    lo, hi = span
     return any(r_lo < hi and lo < r_hi for r_lo, r_hi in ranges)

@@ -15,7 +15,7 @@ from typing import cast
 
 import numpy as np
 
-from .._arrays import buffer_range, concat, is_device_array, join, to_jax, to_numpy
+from .._arrays import buffer_range, concat, is_device_array, join, span_overlaps, to_jax, to_numpy
 from ..collectives import BACKENDS, Communicator
 from ..collectives.nccl import new_unique_id
 from ..collectives.ops import cast_to
@@ -257,8 +257,7 @@ class GpuDevice(Device):
             span = spans[i]
             ok = span is not None and span[1] - span[0] < 1 << 63
             if ok:
-                others = taken + [s for j, s in enumerate(spans) if j != i and s is not None]
-                ok = not any(lo < span[1] and span[0] < hi for lo, hi in others)
+                ok = not span_overlaps(span, taken + [s for j, s in enumerate(spans) if j != i and s is not None])
             writable.append(ok)
         return writable
 
@@ -268,7 +267,7 @@ class GpuDevice(Device):
         if self.state is None:
             return results
         if device_outputs:
-            return [r if r is None or _is_jax_array(r) else to_jax(r, self.state.jax_device) for r in results]
+            return [None if r is None else to_jax(r, self.state.jax_device) for r in results]  # (JAX arrays as they are)
         out = [to_numpy(r) for r in results]
         # a JAX array's host value is read-only (and on the CPU its very buffer): a copy of its own
         return [r.copy() if isinstance(r, np.ndarray) and not r.flags.writeable else r for r in out]
@@ -277,10 +276,6 @@ class GpuDevice(Device):
 def _ranges(values) -> list:
     """The ``(low, high)`` memory ranges of those of ``values`` that hold memory."""
     return [r for r in map(buffer_range, values) if r is not None]
-
-
-def _is_jax_array(value) -> bool:
-    return (type(value).__module__ or "").startswith(("jax", "jaxlib")) and hasattr(value, "block_until_ready")
 
 
 def _held_twice(variables) -> set:
