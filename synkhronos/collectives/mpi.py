@@ -61,8 +61,9 @@ from .mpi_plans import LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales, fill_slot,
                        finish_reduce, fit_into, gather_in_pieces, inline_reduce, left_reason, no_failure,
-                       payload_fits, pieces, read_equal, read_meta, reduce_plan, spans)
-from .ops import agreed_layout, identity, result_dtype
+                       payload_fits, pieces, plannable_layout, read_equal, read_meta, reduce_plan, spans,
+                       step_text, steps_differ)
+from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
@@ -231,9 +232,7 @@ class MpiCommunicator(Communicator):
         """A kept plan's step (see :mod:`.mpi_plans`): numbered first (:meth:`begin_marked`),
         then entered (:meth:`enter`, which raises when no step can be made); its number."""
         self.begin_marked(mark, words)
-        if self._comm is None or self.ended is not None or self.broken is not None \
-                or self._notices.received() is not None:  # (enter's checks, its call only to raise)
-            self.enter("all_reduce")
+        self.enter("all_reduce")
         return self.step[0]
 
     def plan_exchanged(self, equal: bool) -> None:
@@ -325,10 +324,7 @@ class MpiCommunicator(Communicator):
         node then takes the largest step number of the nodes taking part, so the next
         step agrees again (a node that made one step more, or fewer, is caught up)."""
         words = self._words if isinstance(self._words, str) else self._words[0](*self._words[1:])
-        mine = np.zeros(STEP_TEXT, dtype=np.uint8)
-        raw = f"{words} (step {self.step[0]})".encode()[:STEP_TEXT]
-        mine[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        every = np.zeros((self.size, STEP_TEXT), dtype=np.uint8)
+        mine, every = step_text(f"{words} (step {self.step[0]})"), np.zeros((self.size, STEP_TEXT), dtype=np.uint8)
         self.wait([self._comm.Iallgather([mine, self._MPI.BYTE], [every, self._MPI.BYTE])], what,
                   (mine, every))
         texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
@@ -429,17 +425,8 @@ class MpiCommunicator(Communicator):
 
     def _same_step(self, what: str, heads) -> None:
         """StepMismatchError (on every node, after one more exchange) when the nodes that
-        have not joined are in different steps. (Plain loops first: this runs at every
-        exchange, and almost always finds every node in the same step.)"""
-        number, mark = heads[0].number, heads[0].mark
-        for h in heads:
-            if h.number != number or h.mark != mark:
-                break
-        else:
-            return
-        active = [h for h in heads if h.mark != JOINED]  # (a joined node's head differs)
-        # a node whose step failed before it knew its key (FAILED) matches any step of its number
-        if len({h.number for h in active}) > 1 or len({h.mark for h in active if h.mark != FAILED}) > 1:
+        have not joined are in different steps (:func:`.mpi_wire.steps_differ`)."""
+        if steps_differ(heads):
             raise self._mismatch(what, heads)
 
     def leave(self, reason: str) -> None:
@@ -770,12 +757,9 @@ class MpiCommunicator(Communicator):
         if kind != "all_reduce" or op not in MPI_OPS or step is None or self._comm is None \
                 or self.broken is not None or self.ended is not None:
             return None
-        lay = []
-        for dtype, shape in layout:
-            if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc" or not isinstance(shape, tuple) \
-                    or result_dtype(dtype, op) != dtype:
-                return None
-            lay.append((dtype, tuple(int(d) for d in shape)))
+        lay = plannable_layout(layout, op)
+        if lay is None:
+            return None
         lines = (self._MPI, self._comm)
         return StepPlan.make(self, lines, lay, op, step) or LargePlan.make(self, lines, lay, op, step)
 

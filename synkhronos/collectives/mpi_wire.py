@@ -301,3 +301,40 @@ def gather_in_pieces(comm, MPI, send, recv, sizes, displs, root):
         elif rank == r:
             reqs += [comm.Isend([p, MPI.BYTE], root, PIECE_TAG) for p in pieces(send)]
     return reqs
+
+
+def plannable_layout(layout, op: str):
+    """``layout`` (``(dtype, shape)`` per array) as a kept plan holds it, when every array
+    is of numbers or booleans whose ``op`` result keeps its dtype (no ``avg`` of
+    integers); None otherwise."""
+    lay = []
+    for dtype, shape in layout:
+        if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc" or not isinstance(shape, tuple) \
+                or result_dtype(dtype, op) != dtype:
+            return None
+        lay.append((dtype, tuple(int(d) for d in shape)))
+    return lay
+
+
+def step_text(text: str) -> np.ndarray:
+    """``text`` as a step's words travel after a mismatch: :data:`STEP_TEXT` bytes, cut
+    and padded with zeros."""
+    out = np.zeros(STEP_TEXT, dtype=np.uint8)
+    raw = text.encode()[:STEP_TEXT]
+    out[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return out
+
+
+def steps_differ(heads) -> bool:
+    """Whether the nodes of ``heads`` (:class:`Head`) that have not joined are in different
+    steps; a node whose step failed before it knew its key (FAILED) matches any step of its
+    number. (Plain loops first: this runs at every exchange, and almost always finds every
+    node in the same step.)"""
+    number, mark = heads[0].number, heads[0].mark
+    for h in heads:
+        if h.number != number or h.mark != mark:
+            break
+    else:
+        return False
+    active = [h for h in heads if h.mark != JOINED]  # (a joined node's head differs)
+    return len({h.number for h in active}) > 1 or len({h.mark for h in active if h.mark != FAILED}) > 1
