@@ -100,18 +100,26 @@ def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
 
 
 @needs_mpi
-@pytest.mark.parametrize("seed", [4801, pytest.param(4802, marks=pytest.mark.slow)])
-def test_planned_all_reduce_bit_for_bit(tmp_path, seed):
-    """Two nodes of one process each: random all_reduce loops over random sets of
-    variables (every op; float32, float64, int32, int64, uint8, bool, complex64; 0-d
-    to (5, 7)), each node's values its own: every result equals ops.combine of the
-    nodes' values in node order, bit for bit, on both nodes, on the kept MPI plan and
-    where it falls back (avg of integers)."""
-    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", f"planned:{seed}", "1,1")
-    assert_all_ok(rc, output, verdicts, 2)
+@pytest.mark.parametrize("seed, sizes", [(4801, "1,1"), pytest.param(4802, "1,1", marks=pytest.mark.slow),
+                                         pytest.param(4803, "1,1,1", marks=pytest.mark.slow)],
+                         ids=["np2", "np2-seed2", "np3"])
+def test_planned_all_reduce_bit_for_bit(tmp_path, seed, sizes):
+    """Nodes of one process each: random all_reduce loops over random sets of variables
+    (every op; float32, float64, int32, int64, uint8, bool, complex64; 0-d to (129,)),
+    each node's values its own: on 2 nodes every result equals ops.combine of the nodes'
+    values in node order, bit for bit, on both nodes, on the kept MPI plans (the header's
+    and the large plan's ring) and where it falls back (avg of integers). On 3 nodes the
+    same, except that a float sum, avg or prod too large for the header (the ring's
+    order) is close to combine's, and the same bits on every node."""
+    n = len(sizes.split(","))
+    rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", f"planned:{seed}", sizes)
+    assert_all_ok(rc, output, verdicts, n)
     assert all(v["checked"] > 150 for v in verdicts.values())
-    _planned_somewhere(verdicts, "1,1")
-    _no_shm_left(tmp_path, 2)
+    assert all(v.get("large_plan_steps", 0) > 5 for v in verdicts.values()), verdicts  # (the ring ran)
+    digests = [v.get("digests", []) for v in verdicts.values()]
+    assert all(d == digests[0] for d in digests) and (n == 2 or len(digests[0]) > 10), digests
+    _planned_somewhere(verdicts, sizes)
+    _no_shm_left(tmp_path, n)
 
 
 @needs_mpi

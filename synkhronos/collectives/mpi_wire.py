@@ -88,6 +88,8 @@ NOTICE_BYTES = 2048
 PIECE_BYTES = 1 << 30
 #: The tag of a gather's point-to-point pieces (the data communicator has no other).
 PIECE_TAG = 7
+#: The tag of a kept large all-reduce's ring segments (mpi_plans.LargePlan).
+RING_TAG = 8
 
 #: reduce op -> MPI op name ("avg" is a weighted sum).
 MPI_OPS = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}

@@ -41,10 +41,12 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``timeout_usable``: fork(timeout=2), node 1 late for a call: what the error says holds.
 - ``close_in_join``: a signal handler calls close() while node 1 waits in join().
 - ``planned:<seed>``: random loops of all_reduce over random sets of variables (every op,
-  dtypes float32/float64/int32/int64/uint8/bool/complex64, shapes 0-d to (5, 7)), values
-  set per node with PyTensor's set_value from a seeded rng: every result equals
-  ops.combine of the nodes' values in node order, bit for bit, on every node (nodes of
-  one process run most steps on the kept MPI plan; avg of integers falls back).
+  dtypes float32/float64/int32/int64/uint8/bool/complex64, shapes 0-d to (5, 7) and
+  (129,)), values set per node with PyTensor's set_value from a seeded rng: every result
+  equals ops.combine of the nodes' values in node order, bit for bit, on every node
+  (nodes of one process run most steps on the kept MPI plan; avg of integers falls
+  back). With 3 nodes or more, a float or complex sum, avg or prod too large for the
+  header (the plan's ring, in its own order) is close, and the same bits on every node.
 - ``diverge_planned``: once the plans are kept, node 1 changes a variable's shape, uses
   another op, skips a step, calls join(): every node raises the same error (or the join
   semantics hold) and the next step agrees.
@@ -58,6 +60,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -971,7 +974,7 @@ def scenario_close_in_join(v, node, node_sizes):
 
 PLAN_OPS = ("sum", "avg", "prod", "max", "min")
 PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_, np.complex64)
-PLAN_SHAPES = ((), (1,), (3,), (5, 7))
+PLAN_SHAPES = ((), (1,), (3,), (5, 7), (129,))
 
 
 def _plan_value(seed, step, i, node, dtype, shape):
@@ -999,6 +1002,7 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
     synk.function([], [(sv.sum(), "sum") for sv in shared], mode=MODE, name="h")
     synk.distribute()
     n = len(node_sizes)
+    inter = synk._state.current().proc.comm.inter
     model: list = [None] * len(kinds)  # per variable: every node's value
     checked = 0
     for step in range(count):
@@ -1010,20 +1014,28 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
                 shared[i].set_value(model[i][node])
         want = [cast_to(np.asarray(combine(model[i], op)), kinds[i][0]) for i in chosen]
         where = f"step {step}: all_reduce({chosen}, {op!r}) of {[kinds[i] for i in chosen]}"
+        before = inter.plan_steps
         try:
             synk.all_reduce([shared[i] for i in chosen], op)
         except Exception as err:  # noqa: BLE001
             v.expect(False, f"{where}: {type(err).__name__}: {err}")
             return
-        # (a complex prod that MPI multiplies, the values too large to travel in the header,
-        # may differ from numpy's in the last bit: only there, close is enough)
-        by_mpi = op == "prod" and sum(result_dtype(kinds[i][0], op).itemsize * int(np.prod(kinds[i][1]))
-                                      for i in chosen) > 256
+        large = sum(result_dtype(kinds[i][0], op).itemsize * int(np.prod(kinds[i][1])) for i in chosen) > 256
+        if large and inter.plan_steps > before:
+            v.info["large_plan_steps"] = v.info.get("large_plan_steps", 0) + 1  # (on the ring)
+        # (values too large to travel in the header: a complex prod that MPI multiplies on the
+        # full path may differ from numpy's in the last bit, and with 3 nodes or more the
+        # plan's ring sums and multiplies floats in its own order: only there, close is
+        # enough, and every node must hold the same bits all the same)
+        loose = large and (op == "prod" if n == 2 else op in ("sum", "avg", "prod"))
         for i, w in zip(chosen, want):
             got = shared[i].get_value(borrow=True)
             checked += 1
-            same = got.tobytes() == w.tobytes() or (by_mpi and w.dtype.kind == "c" and np.allclose(got, w, rtol=1e-6))
-            v.expect(got.dtype == w.dtype and got.shape == w.shape and same, f"{where}: p{i} {got!r} != {w!r}")
+            close = loose and w.dtype.kind in ("c" if n == 2 else "fc") and np.allclose(got, w, rtol=1e-5)
+            v.expect(got.dtype == w.dtype and got.shape == w.shape and (got.tobytes() == w.tobytes() or close),
+                     f"{where}: p{i} {got!r} != {w!r}")
+            if loose:  # (every node the same bits all the same)
+                v.info.setdefault("digests", []).append(zlib.crc32(got.tobytes()))
             model[i] = [np.array(got)] * n
     v.info["checked"] = checked
 
