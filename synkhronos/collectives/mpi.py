@@ -59,8 +59,8 @@ from .base import Communicator
 from . import mpi_wire
 from .mpi_plans import LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       POLL_SLEEP, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales, fill_slot,
-                       finish_reduce, fit_into, gather_in_pieces, inline_reduce, left_reason, no_failure,
+                       POLL_SLEEP, POLL_SLEEP_MAX, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
+                       fill_slot, finish_reduce, fit_into, gather_in_pieces, inline_reduce, left_reason, no_failure,
                        payload_fits, pieces, plannable_layout, read_equal, read_meta, reduce_plan, spans,
                        step_text, steps_differ)
 from .ops import agreed_layout, identity
@@ -204,7 +204,7 @@ class MpiCommunicator(Communicator):
                     return
             self.waiting = what  # a timeout meanwhile names the other nodes (Session.poll)
             wait_until(ready, self.check, spin=SPIN_SECONDS, check_every=WAIT_SLICE,
-                       first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP)
+                       first_sleep=POLL_SLEEP, max_sleep=POLL_SLEEP_MAX)
         except BaseException as exc:
             # a leave's exchange completes later (see _answer_leave): its buffers outlive this object
             (state.mpi_leaving if self.ended is not None and header else self._abandoned).append((reqs, keep))

@@ -28,8 +28,13 @@ SPIN_SECONDS = 0.25
 #: yield on a busy machine can cost a whole time slice, while a small exchange's
 #: answer is usually a few microseconds away (one Test is about 0.3 us).
 FIRST_TESTS = 1000
-#: Sleep between polls once the spin is over (seconds).
+#: Sleep between polls once the spin is over (seconds), doubling up to POLL_SLEEP_MAX:
+#: a wait that has spun 0.25 s waits for a node that is not there yet (a transfer
+#: under way completes within the spin), so a millisecond more to notice costs
+#: nothing, while 10,000 polls a second cost a waiting node about 12 % of a core
+#: (a 5 s wait took 0.83 s of CPU; 0.38 s with the doubling).
 POLL_SLEEP = 100e-6
+POLL_SLEEP_MAX = 1e-3
 #: Bytes of each node's header slot in the agreement all-gather; a larger
 #: header (very many arrays) takes a second, variable-sized round.
 HEADER_SLOT = 512
