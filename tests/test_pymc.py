@@ -120,11 +120,14 @@ def _in_a_fresh_process(code: str, timeout: float = 240) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
 def test_jax_mode_equals_pymc(n):
     """Each process's share by JAX's autodiff (JaxValueAndGrad, the default where JAX is
     installed): logp and gradient equal PyMC's to 1e-10 on 2 and 3 processes (the master's
-    share among them; the Op alone is the next test)."""
+    share among them; the Op alone is the next test). make test checks JAX mode's density on
+    3 processes in the xla-callback and feature-major tests below (a StudentT and a Poisson
+    model, padded rows); this one adds the logistic and linear regressions (make test-slow)."""
     pytest.importorskip("jax")
     _in_a_fresh_process(f"""
         import warnings
