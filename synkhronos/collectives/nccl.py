@@ -616,25 +616,24 @@ class _NcclReducePlan(CommPlan):
         if comm.broken is not None or comm._comm is None or outs is None \
                 or not len(values) == len(outs) == len(self._calls):
             return False
-        for i, (value, (dtype, shape)) in enumerate(zip(values, self._layout)):
+        ptrs, recvs = [], []  # per array: its address; None (in place) or the (dtype, shape) of a new one
+        for i, (value, out, (dtype, shape)) in enumerate(zip(values, outs, self._layout)):
             have = getattr(value, "dtype", None)
-            if (have is not dtype and have != dtype) or getattr(value, "shape", None) != shape:
-                return False
-            if not self._readable(i, value):
-                return False
-        ptrs = [device_pointer(v) for v in values]
-        direct = [o is not None and o is v and self._writable(i, v) for i, (v, o) in enumerate(zip(values, outs))]
-        cp, root = comm._cp, comm.rank
-        with comm._stream:
-            recvs = [None if d else cp.empty(shape, dtype=dtype) for d, (dtype, shape) in zip(direct, self._layout)]
-        if any(direct):  # JAX's readers and writers of these buffers (its own stream) are done
+            if (have is not dtype and have != dtype) or getattr(value, "shape", None) != shape \
+                    or not self._readable(i, value):
+                return False  # (nothing sent yet)
+            ptrs.append(device_pointer(value))
+            recvs.append(None if out is value and self._writable(i, value) else (dtype, shape))
+        cp, stream = comm._cp, comm._stream
+        if any(r is None for r in recvs):  # JAX's readers and writers of these buffers (its own stream) are done
             cp.cuda.runtime.deviceSynchronize()
-        nccl, stream = comm._comm, comm._stream.ptr
-        with comm._stream:
+        with stream:
+            recvs = [r if r is None else cp.empty(r[1], dtype=r[0]) for r in recvs]
             comm._nccl.groupStart()
             try:
                 for ptr, recv, (count, datatype, nccl_op) in zip(ptrs, recvs, self._calls):
-                    nccl.reduce(ptr, ptr if recv is None else recv.data.ptr, count, datatype, nccl_op, root, stream)
+                    comm._comm.reduce(ptr, ptr if recv is None else recv.data.ptr, count, datatype, nccl_op,
+                                      comm.rank, stream.ptr)
             finally:
                 comm._nccl.groupEnd()
         comm._wait()

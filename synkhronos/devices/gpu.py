@@ -141,11 +141,11 @@ class GpuDevice(Device):
         (after ``set_value``, a CPU collective, or updates accumulated over slices)."""
         if self.state is None or not self.state.placed:
             return
-        import jax
-
         for var in self.state.placed.values():
             value = var.container.storage[0]
-            if isinstance(value, np.ndarray):
+            if isinstance(value, np.ndarray):  # (JAX imported only then: this runs twice per call)
+                import jax
+
                 # straight into the storage: set_value would filter it back to numpy
                 var.container.storage[0] = jax.device_put(value, self.state.jax_device)
 
