@@ -616,7 +616,8 @@ class _NcclReducePlan(CommPlan):
         if comm.broken is not None or comm._comm is None or outs is None \
                 or not len(values) == len(outs) == len(self._calls):
             return False
-        ptrs, recvs = [], []  # per array: its address; None (in place) or the (dtype, shape) of a new one
+        ptrs: list = []
+        recvs: list = []  # per array: None (in place), the (dtype, shape) of a new one, then that array
         for i, (value, out, (dtype, shape)) in enumerate(zip(values, outs, self._layout)):
             have = getattr(value, "dtype", None)
             if (have is not dtype and have != dtype) or getattr(value, "shape", None) != shape \
