@@ -17,7 +17,8 @@ except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds  # type: ignore[attr-defined, unused-ignore]  # (not in numpy 2's stubs)
 
 __all__ = ["to_cupy", "to_jax", "to_numpy", "is_device_array", "concat", "join", "byte_bounds", "overlaps",
-           "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place", "still_writable", "cupy_at",
+           "round_up", "packed_views", "device_pointer", "readable_in_place", "writable_in_place",
+           "still_readable", "still_writable", "cupy_at",
            "buffer_range", "span_overlaps"]
 
 
@@ -88,6 +89,18 @@ def writable_in_place(x) -> bool:
     return readable_in_place(x)
 
 
+def still_readable(x) -> bool:
+    """For an array made as one :func:`readable_in_place` accepted before (of its type,
+    the same compiled function's output for the same input types, so of the same
+    device layout): the part of its answer that can differ from array to array."""
+    if _is_cupy(x):
+        return bool(x.size) and bool(x.flags.c_contiguous)
+    try:
+        return not x.is_deleted() and type(x.sharding).__name__ == "SingleDeviceSharding"
+    except Exception:
+        return False
+
+
 def still_writable(x) -> bool:
     """For an array :func:`writable_in_place` accepted before: the part of its answer
     that can change while the array lives (a JAX array may since have cached a host
@@ -119,10 +132,13 @@ def buffer_range(x):
     if not is_device_array(x):
         return None
     try:
-        n = int(x.nbytes)
+        if _is_cupy(x):
+            n, lo = int(x.nbytes), (int(x.data.ptr) if x.nbytes else 0)
+        else:  # (JAX's nbytes property costs three times this)
+            n = int(x.size) * x.dtype.itemsize
+            lo = int(x.unsafe_buffer_pointer()) if n else 0
         if not n:
             return None
-        lo = int(x.data.ptr) if _is_cupy(x) else int(x.unsafe_buffer_pointer())
     except Exception:
         return 0, 1 << 64
     return lo, lo + n

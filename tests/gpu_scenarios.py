@@ -561,6 +561,7 @@ class _InPlaceReduces:
     def __init__(self, comm):
         self._comm = comm
         self.total = self.in_place = 0
+        self.counts: list = []  # the element count of each reduce
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
@@ -568,6 +569,7 @@ class _InPlaceReduces:
     def reduce(self, send, recv, *args):
         self.total += 1
         self.in_place += send == recv
+        self.counts.append(args[0])
         return self._comm.reduce(send, recv, *args)
 
 
@@ -701,6 +703,8 @@ def _forwarding_calls(s, n, rng, facts, counting) -> None:
             _same_call(fx(data, device_outputs=device), kept * n, f"x forwarded (call {call})", "float32")
             np.testing.assert_array_equal(data, kept, err_msg="a forwarded input was written")
             forward["how"] = "a"
+            if call % 2:  # another array for a (the guard keeps the shared values' ranges by array)
+                a.set_value(a0.copy())
             _same_call(fa(device_outputs=device), a0 * n, f"a forwarded (call {call})", "float32")
             _same_call(fab(device_outputs=device), a0 * n, f"a forwarded to b (call {call})", "float32")
             forward["how"] = "c"
@@ -720,6 +724,61 @@ def _forwarding_calls(s, n, rng, facts, counting) -> None:
         worker_module._run_kept = real
 
 
+def _layout_changes(s, n, rng, facts, counting) -> None:
+    """The kept output reduction of a planned call holds only for outputs of the layout it
+    was made from: between planned calls with inputs of the same shapes, ``set_value``
+    changes a shared value's shape (``x @ w`` gets another width), and an update grows
+    one at every call (``v``, an output of its own); every output equals numpy's, and with
+    NCCL (one process) each reduce has the element count of the output it reduces
+    (never the kept plan's of another layout): the plan runs while the layout holds,
+    refuses (nothing sent) when it changed, and is made again."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos.collectives import nccl as nccl_module
+
+    w = pytensor.shared(rng.standard_normal((3, 4)).astype(np.float32), name="w")
+    v = pytensor.shared(np.arange(2.0), name="v")
+    x = pt.tensor(dtype="float32", shape=(None, 3), name="x")
+    y = pt.dot(x, w)
+    f = synk.function([x], [(pt.sum(y, axis=0), "sum"), (pt.max(y, axis=0), "max")])
+    fv = synk.function([], (v * 2, "sum"), updates=[(v, pt.concatenate([v, v[-1:] + 1]))])
+    synk.distribute()
+    data = rng.standard_normal((2 * n + 1, 3)).astype(np.float32)
+    real, runs = nccl_module._NcclReducePlan.run, {True: 0, False: 0}
+
+    def counted(plan, values, outs=None):
+        done = real(plan, values, outs)
+        runs[done] += 1
+        return done
+
+    nccl_module._NcclReducePlan.run = counted
+    try:
+        for step, cols in enumerate((4, 4, 4, 4, 6, 6, 6, 2, 2, 5)):
+            if w.get_value(borrow=True).shape[1] != cols:
+                w.set_value(rng.standard_normal((3, cols)).astype(np.float32))
+                if n > 1:
+                    synk.broadcast(w)
+            device = bool(step % 2)
+            before = None if counting is None else len(counting.counts)
+            got = f(data, device_outputs=device)
+            want = data.astype(np.float64) @ w.get_value().astype(np.float64)
+            _same_call(got[0], want.sum(axis=0).astype(np.float32), f"sum, {cols} columns", "float32")
+            _same_call(got[1], want.max(axis=0).astype(np.float32), f"max, {cols} columns", "float32")
+            if counting is not None:
+                assert counting.counts[before:] == [cols, cols], (step, cols, counting.counts[before:])
+                before = len(counting.counts)
+            grown = fv(device_outputs=device)
+            _same_call(grown, 2.0 * n * np.arange(2.0 + step), f"an update's growing value, step {step}", "float64")
+            if counting is not None:
+                assert counting.counts[before:] == [2 + step], (step, counting.counts[before:])
+            facts["layouts"] += 1
+    finally:
+        nccl_module._NcclReducePlan.run = real
+    facts["kept_runs"], facts["kept_refused"] = runs[True], runs[False]
+
+
 def calls(n: int) -> dict:
     """Planned calls against numpy (:func:`_random_calls`) and outputs JAX forwards
     (:func:`_forwarding_calls`); with NCCL (one process on the stand-in), counted:
@@ -728,7 +787,8 @@ def calls(n: int) -> dict:
 
     s = _fork(n)
     rng = np.random.default_rng(4900 + n)
-    facts = {"n": n, "nccl": s.proc.device.comm is not None, "cases": 0, "forwarded": 0, "x_aliased": 0}
+    facts = {"n": n, "nccl": s.proc.device.comm is not None, "cases": 0, "forwarded": 0, "x_aliased": 0,
+             "layouts": 0}
     counting = None
     if s.proc.device.comm is not None:
         counting = s.proc.device.comm._comm = _InPlaceReduces(s.proc.device.comm._comm)
@@ -740,6 +800,7 @@ def calls(n: int) -> dict:
     if counting is not None:
         facts["forwarded_in_place"], facts["forwarded_reduces"] = counting.in_place, counting.total
         assert facts["x_aliased"] == 4 and counting.total == 24, facts  # every planned call forwarded
+    _layout_changes(s, n, rng, facts, counting)
     synk.close()
     return facts
 

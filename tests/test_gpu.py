@@ -161,15 +161,19 @@ def test_planned_calls_on_fake_gpu(n):
     """Calls (planned from the second) with numpy and with device outputs against numpy,
     seeded random rows: every op, float32 (kept float32) to int64, 0-d to (7, 3) per row;
     and outputs that are an input, a shared value (also after ``updates=[(b, a)]``), an
-    update's new value or one array twice, as a forwarding JAX gives them: inputs and shared values unchanged.
+    update's new value or one array twice, as a forwarding JAX gives them: inputs and shared values unchanged;
+    and outputs whose shapes change between planned calls (``set_value``, a growing update): the
+    kept output reduction is never used for another layout (each reduce's count is the output's).
     With one process (NCCL on the stand-in) the ordinary outputs are reduced in place
     on their own buffers and the forwarded ones never are."""
     facts = scenario("calls", n, fake=True)
-    assert facts["cases"] == 48 and facts["forwarded"] == 4, facts
+    assert facts["cases"] == 48 and facts["forwarded"] == 4 and facts["layouts"] == 10, facts
     assert facts["nccl"] == (n == 1), facts
     if n == 1:
         assert facts["in_place"] == facts["reduces"] > 0, facts
         assert facts["forwarded_in_place"] == 0 and facts["forwarded_reduces"] == 24, facts
+        # the kept output reduction ran, and refused the outputs whose layout had changed
+        assert facts["kept_runs"] > 0 and facts["kept_refused"] > 0, facts
 
 
 @needs_jax

@@ -667,3 +667,61 @@ def test_device_arrays_are_read_without_conversion(world, fake_cupy, monkeypatch
     comm.all_reduce([fake_cupy.asarray(np.arange(3, dtype=np.int16))], "sum")  # summed as int32: converted
     comm.reduce([np.arange(3.0)], "sum", root=0)  # numpy: copied to the device
     assert len(converted) == 2
+
+
+def test_reduce_plan_of_outputs_in_one_group(world, fake_cupy, monkeypatch):
+    """The kept reduce of a call's outputs (one process): every array in one NCCL group,
+    whatever its op; an array given in ``outs`` is reduced in place and stays the result,
+    one given as None into a new array; results equal combine's of the one part."""
+    (comm,) = world(1)
+    counts = _count_exchanges(monkeypatch, comm)
+    ends = []
+    real_end = fake_cupy.cuda.nccl.groupEnd
+    monkeypatch.setattr(fake_cupy.cuda.nccl, "groupEnd", lambda: ends.append(1) or real_end())
+    rng = np.random.default_rng(4850)
+    kinds = [(d, op) for d in IN_PLACE_DTYPES for op in OPS if _expect_in_place(d, op)]
+    for step in range(40):
+        picked = [kinds[k] for k in rng.integers(len(kinds), size=rng.integers(1, 5))]
+        shapes = [[(), (1,), (7, 3), (5,)][k] for k in rng.integers(4, size=len(picked))]
+        layout = tuple((np.dtype(d), s) for (d, _), s in zip(picked, shapes))
+        ops = tuple(op for _, op in picked)
+        plan = comm.plan("reduce", layout, ops)
+        assert plan is not None, (layout, ops)
+        vals = [_random_values(rng, 1, d, s)[0] for (d, _), s in zip(picked, shapes)]
+        arrays = [fake_cupy.asarray(v) for v in vals]
+        write = rng.integers(2, size=len(arrays)).astype(bool)
+        outs = [a if w else None for a, w in zip(arrays, write)]
+        before, groups = len(fake_cupy.cuda.nccl.calls), len(ends)
+        assert plan.run(arrays, outs) is True
+        sent = fake_cupy.cuda.nccl.calls[before:]
+        assert [c[1] for c in sent] == ["reduce"] * len(arrays) and len(ends) - groups == 1
+        for a, o, v, w, op in zip(arrays, outs, vals, write, ops):
+            assert (o is a) == bool(w), (w, op)
+            want = combine([v.copy()], op)
+            assert_array_equal(host(o), want, err_msg=f"{v.dtype} {op}")
+            assert_array_equal(host(a), v)  # (one rank: in place or not, the array keeps its values)
+    assert counts == {"all_gather": 0, "_publish": 0, "barrier": 0}, counts
+
+
+def test_reduce_plan_refusals(world, fake_cupy):
+    """No kept reduce for what NCCL cannot reduce in the array's own dtype, an empty array,
+    a count of ops other than of arrays, or several processes; a kept one sends nothing
+    for values of another dtype or shape (the outputs' layout changed), or without ``outs``."""
+    (one,) = world(1)
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+    lay = ((f32, (3,)), (i32, ()))
+    for layout, ops in [(((i32, (3,)),), ("avg",)), (((f32, (0, 2)),), ("sum",)), (lay, ("sum",)),
+                        (((np.dtype(np.complex64), (3,)),), ("max",)), (((None, None),), ("sum",))]:
+        assert one.plan("reduce", layout, ops) is None, (layout, ops)
+    assert one.plan("all_reduce", lay, ("sum", "max")) is None  # (an all-reduce has one op)
+    assert world(2)[0].plan("reduce", lay, ("sum", "max")) is None
+    plan = one.plan("reduce", lay, ("sum", "max"))
+    a, b = fake_cupy.asarray(np.arange(3, dtype=f32)), fake_cupy.asarray(np.array(4, dtype=i32))
+    calls = len(fake_cupy.cuda.nccl.calls)
+    for values in ([a, fake_cupy.asarray(np.array(4, dtype=np.int64))], [fake_cupy.asarray(np.arange(4, dtype=f32)), b],
+                   [a, fake_cupy.asarray(np.array([4], dtype=i32))], [a], [np.arange(3, dtype=f32), b]):
+        assert plan.run(values, [None] * len(values)) is False, values
+    assert plan.run([a, b]) is False
+    assert len(fake_cupy.cuda.nccl.calls) == calls, "a refused run sent something"
+    outs = [a, None]
+    assert plan.run([a, b], outs) is True and outs[0] is a and outs[1] is not b

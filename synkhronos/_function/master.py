@@ -24,7 +24,7 @@ from ..data import data as make_data
 from ..data import label as data_label
 from ..data import ref as data_ref
 from ..errors import SynkError, short_repr, user_stacklevel
-from .reduce import combine_inline
+from .reduce import KeptReduction, combine_inline
 from .spec import CallSpec, FunctionSpec, LocalFunction
 from .worker import Lane, Share, execute_call, plain_input, share_of
 
@@ -431,7 +431,7 @@ class Function:
         share = share_of(proc, call, keep=True, own_keys=own.keys())
         planned.keep(key, _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
                                 copies, mine, share if share.fn is not None else None,
-                                Lane.of(proc, call, share)))
+                                Lane.of(proc, call, share), KeptReduction() if proc.size == 1 else None))
 
     def _call_planned(self, plan, args, device_outputs: bool):
         s = state.running_session()
@@ -449,7 +449,7 @@ class Function:
             return self._shape_result(s.proc.device.to_user(results, device_outputs))
         own = {i: args[i] if rows is None else args[i][rows] for i, rows in plan.mine}
         results = s.run(Command.CALL, plan.wire, body=plan.body,
-                        local=lambda proc, _: execute_call(proc, call, own, plan.share))
+                        local=lambda proc, _: execute_call(proc, call, own, plan.share, plan.reduction))
         return self._finish(s, call, results, device_outputs)
 
     def _inline(self, proc, subset) -> bool:
@@ -596,6 +596,7 @@ class _Plan:
     mine: list       # (input, slice of the master's rows or None for all) per numpy input
     share: Share | None  # the master's share, kept
     lane: Lane | None    # the master's share as a lane, where it can run as one
+    reduction: KeptReduction | None  # alone in the fork: its output reduction, kept (see there)
 
 
 def _is_minibatch(value) -> bool:

@@ -8,14 +8,50 @@ from .._arrays import concat
 from ..collectives.ops import Reducer, combine, result_dtype
 from ..errors import own_share_failed
 
-__all__ = []
+__all__ = ["KeptReduction"]
 
 
-def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None):
+class KeptReduction:
+    """The output reduction of one planned call of a process alone in its fork, kept
+    with the call's plan (a record of ``proc.kept.calls_of(fid)``, see
+    :mod:`synkhronos._kept.records`): the communicator's kept reduce of the reduced
+    outputs (:meth:`Communicator.plan`, kind ``"reduce"``: their layout, NCCL's
+    counts, datatypes and ops, one group), and what :meth:`Device.guarded` keeps
+    between calls (``guard``).
+
+    **Validity.** ``plan`` was made from the outputs of a call that took the full
+    reduction, and holds only for outputs of exactly that layout: the outputs'
+    shapes follow the shared values' shapes, which ``set_value`` and updates may
+    change at any call, so every use compares each output's dtype and shape with
+    the kept ones, and one that differs drops ``plan`` before anything is sent: the
+    full reduction runs and keeps a new one. Never kept: which outputs may be
+    written in place (an output may be an input, a shared value, an update's value
+    or another output, differently at every call): :meth:`Device.writable_outputs`
+    answers it at every call.
+    """
+
+    __slots__ = ("plan", "idx", "guard")
+
+    def __init__(self) -> None:
+        self.plan = None   # the communicator's CommPlan of the reduced outputs, or None
+        self.idx: list = []  # the positions of the outputs it reduces
+        self.guard: dict = {}  # Device.guarded's own record (see there)
+
+
+def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, kept=None):
     """Combine outputs across processes, one collective per group of outputs that
     share an op and a communicator (see :meth:`LocalFunction.plan`). On a device
     communicator the master's outputs are reduced in place where the device allows
-    (:meth:`Device.writable_outputs`; ``guarded``: what it must never write into)."""
+    (:meth:`Device.writable_outputs`; ``guarded``: what it must never write into).
+    ``kept``: a planned call's :class:`KeptReduction`, used and kept up to date."""
+    if kept is not None:
+        if kept.plan is not None and not failed and outs is not None:
+            results = _kept_reduce(proc, outs, n_outputs, groups, guarded, kept)
+            if results is not None:
+                return results
+        results = reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded)
+        _keep_reduction(proc, outs, groups, kept)
+        return results
     root = proc.master_rank
     results = [None] * n_outputs
     failure = None
@@ -64,6 +100,48 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None):
     if failure is not None:
         raise failure
     return results if proc.is_master else None
+
+
+def _kept_reduce(proc, outs, n_outputs, groups, guarded, kept):
+    """:func:`reduce_outputs` through ``kept.plan``; None, ``kept.plan`` dropped and
+    nothing sent, when the outputs left it."""
+    idx = kept.idx
+    values = [outs[i] for i in idx]
+    writable = proc.device.writable_outputs(proc, outs, idx, guarded) or [False] * len(idx)
+    targets = [v if w else None for v, w in zip(values, writable)]
+    if not kept.plan.run(values, targets):
+        kept.plan = None
+        return None
+    results = [None] * n_outputs
+    for op, _, group in groups:
+        if op is None:
+            for i in group:
+                results[i] = outs[i]
+    for i, r in zip(idx, targets):
+        results[i] = r
+    return results
+
+
+def _keep_reduction(proc, outs, groups, kept) -> None:
+    """After a full reduction of ``outs`` in a process alone in its fork: ``kept.plan``
+    for the next calls, when every reduced output goes through one device
+    communicator that keeps such a reduce (else None: the full path each time)."""
+    kept.plan, kept.idx = None, []
+    if proc.size != 1 or outs is None:
+        return
+    comm, idx, ops = None, [], []
+    for op, c, group in groups:
+        if op is None:
+            continue
+        if op == "gather" or not c.device_arrays or (comm is not None and c is not comm):
+            return
+        comm = c
+        idx += group
+        ops += [op] * len(group)
+    layout = [(getattr(outs[i], "dtype", None), getattr(outs[i], "shape", None)) for i in idx]
+    if comm is not None:
+        kept.plan = comm.plan("reduce", layout, tuple(ops))
+        kept.idx = idx if kept.plan is not None else []
 
 
 def reply_inline(proc, outs, ops, weight, error):

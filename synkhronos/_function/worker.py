@@ -230,11 +230,12 @@ def _run_kept(fn, args, trust: bool):
         fn.trust_input = False
 
 
-def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
+def execute_call(proc, call: CallSpec, own=None, share: Share | None = None, kept=None):
     """Compute this process's share of a call and take part in the output reductions.
 
     ``own`` maps input positions to arrays the master passes directly;
-    ``share`` is this process's :func:`share_of` the call, when kept.
+    ``share`` is this process's :func:`share_of` the call, when kept; ``kept``
+    the planned call's :class:`~.reduce.KeptReduction` (a master alone in its fork).
     Returns the reduced outputs in the master, None in workers (for an
     inline call, the master's own part, see :func:`combine_inline`).
     """
@@ -256,7 +257,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
                 args = _local_inputs(proc, call, share.lo, share.hi, own)
             proc.device.keep_on_device(proc)
             if proc.is_master and not call.inline:
-                guarded = proc.device.guarded(proc, args)
+                guarded = proc.device.guarded(proc, args, None if kept is None else kept.guard)
             with interruptible:  # a worker: the master may stop this when it abandons the call
                 if share.fn is not None:
                     outs = _run_kept(share.fn, args, share.trust)
@@ -278,7 +279,7 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None):
         got = reply_inline(proc, outs, ops, weight, error)
         return got if own_only is None else (own_only, got[1], got[2])
     try:
-        results = reduce_outputs(proc, outs, len(ops), groups, weight, error is not None, guarded)
+        results = reduce_outputs(proc, outs, len(ops), groups, weight, error is not None, guarded, kept)
         if own_only is not None:
             results = [own_only[k] if op is None else r for k, (op, r) in enumerate(zip(ops, results))]
         if proc.is_master and call.n_rows == 0 and not proc.comm.within_fork and any(

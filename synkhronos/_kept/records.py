@@ -29,7 +29,20 @@ The tables, by side:
   ``plans`` (kept plans of small collectives, :mod:`synkhronos._kept.plans`),
   ``calls_of(fid)`` (a Function's planned calls, keyed by its inputs'
   shapes and data references; dropped by a full call of it, which may move
-  the scratch memory they write into);
+  the scratch memory they write into). A planned call of a process alone in
+  its fork keeps its output reduction with it
+  (:class:`~synkhronos._function.reduce.KeptReduction`): the communicator's
+  reduce of the outputs' layout (NCCL's counts, datatypes and ops, one group),
+  and per output which array type was found readable and writable whole. The
+  outputs' shapes follow the shared values' shapes, which ``set_value`` and
+  updates change at any call, so it is never trusted by generation: every use
+  compares each output's dtype and shape with the kept layout, and one that
+  differs drops it before anything is sent (the full reduction runs and keeps
+  a new one). Also kept there: the ranges of the shared values' device arrays,
+  by the very array (a weak reference; a device array's buffer never moves
+  while it lives), rebuilt at every call. Never kept: which outputs may be
+  written in place (an output may be an input, a shared value, an update's
+  value or another output, differently at every call);
 * worker: ``calls`` (a kept call message's spec, share and lane),
   ``worker_plans`` (a kept inline collective message's plan),
   ``published`` (the homes published on this worker's board);

@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from .._arrays import (cupy_at, device_pointer, readable_in_place, still_writable, to_cupy,
+from .._arrays import (cupy_at, device_pointer, readable_in_place, still_readable, still_writable, to_cupy,
                        writable_in_place)
 from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
@@ -290,14 +290,19 @@ class NcclCommunicator(Communicator):
             self._cp.cuda.runtime.deviceSynchronize()
         ptr = self._stream.ptr
         with self._stream:
-            for (send, recv, _, _), (_, dtype_name, op_name, _, per), (_, shape) in zip(bufs, plans, layout):
-                count = math.prod(shape) * per
-                if count == 0:
-                    continue
-                if root is None:
-                    self._comm.allReduce(send, recv, count, self._const(dtype_name), self._const(op_name), ptr)
-                else:
-                    self._comm.reduce(send, recv, count, self._const(dtype_name), self._const(op_name), root, ptr)
+            self._nccl.groupStart()  # one launch for every array of this op (NCCL's group)
+            try:
+                for (send, recv, _, _), (_, dtype_name, op_name, _, per), (_, shape) in zip(bufs, plans, layout):
+                    count = math.prod(shape) * per
+                    if count == 0:
+                        continue
+                    if root is None:
+                        self._comm.allReduce(send, recv, count, self._const(dtype_name), self._const(op_name), ptr)
+                    else:
+                        self._comm.reduce(send, recv, count, self._const(dtype_name), self._const(op_name), root,
+                                          ptr)
+            finally:
+                self._nccl.groupEnd()
             out = None
             if gets_result:
                 out = [self._result(None if arrays is None else arrays[i], bufs[i], plans[i], layout[i][1],
@@ -479,25 +484,34 @@ class NcclCommunicator(Communicator):
         return out
 
     def plan(self, kind, layout, op, step=None):
-        """With one process, a kept all-reduce of ``layout`` by ``op`` that NCCL runs in
-        place on the values' own buffers (:class:`_NcclPlan`), when every array of the
-        layout can be (a non-empty array NCCL reduces in its own dtype); else None.
-        Several processes take the full path, which agrees on every step."""
-        if kind != "all_reduce" or self.size != 1 or self.broken is not None:
+        """With one process, a kept collective of ``layout`` (per array ``(dtype, shape)``)
+        that NCCL runs on the arrays' own buffers, when every array of the layout can be
+        (a non-empty array NCCL reduces in its own dtype); else None. Several processes
+        take the full path, which agrees on every step.
+
+        ``"all_reduce"`` by ``op``: :class:`_NcclPlan`, in place on the values.
+        ``"reduce"`` to this process, ``op`` one op or one per array (the outputs of a
+        call): :class:`_NcclReducePlan`, every array in one NCCL group."""
+        if kind not in ("all_reduce", "reduce") or self.size != 1 or self.broken is not None:
+            return None
+        ops = [op] * len(layout) if isinstance(op, str) else list(op)
+        if len(ops) != len(layout) or (kind == "all_reduce" and not isinstance(op, str)):
             return None
         calls = []
-        for dtype, shape in layout:
+        for (dtype, shape), one in zip(layout, ops):
             if dtype is None or shape is None:
                 return None
             dtype = np.dtype(dtype)
             try:
-                plan = reduce_plan(dtype, op)
+                plan = reduce_plan(dtype, one)
             except (TypeError, KeyError):
                 return None
             count = math.prod(shape) * plan[4]
             if not count or not _in_place_dtype(dtype, plan):
                 return None
             calls.append((count, self._const(plan[1]), self._const(plan[2])))
+        if kind == "reduce":
+            return _NcclReducePlan(self, layout, ops, calls)
         return _NcclPlan(self, layout, op, calls)
 
     def close(self) -> None:
@@ -567,4 +581,79 @@ class _NcclPlan(CommPlan):
             self._seen[i] = weakref.ref(value)
         except TypeError:  # (an array type without weak references: checked whole each time)
             self._seen[i] = None
+        return True
+
+
+class _NcclReducePlan(CommPlan):
+    """A kept reduce of one process's arrays to itself (the outputs of a planned call):
+    NCCL on each array's own buffer, every array in one NCCL group, whatever its op.
+
+    :meth:`run` takes ``outs``, one entry per value: the value itself where it may
+    be written (it is reduced in place and stays the result), or None (it is reduced
+    into a new array, which is put there). With one process an average is the sum
+    itself (its factors are 1).
+
+    Kept besides the counts and NCCL's datatypes and ops: per position, the type of
+    the array :func:`readable_in_place` (and, once asked, :func:`writable_in_place`)
+    accepted whole. A later array of that type at that position is the same compiled
+    function's output for the same input types, so its device layout and sharding are
+    those accepted (JAX fixes them per executable; synkhronos asks for no other):
+    only what can change per array is checked (:func:`still_readable`,
+    :func:`still_writable`). Valid only for values of exactly the kept dtypes and
+    shapes (checked at every run: False otherwise, nothing sent).
+    """
+
+    def __init__(self, comm: NcclCommunicator, layout, ops: list, calls: list):
+        self._comm = comm
+        self._layout = [(np.dtype(d), tuple(s)) for d, s in layout]
+        self._calls = calls
+        self._read: list = [None] * len(calls)   # per array: the type accepted whole for reading
+        self._write: list = [None] * len(calls)  # per array: the type accepted whole for writing
+        self.fingerprint = zlib.crc32(repr((self._layout, ops, "reduce")).encode())
+
+    def run(self, values, outs=None) -> bool:
+        comm = self._comm
+        if comm.broken is not None or comm._comm is None or outs is None \
+                or not len(values) == len(outs) == len(self._calls):
+            return False
+        ptrs: list = []
+        recvs: list = []  # per array: None (in place), the (dtype, shape) of a new one, then that array
+        for i, (value, out, (dtype, shape)) in enumerate(zip(values, outs, self._layout)):
+            have = getattr(value, "dtype", None)
+            if (have is not dtype and have != dtype) or getattr(value, "shape", None) != shape \
+                    or not self._readable(i, value):
+                return False  # (nothing sent yet)
+            ptrs.append(device_pointer(value))
+            recvs.append(None if out is value and self._writable(i, value) else (dtype, shape))
+        cp, stream = comm._cp, comm._stream
+        if any(r is None for r in recvs):  # JAX's readers and writers of these buffers (its own stream) are done
+            cp.cuda.runtime.deviceSynchronize()
+        with stream:
+            recvs = [r if r is None else cp.empty(r[1], dtype=r[0]) for r in recvs]
+            comm._nccl.groupStart()
+            try:
+                for ptr, recv, (count, datatype, nccl_op) in zip(ptrs, recvs, self._calls):
+                    comm._comm.reduce(ptr, ptr if recv is None else recv.data.ptr, count, datatype, nccl_op,
+                                      comm.rank, stream.ptr)
+            finally:
+                comm._nccl.groupEnd()
+        comm._wait()
+        for i, recv in enumerate(recvs):
+            outs[i] = values[i] if recv is None else recv
+        return True
+
+    def _readable(self, i: int, value) -> bool:
+        if type(value) is self._read[i]:
+            return still_readable(value)
+        if not readable_in_place(value):
+            return False
+        self._read[i] = type(value)
+        return True
+
+    def _writable(self, i: int, value) -> bool:
+        if type(value) is self._write[i]:
+            return still_writable(value)
+        if not writable_in_place(value):
+            return False
+        self._write[i] = type(value)
         return True

@@ -77,9 +77,10 @@ class Device:
         """Per variable of ``sids``, whether this process holds its value on the device."""
         return np.zeros(len(sids), dtype=bool)
 
-    def guarded(self, proc, inputs) -> tuple | None:
+    def guarded(self, proc, inputs, kept: dict | None = None) -> tuple | None:
         """Before a call's share runs in the master: the memory its outputs' reduction
-        must never write into (see :meth:`writable_outputs`); None: it writes into none."""
+        must never write into (see :meth:`writable_outputs`); None: it writes into none.
+        ``kept``: a dict a planned call keeps for it from call to call."""
         return None
 
     def writable_outputs(self, proc, outs, idx, guarded) -> list | None:

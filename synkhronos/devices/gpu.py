@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import warnings
+import weakref
 from typing import cast
 
 import numpy as np
@@ -140,11 +141,11 @@ class GpuDevice(Device):
         (after ``set_value``, a CPU collective, or updates accumulated over slices)."""
         if self.state is None or not self.state.placed:
             return
-        import jax
-
         for var in self.state.placed.values():
             value = var.container.storage[0]
-            if isinstance(value, np.ndarray):
+            if isinstance(value, np.ndarray):  # (JAX imported only then: this runs twice per call)
+                import jax
+
                 # straight into the storage: set_value would filter it back to numpy
                 var.container.storage[0] = jax.device_put(value, self.state.jax_device)
 
@@ -230,15 +231,23 @@ class GpuDevice(Device):
 
     # -- outputs -----------------------------------------------------------
 
-    def guarded(self, proc, inputs) -> tuple | None:
+    def guarded(self, proc, inputs, kept: dict | None = None) -> tuple | None:
         """``(ranges, values)``: the memory (``(low, high)`` ranges) of the call's inputs
         and of every shared variable's value before the call, and those values (an output
         may be one of them, or a view of one: JAX forwards inputs to outputs,
-        ``outputs=x``, ``updates=[(b, a)]``)."""
+        ``outputs=x``, ``updates=[(b, a)]``).
+
+        ``kept`` (a planned call's): the ranges of the shared values that are device
+        arrays, kept by the very array (a weak reference) from the last call. Valid
+        while that array lives: a device array's buffer never moves (JAX arrays are
+        immutable; one deleted since holds no memory, so its old range can only
+        refuse a write). Rebuilt at every call from that call's values."""
         if self.state is None or self.comm is None:
             return None
         values = [var.container.storage[0] for var in proc.shareds.values()]
-        return _ranges([*inputs, *values]), values
+        if kept is None:
+            return _ranges([*inputs, *values]), values
+        return _ranges(inputs) + _kept_ranges(values, kept), values
 
     def writable_outputs(self, proc, outs, idx, guarded) -> list | None:
         """Per output ``outs[i]`` of ``idx``: whether NCCL may reduce it in place, on its own
@@ -276,6 +285,30 @@ class GpuDevice(Device):
 def _ranges(values) -> list:
     """The ``(low, high)`` memory ranges of those of ``values`` that hold memory."""
     return [r for r in map(buffer_range, values) if r is not None]
+
+
+def _kept_ranges(values, kept: dict) -> list:
+    """:func:`_ranges` of ``values``, reading those of device arrays from ``kept``
+    (``id -> (weak reference, range)``) where the very array is there; ``kept`` then
+    holds the device arrays of ``values``, and only those."""
+    ranges, now = [], {}
+    for v in values:
+        got = kept.get(id(v))
+        if got is not None and got[0]() is v:
+            r = got[1]
+            now[id(v)] = got
+        else:
+            r = buffer_range(v)
+            if is_device_array(v):
+                try:
+                    now[id(v)] = (weakref.ref(v), r)
+                except TypeError:  # (an array type without weak references: read every time)
+                    pass
+        if r is not None:
+            ranges.append(r)
+    kept.clear()
+    kept.update(now)
+    return ranges
 
 
 def _held_twice(variables) -> set:

@@ -3,6 +3,9 @@
 Like NCCL, every call takes raw pointers, a count, a datatype and an op; the
 ranks meet at a barrier, each reads the others' buffers by pointer, writes its
 own result, and meets the others again before anyone may reuse a buffer.
+Between ``groupStart()`` and ``groupEnd()`` (per thread, that is per rank, and
+nested as NCCL's) calls are only queued; ``groupEnd`` runs each communicator's
+queue with one meeting for all of them, as NCCL launches a group at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ _OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}
 
 _worlds: dict = {}
 _lock = threading.Lock()
+_group = threading.local()  # per rank (thread): depth, and the calls queued per communicator
 #: every call, for tests to look at: (rank, name, count, datatype, op)
 calls: list = []
 
@@ -46,6 +50,23 @@ def get_version() -> int:
 
 def get_unique_id() -> bytes:
     return os.urandom(128)  # CuPy 14 gives bytes
+
+
+def groupStart() -> None:
+    _group.depth = getattr(_group, "depth", 0) + 1
+    if _group.depth == 1:
+        _group.queued = {}
+
+
+def groupEnd() -> None:
+    depth = getattr(_group, "depth", 0)
+    if depth < 1:
+        raise NcclError("NCCL_ERROR_INVALID_USAGE: groupEnd without groupStart")
+    _group.depth = depth - 1
+    if depth == 1:
+        queued, _group.queued = _group.queued, {}
+        for comm, ops in queued.values():
+            comm._run(ops)
 
 
 def _view(ptr: int, count: int, datatype: int) -> np.ndarray:
@@ -76,58 +97,57 @@ class NcclCommunicator:
         self._world, self._rank = world, rank
         world.barrier.wait()
 
-    def _meet(self, name, count, datatype, op, args):
-        calls.append((self._rank, name, count, datatype, op))
+    def _submit(self, op) -> None:
+        """Run ``op`` (name, count, datatype, op, root, send, recv) now, or queue it in the group."""
+        name, root = op[0], op[4]
+        calls.append((self._rank, name, op[1], op[2],
+                      root if name == "broadcast" else op[3] if root is None else (op[3], root)))
+        if getattr(_group, "depth", 0):
+            _group.queued.setdefault(id(self), (self, []))[1].append(op)
+        else:
+            self._run([op])
+
+    def _run(self, ops) -> None:
+        """One meeting for ``ops``: every rank must have queued the same calls."""
         w = self._world
-        w.args[self._rank] = (name, count, datatype, op) + args
+        mine = tuple(o[:5] for o in ops)
+        w.args[self._rank] = (mine, [o[5] for o in ops])
         w.barrier.wait()
-        mine = w.args[self._rank]
         for r, other in w.args.items():
-            if other[:4] != mine[:4]:
-                raise NcclError(f"rank {self._rank} called {mine[:4]} but rank {r} called {other[:4]}")
-        return w
+            if other[0] != mine:
+                raise NcclError(f"rank {self._rank} called {list(mine)} but rank {r} called {list(other[0])}")
+        outs = [self._compute(w, k, o) for k, o in enumerate(ops)]
+        w.barrier.wait()
+        for o, out in zip(ops, outs):
+            if out is not None:
+                _view(o[6], out.size, o[2])[...] = out
+        w.barrier.wait()
 
-    def _done(self):
-        self._world.barrier.wait()
-
-    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
-        w = self._meet("allReduce", count, datatype, op, (sendbuf,))
-        parts = [_view(w.args[r][4], count, datatype).copy() for r in range(w.size)]
+    def _compute(self, w, k, o):
+        name, count, datatype, op, root = o[:5]
+        if name == "broadcast":
+            return _view(w.args[root][1][k], count, datatype).copy()
+        parts = [_view(w.args[r][1][k], count, datatype).copy() for r in range(w.size)]
+        if name == "allGather":
+            return np.concatenate(parts) if parts else parts
+        if name == "reduce" and self._rank != root:
+            return None
         out = parts[0]
         for p in parts[1:]:
             _OPS[op](out, p, out=out)
-        self._done()
-        _view(recvbuf, count, datatype)[...] = out
-        self._done()
+        return out
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        self._submit(("allReduce", count, datatype, op, None, sendbuf, recvbuf))
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
-        w = self._meet("reduce", count, datatype, (op, root), (sendbuf,))
-        out = None
-        if self._rank == root:
-            parts = [_view(w.args[r][4], count, datatype).copy() for r in range(w.size)]
-            out = parts[0]
-            for p in parts[1:]:
-                _OPS[op](out, p, out=out)
-        self._done()
-        if out is not None:
-            _view(recvbuf, count, datatype)[...] = out
-        self._done()
+        self._submit(("reduce", count, datatype, op, root, sendbuf, recvbuf))
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
-        w = self._meet("broadcast", count, datatype, root, (sendbuff,))
-        src = _view(w.args[root][4], count, datatype).copy()
-        self._done()
-        _view(recvbuff, count, datatype)[...] = src
-        self._done()
+        self._submit(("broadcast", count, datatype, None, root, sendbuff, recvbuff))
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
-        w = self._meet("allGather", count, datatype, None, (sendbuf,))
-        parts = [_view(w.args[r][4], count, datatype).copy() for r in range(w.size)]
-        self._done()
-        out = _view(recvbuf, count * w.size, datatype)
-        for r, p in enumerate(parts):
-            out[r * count:(r + 1) * count] = p
-        self._done()
+        self._submit(("allGather", count, datatype, None, None, sendbuf, recvbuf))
 
     def destroy(self):
         pass
