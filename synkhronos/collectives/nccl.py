@@ -643,17 +643,18 @@ class _NcclReducePlan(CommPlan):
         return True
 
     def _readable(self, i: int, value) -> bool:
-        if type(value) is self._read[i]:
-            return still_readable(value)
-        if not readable_in_place(value):
-            return False
-        self._read[i] = type(value)
-        return True
+        return _accepted(self._read, i, value, still_readable, readable_in_place)
 
     def _writable(self, i: int, value) -> bool:
-        if type(value) is self._write[i]:
-            return still_writable(value)
-        if not writable_in_place(value):
-            return False
-        self._write[i] = type(value)
-        return True
+        return _accepted(self._write, i, value, still_writable, writable_in_place)
+
+
+def _accepted(seen: list, i: int, value, still, whole) -> bool:
+    """Whether ``value`` at position ``i`` passes: ``still(value)`` where an array of its
+    type passed ``whole`` there before (``seen[i]``, kept), else ``whole(value)``."""
+    if type(value) is seen[i]:
+        return still(value)
+    if not whole(value):
+        return False
+    seen[i] = type(value)
+    return True
