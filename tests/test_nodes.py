@@ -108,14 +108,15 @@ def test_planned_all_reduce_bit_for_bit(tmp_path, seed, sizes):
     (every op; float32, float64, int32, int64, uint8, bool, complex64; 0-d to (129,)),
     each node's values its own: on 2 nodes every result equals ops.combine of the nodes'
     values in node order, bit for bit, on both nodes, on the kept MPI plans (the header's
-    and the large plan's ring) and where it falls back (avg of integers). On 3 nodes the
-    same, except that a float sum, avg or prod too large for the header (the ring's
-    order) is close to combine's, and the same bits on every node."""
+    and the large plan's ring) and on the full path (its ring too). On 3 nodes the same,
+    except that a float sum, avg or prod too large for the header (Open MPI's
+    ``Iallreduce`` there, in its own order) is close to combine's, and the same bits on
+    every node."""
     n = len(sizes.split(","))
     rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", f"planned:{seed}", sizes)
     assert_all_ok(rc, output, verdicts, n)
     assert all(v["checked"] > 150 for v in verdicts.values())
-    assert all(v.get("large_plan_steps", 0) > 5 for v in verdicts.values()), verdicts  # (the ring ran)
+    assert all(v.get("large_plan_steps", 0) > 5 for v in verdicts.values()), verdicts  # (the large plan ran)
     digests = [v.get("digests", []) for v in verdicts.values()]
     assert all(d == digests[0] for d in digests) and (n == 2 or len(digests[0]) > 10), digests
     _planned_somewhere(verdicts, sizes)

@@ -59,10 +59,10 @@ from .base import Communicator
 from . import mpi_wire
 from .mpi_plans import LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       POLL_SLEEP, POLL_SLEEP_MAX, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES, Head, as_bytes, avg_scales,
-                       fill_slot, finish_reduce, fit_into, gather_in_pieces, inline_reduce, left_reason, no_failure,
-                       payload_fits, pieces, plannable_layout, read_equal, read_meta, reduce_plan, spans,
-                       step_text, steps_differ)
+                       POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, RING_NODES, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
+                       Head, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, gather_in_pieces, inline_reduce,
+                       left_reason, no_failure, payload_fits, pieces, plannable_layout, read_equal, read_meta,
+                       reduce_plan, ring_all_reduce, spans, step_text, steps_differ)
 from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
@@ -527,19 +527,19 @@ class MpiCommunicator(Communicator):
             pre, post = avg_scales(weights, metas[self.rank][1] if contrib is not None else 0.0)
         gets = root is None or self.rank == root
         if all(payloads[r] is not None for r in present):  # small: it all came with the agreement
-            return inline_reduce(arrays, layout, payloads, op, present, weights, in_place) \
-                if gets else None
+            return inline_reduce(arrays, layout, payloads, op, present, weights, in_place) if gets else None
         into = into if root is None else None
         fit = fit_into(into, layout, op)
         start = functools.partial(self._start_reduce, contrib, layout, op, pre, root,
                                   in_place if fit is None else fit, gets, metas)
-        reqs, jobs, keep = self.started(what, start)
+        reqs, jobs, keep, ring = self.started(what, start)
         self.wait(reqs, what, keep)
+        if ring[0]:  # (an all-reduce's arrays that MPI reduces: the ring, see mpi_wire.ring_all_reduce)
+            ring_all_reduce(self, (self._MPI, self._comm), ring[0], ring[1], ring[2], keep, what)
         if not gets:
-            return None
-        if into is not None:  # the results are in ``into`` already (or copied there)
-            return finish_reduce(into, layout, jobs, op, present, weights, post, True)
-        return finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
+            return None  # (below: with ``into``, the results are in it already, or copied there)
+        return finish_reduce(into, layout, jobs, op, present, weights, post, True) if into is not None \
+            else finish_reduce(arrays, layout, jobs, op, present, weights, post, in_place)
 
     def _scratch(self, dtype, shape, i: int = 0) -> np.ndarray:
         """The receive buffer of array ``i`` of an in-place all-reduce of this dtype
@@ -555,11 +555,13 @@ class MpiCommunicator(Communicator):
         return buf
 
     def _start_reduce(self, arrays, layout, op, pre, root, in_place, gets, metas):
-        """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep)``."""
+        """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep, ring)``;
+        an all-reduce's arrays MPI reduces go in ``ring`` (sends, receives, folds) for the ring."""
         MPI = self._MPI
         mpi_op = {name: getattr(MPI, name) for name in ("SUM", "PROD", "MAX", "MIN")}
+        ring: tuple = ([], [], [])
         reqs: list = []
-        keep: list = []
+        keep: list = [ring]
         jobs = []
         for i, (dtype, shape) in enumerate(layout):
             plan = reduce_plan(dtype, op)
@@ -572,10 +574,7 @@ class MpiCommunicator(Communicator):
             if count == 0:
                 jobs.append(("empty", None))
                 continue
-            # never MPI.IN_PLACE: Open MPI's Iallreduce of 64 MiB on 2 ranks took
-            # 87 ms in place against 34 ms into another buffer (the copy back
-            # into ``arrays``, in place, costs a few ms)
-            if mine is None:
+            if mine is None:  # (never MPI.IN_PLACE: Open MPI's Iallreduce of 64 MiB took 87 ms so, 34 ms out of place)
                 send = np.full(shape, identity(op, work), dtype=work)
             elif pre is not None:
                 send = mine.astype(work) * work.type(pre)
@@ -591,15 +590,18 @@ class MpiCommunicator(Communicator):
                 recv = np.empty(shape, dtype=work) if gets else None
             flat_send = send.reshape(-1)  # views: both are contiguous
             flat_recv = None if recv is None else recv.reshape(-1)
-            for lo, hi in spans(count, work.itemsize):
+            on_ring = root is None and self.size == RING_NODES  # (the ring must not read what it writes)
+            if on_ring:
+                ring[0].append(flat_send.copy() if np.may_share_memory(flat_send, flat_recv) else flat_send)
+                ring[1].append(flat_recv)
+                ring[2].append(RING_FOLDS[name])
+            for lo, hi in () if on_ring else spans(count, work.itemsize):
                 out = None if flat_recv is None else flat_recv[lo:hi]
-                if root is None:
-                    reqs.append(self._comm.Iallreduce(flat_send[lo:hi], out, mpi_op[name]))
-                else:
-                    reqs.append(self._comm.Ireduce(flat_send[lo:hi], out, mpi_op[name], root))
+                reqs.append(self._comm.Iallreduce(flat_send[lo:hi], out, mpi_op[name]) if root is None
+                            else self._comm.Ireduce(flat_send[lo:hi], out, mpi_op[name], root))
             jobs.append(("mpi", recv))
             keep += [send, recv]
-        return reqs, jobs, keep
+        return reqs, jobs, keep, ring
 
     def _start_gather(self, mine, metas, i, root, reqs, keep):
         """Post the gather of every node's array ``i`` as bytes; the result is a

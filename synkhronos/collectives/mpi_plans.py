@@ -18,8 +18,8 @@ import numpy as np
 
 from .._arrays import packed_views, round_up
 from .base import CommPlan
-from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, OP_CODES, RING_TAG, WHAT_CODES, fill_slot, payload_at,
-                       pieces, reduce_plan)
+from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_NODES, WHAT_CODES, fill_slot,
+                       payload_at, reduce_plan, ring_all_reduce, spans)
 from .ops import REDUCE_OPS, Reducer
 
 __all__ = ["LargePlan", "StepPlan"]
@@ -146,22 +146,13 @@ class StepPlan(CommPlan):
 class LargePlan(StepPlan):
     """A kept all-reduce among node masters of nodes of one process whose values do not
     travel in the header: the header exchange as :class:`StepPlan` makes it (with the
-    full path's header, its values left out), then a ring of its own from the values
-    straight into ``outs`` (spare arrays the engine gives and then swaps in): no copy.
-    Only for dtypes MPI reduces in their own bytes (so the full path's reduction and
-    this one agree on what a value is).
-
-    The ring (reduce-scatter, then all-gather, ``Isend``/``Irecv`` of one segment per
-    array to the next node): each node sends and receives ``2 (n - 1) / n`` of the
-    bytes and reduces ``1 / n`` of them. Open MPI's ``Iallreduce`` takes a binomial tree
-    below 4 ranks (the whole buffer to rank 0 and back), which made a 64 MiB step
-    1.2-1.4x a blocking ``Allreduce`` on 2 nodes; the ring measured 0.6-0.8x (design-48
-    §2). Its own, not Open MPI's ring through an MCA setting: that setting is global to
-    the process and ignores whether a user's own op commutes. Every segment is reduced
-    on one node and then sent to the others, so every node gets the same bits; with 2
-    nodes in node order, as :func:`.ops.combine` (bit for bit); with more, in the
-    ring's order (a float sum may differ from ``combine``'s in its last bits, as an
-    ``Iallreduce``'s did).
+    full path's header, its values left out), then, as the full path, the ring of
+    :func:`.mpi_wire.ring_all_reduce` on 2 nodes (node order, bit for bit
+    :func:`.ops.combine`; Open MPI's binomial ``Iallreduce`` below 4 ranks made a 64 MiB
+    step 1.0-1.6x a blocking ``Allreduce``, the ring 0.3-0.9x) and ``Iallreduce`` on more,
+    from the values straight into ``outs`` (spare arrays the engine gives and then swaps
+    in): no copy. Only for dtypes MPI reduces in their own bytes (so the full path's
+    reduction and this one agree on what a value is).
     """
 
     out_of_place = True
@@ -197,53 +188,30 @@ class LargePlan(StepPlan):
             for v, o in zip(values, outs):
                 np.copyto(o, v)
             return True
-        self._ring([v.reshape(-1) for v in values], [o.reshape(-1) for o in outs])
+        if comm.size == RING_NODES:
+            fold = REDUCE_OPS[self.op]  # (on booleans: add an or, multiply an and, as reduce_plan's MAX and MIN)
+            ring_all_reduce(comm, (self.MPI, self.mpi_comm), [v.reshape(-1) for v in values],
+                            [o.reshape(-1) for o in outs], [fold] * len(values), (values, outs))
+        else:
+            self._iallreduce(values, outs)
         if self.op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)
             for o in outs:
                 o *= o.dtype.type(1.0 / comm.size)
         return True
 
-    def _ring(self, values, outs) -> None:
-        """The ring over the flat ``values`` into the flat ``outs`` (see the class): node
-        ``r`` ends the reduce-scatter with segment ``r`` of every array, then passes
-        the reduced segments on until every node has every one."""
-        comm, fold = self.comm, REDUCE_OPS[self.op]
-        n, r = comm.size, comm.rank
-        if n == 1:
-            for v, o in zip(values, outs):
-                np.copyto(o, v)
-            return
-        bounds = [[v.size * k // n for k in range(n + 1)] for v in values]
-
-        def seg(flats, i, k):  # segment k of array i
-            return flats[i][bounds[i][k]:bounds[i][k + 1]]
-
-        own_first = r < (r - 1) % n  # (the received part is the left node's: node order where it can be)
-        for s in range(n - 1):  # reduce-scatter: receive segment k from the left, fold this node's into it
-            k, out = (r - s - 2) % n, (r - s - 1) % n
-            self._step([seg(values if s == 0 else outs, i, out) for i in range(len(values))],
-                       [seg(outs, i, k) for i in range(len(values))], (values, outs))
-            for i in range(len(values)):
-                got, mine = seg(outs, i, k), seg(values, i, k)
-                fold(mine, got, out=got) if own_first else fold(got, mine, out=got)
-        for s in range(n - 1):  # all-gather: pass on the reduced segments
-            k, out = (r - s - 1) % n, (r - s) % n
-            self._step([seg(outs, i, out) for i in range(len(values))],
-                       [seg(outs, i, k) for i in range(len(values))], (values, outs))
-
-    def _step(self, sends, recvs, keep) -> None:
-        """One step of the ring: every segment of ``sends`` to the right node, every one
-        of ``recvs`` from the left one (in pieces), never a blocking wait."""
-        comm, mpi_comm, BYTE = self.comm, self.mpi_comm, self.MPI.BYTE
-        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    def _iallreduce(self, values, outs) -> None:
+        """Open MPI's ``Iallreduce`` of each array (in pieces) from the value into ``outs``."""
+        comm, mpi_comm = self.comm, self.mpi_comm
+        mpi_op = getattr(self.MPI, MPI_OPS[self.op])
 
         def start():
             reqs = []
-            for send, recv in zip(sends, recvs):
-                if recv.size:  # (a segment of no elements is none on both sides)
-                    reqs += [mpi_comm.Irecv([p, BYTE], left, RING_TAG) for p in pieces(recv.view(np.uint8))]
-                if send.size:
-                    reqs += [mpi_comm.Isend([p, BYTE], right, RING_TAG) for p in pieces(send.view(np.uint8))]
+            for v, o in zip(values, outs):
+                send, recv = v.reshape(-1), o.reshape(-1)
+                if v.dtype.kind == "b":
+                    send, recv = send.view(np.uint8), recv.view(np.uint8)
+                for lo, hi in spans(send.size, send.itemsize):
+                    reqs.append(mpi_comm.Iallreduce(send[lo:hi], recv[lo:hi], mpi_op))
             return reqs
 
-        comm.wait(comm.started("all_reduce", start), "all_reduce", keep)
+        comm.wait(comm.started("all_reduce", start), "all_reduce", (values, outs))

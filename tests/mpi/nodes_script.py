@@ -46,7 +46,8 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
   equals ops.combine of the nodes' values in node order, bit for bit, on every node
   (nodes of one process run most steps on the kept MPI plan; avg of integers falls
   back). With 3 nodes or more, a float or complex sum, avg or prod too large for the
-  header (the plan's ring, in its own order) is close, and the same bits on every node.
+  header (Open MPI's ``Iallreduce``, in its own order) is close, and the same bits on
+  every node.
 - ``diverge_planned``: once the plans are kept, node 1 changes a variable's shape, uses
   another op, skips a step, calls join(): every node raises the same error (or the join
   semantics hold) and the next step agrees.
@@ -1023,10 +1024,10 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
         large = sum(result_dtype(kinds[i][0], op).itemsize * int(np.prod(kinds[i][1])) for i in chosen) > 256
         if large and inter.plan_steps > before:
             v.info["large_plan_steps"] = v.info.get("large_plan_steps", 0) + 1  # (on the ring)
-        # (values too large to travel in the header: a complex prod that MPI multiplies on the
-        # full path may differ from numpy's in the last bit, and with 3 nodes or more the
-        # plan's ring sums and multiplies floats in its own order: only there, close is
-        # enough, and every node must hold the same bits all the same)
+        # (values too large to travel in the header: with 3 nodes or more MPI sums and
+        # multiplies floats in its own order, and with 2 a complex prod may differ from
+        # numpy's in its last bit: only there, close is enough, and every node must hold
+        # the same bits all the same)
         loose = large and (op == "prod" if n == 2 else op in ("sum", "avg", "prod"))
         for i, w in zip(chosen, want):
             got = shared[i].get_value(borrow=True)
