@@ -18,8 +18,8 @@ import numpy as np
 
 from .._arrays import packed_views, round_up
 from .base import CommPlan
-from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_NODES, WHAT_CODES, fill_slot,
-                       payload_at, reduce_plan, ring_all_reduce, spans)
+from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_FOLDS, RING_NODES, WHAT_CODES,
+                       fill_slot, payload_at, reduce_plan, ring_all_reduce, spans)
 from .ops import REDUCE_OPS, Reducer
 
 __all__ = ["LargePlan", "StepPlan"]
@@ -188,10 +188,10 @@ class LargePlan(StepPlan):
             for v, o in zip(values, outs):
                 np.copyto(o, v)
             return True
-        if comm.size == RING_NODES:
-            fold = REDUCE_OPS[self.op]  # (on booleans: add an or, multiply an and, as reduce_plan's MAX and MIN)
+        if comm.size == RING_NODES:  # (folded as the full path folds: by reduce_plan's MPI op)
+            folds = [RING_FOLDS[reduce_plan(dtype, self.op)[1]] for dtype, _ in self.layout]
             ring_all_reduce(comm, (self.MPI, self.mpi_comm), [v.reshape(-1) for v in values],
-                            [o.reshape(-1) for o in outs], [fold] * len(values), (values, outs))
+                            [o.reshape(-1) for o in outs], folds, (values, outs))
         else:
             self._iallreduce(values, outs)
         if self.op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)

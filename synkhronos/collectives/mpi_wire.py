@@ -92,9 +92,10 @@ NOTICE_BYTES = 2048
 #: of at most this size, each its own non-blocking request (broadcast and reductions
 #: piece by piece; gathers whose total passes it, node by node and piece by piece).
 PIECE_BYTES = 1 << 30
-#: The tag of a gather's point-to-point pieces (the data communicator has no other).
+#: The tag of a gather's point-to-point pieces on the data communicator.
 PIECE_TAG = 7
-#: The tag of a kept large all-reduce's ring segments (mpi_plans.LargePlan).
+#: The tag of :func:`ring_all_reduce`'s segments, the data communicator's only other
+#: point-to-point messages.
 RING_TAG = 8
 
 #: reduce op -> MPI op name ("avg" is a weighted sum).
