@@ -170,14 +170,15 @@ def comm_plans(monkeypatch):
     inline path: a fork of one process then keeps the communicator's plan."""
     made = []
 
-    def plan(self, kind, layout, op, step=None):
+    def plan(self, kind, layout, op, step=None, reducers=None):
+        if reducers is not None:  # the inline path's plan: none, so every all_reduce takes the full path
+            return None
         made.append(_RecordingPlan(layout, op, **options))
         made[-1].step = step
         return made[-1]
 
     options: dict = {}
     monkeypatch.setattr(ShmCommunicator, "plan", plan)
-    monkeypatch.setattr(ShmCommunicator, "fits_inline", lambda self, arrays: False)
     return made, options
 
 
@@ -287,7 +288,7 @@ def test_an_in_place_plan_is_refused_while_another_variable_holds_its_value(fork
 
 
 def test_without_a_communicator_plan_nothing_is_kept(fork, monkeypatch):
-    monkeypatch.setattr(ShmCommunicator, "fits_inline", lambda self, arrays: False)
+    monkeypatch.setattr(ShmCommunicator, "plan", lambda self, kind, layout, op, step=None, reducers=None: None)
     v = _one_process_holding_v(fork)
     for _ in range(2):
         synk.all_reduce(v, op="sum")

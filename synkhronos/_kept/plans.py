@@ -64,8 +64,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from .. import _state as state
 from .._arrays import join
-from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for
-from ..collectives.ops import cast_to, kept_reducer
+from ..collectives.inline import reduced
 from .._protocol.control import Command
 from .records import Mode, Published
 
@@ -130,37 +129,35 @@ def resolve_key(shared_vars):
     return None
 
 
-def keep_plan(s, plan_key, kind, vars_, layout, op, wire, body, peer_layouts=None) -> None:
-    """Keep the plan of the collective that just went through, under ``plan_key``;
+def keep_plan(s, plan_key, kind, vars_, cplan, op, wire, body, peer_layouts=None) -> None:
+    """Keep the plan of the collective that just went through by the inline path (its
+    communicator's plan ``cplan``, of the master's values' layout), under ``plan_key``;
     ``peer_layouts`` (per rank, the layout of its values) where the workers' values
-    may differ in shape from the master's (a gather), else every rank has ``layout``."""
+    may differ in shape from the master's (a gather), else every rank has the same."""
     if plan_key is None or plan_key[1] is None:
         return
     homes = [v.container.storage[0] for v in vars_]
-    if tuple((getattr(h, "dtype", None), getattr(h, "shape", None)) for h in homes) != layout:
+    if tuple((getattr(h, "dtype", None), getattr(h, "shape", None)) for h in homes) != cplan.layout:
         return  # (a variable whose value is not the array that was sent: never planned)
     plans = s.kept.plans
-    plan = plans.keep(plan_key, _CLASSES[kind](s, kind, vars_, homes, layout, op, wire, body))
+    plan = plans.keep(plan_key, _CLASSES[kind](s, kind, vars_, homes, cplan, op, wire, body))
     plan.find_homes(peer_layouts)
-    if kind in _READ_KINDS and plan.peers is None:  # (it runs only directly)
+    if kind in _READ_KINDS and plan.found is None:  # (it runs only directly)
         del plans[plan_key]
 
 
 class _Plan:
     """The master's kept plan of one inline broadcast, all_reduce, gather or reduce (see above)."""
 
-    __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "op", "wire", "body", "reducers", "casts",
-                 "peers", "parts", "outs", "scalars", "verified")
+    __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "cplan", "op", "wire", "body", "found",
+                 "verified")
 
-    def __init__(self, s, kind, vars_, homes, layout, op, wire, body):
-        self.s, self.kind, self.vars_, self.homes, self.layout = s, kind, list(vars_), homes, layout
-        self.held = _held(vars_, homes, layout)
+    def __init__(self, s, kind, vars_, homes, cplan, op, wire, body):
+        self.s, self.kind, self.vars_, self.homes, self.cplan = s, kind, list(vars_), homes, cplan
+        self.layout = cplan.layout
+        self.held = _held(vars_, homes, self.layout)
         self.op, self.wire, self.body = op, wire, body
-        self.reducers, self.casts = reducers_for(s.proc, op, homes) if kind == "all_reduce" else (None, None)
-        self.peers = None    # direct: [(board, slot, generation)] of every worker's home of every variable
-        self.parts = None    # direct: per variable, every process's value, in rank order
-        self.outs = None     # direct: per variable, where its result goes (every other process's home)
-        self.scalars = None  # direct, every value one element: per variable (Reducer, 0-d views of all homes)
+        self.found: typing.Any = None  # direct: every process's values where they live (PeerHomes), once found
         self.verified = None  # direct: the kept generation when the fork was last found idle, every value home
 
     def run(self) -> bool:  # (a method of each kind's class: a bound method kept here would be a cycle)
@@ -173,30 +170,8 @@ class _Plan:
         ``peer_layouts[rank]`` when given (a gather's, whose shapes may differ per
         rank); a generation names one memory, dtype and shape of a process, so the
         same generation on the board later is the same value of that layout."""
-        proc = self.s.proc
-        comm = proc.comm
-        self.peers = self.scalars = self.verified = None
-        if not all(sid < comm.home_slots for sid in self.wire[2]):
-            return
-        peers, views = [], {}
-        for r in range(comm.size):
-            if r == proc.rank:
-                continue
-            board = comm.home_board(r)
-            layout = self.layout if peer_layouts is None else peer_layouts[r]
-            for sid, (dtype, shape) in zip(self.wire[2], layout):
-                view = comm.peer_home(r, sid, board[sid], dtype, shape)
-                if view is None:
-                    return
-                peers.append((board, sid, board[sid]))
-                views[r, sid] = view
-        own = dict(zip(self.wire[2], self.homes))
-        self.parts = [[own[sid] if r == proc.rank else views[r, sid] for r in range(comm.size)]
-                      for sid in self.wire[2]]
-        self.outs = [[views[r, sid] for r in range(comm.size) if r != proc.rank] for sid in self.wire[2]]
-        if self.kind == "all_reduce":
-            self.scalars = _as_scalars(proc, self.op, self.parts, self.casts)
-        self.peers = peers
+        self.verified = None
+        self.found = self.cplan.find_peers(self.wire[2], self.homes, peer_layouts)
 
     def _mode(self) -> Mode:
         """How the plan may run now (:class:`~synkhronos._kept.records.Mode`). Raises if a worker died.
@@ -216,11 +191,9 @@ class _Plan:
             return _DIRECT
         if not s.idle():
             return _FULL
-        if self.peers is None:
+        found = self.found
+        if found is None or not found.hold():
             return _COMMAND
-        for board, sid, gen in self.peers:
-            if board[sid] != gen:
-                return _COMMAND
         s.check_alive()
         self.verified = generation
         return _DIRECT
@@ -235,41 +208,16 @@ class _AllReducePlan(_Plan):
         mode = self._mode()
         if not mode or not _still_held(self.held):
             return False
-        s = self.s
         if mode is _DIRECT:
-            if self.scalars is not None:
-                for reducer, views in self.scalars:
-                    value = reducer.scalar(views)  # every view read before any is written
-                    for view in views:
-                        view[()] = value
-            else:
-                self._direct_all_reduce()
+            self.found.all_reduce()  # (direct: find_homes found them)
             return True
-        s.proc.comm.put_inline(self.homes, self.layout)
-        if not s.run(Command.COLLECTIVE, self.wire, self._here, body=self.body):
-            raise_mismatch(s.proc.comm, self.layout, self.op)
+        homes, cplan = self.homes, self.cplan
+        cplan.post(homes)
+        # the master combines while the workers do: its half runs between post and collect
+        if not self.s.run(Command.COLLECTIVE, self.wire, lambda p, _: cplan.run(homes), body=self.body):
+            cplan.mismatch()
         self.find_homes()
         return True
-
-    def _here(self, proc, _) -> bool:
-        """The master's half of the all_reduce (see ``_shareds.host._all_reduce_here``)."""
-        comm = proc.comm
-        comm.inline_await()
-        parts = comm.inline_parts(self.homes, self.layout)
-        if parts is None:
-            return False
-        fold_into(self.homes, parts, self.reducers, self.casts)
-        return True
-
-    def _direct_all_reduce(self) -> None:
-        # (direct: find_homes found the parts and outs)
-        for i, (home, parts, outs) in enumerate(zip(self.homes, typing.cast(list, self.parts), typing.cast(list, self.outs))):
-            if self.casts[i] or parts[0] is not home:
-                np.copyto(home, cast_to(self.reducers[i].run(parts), home.dtype))
-            else:  # into the first part itself: every later part is another process's memory
-                self.reducers[i](parts, out=home)
-            for dst in outs:
-                dst[...] = home
 
 
 class _BroadcastPlan(_Plan):
@@ -282,14 +230,11 @@ class _BroadcastPlan(_Plan):
         values = _current_values(self.held) if mode else None
         if values is None:
             return False
-        s = self.s
         if mode is _DIRECT:
-            for value, outs in zip(values, typing.cast(list, self.outs)):  # (direct: find_homes found them)
-                for dst in outs:
-                    dst[...] = value
+            self.found.broadcast(values)  # (direct: find_homes found them)
             return True
-        s.proc.comm.put_inline(values, self.layout)
-        s.run(Command.COLLECTIVE, self.wire, body=self.body)
+        self.cplan.post(values)
+        self.s.run(Command.COLLECTIVE, self.wire, body=self.body)
         self.find_homes()
         return True
 
@@ -309,12 +254,10 @@ class _ReadPlan(_Plan):
         values = _current_values(self.held)
         if values is None:
             return None
-        s = self.s
-        me, proc, gather = s.proc.rank, s.proc, self.kind == "gather"
+        proc, gather = self.s.proc, self.kind == "gather"
         got = []
-        for value, parts, var in zip(values, typing.cast(list, self.parts), self.vars_):  # (direct: found by find_homes)
-            parts = list(parts)
-            parts[me] = value  # the master's value now (the plan's part is its value back then)
+        # every process's value, read where it lives (the master's: its value now)
+        for parts, var in zip(self.found.values(values), self.vars_):  # (direct: find_homes found them)
             if gather:
                 got.append(join(parts, self.op, var))
             else:  # the inline path's reduce (_shareds.host._inline_reduce), in rank order
@@ -419,23 +362,6 @@ def _current_values(held):
     return values
 
 
-def _as_scalars(proc, op, parts, casts):
-    """For a direct all_reduce whose values all have one element (of dtypes whose
-    result needs no cast): per value, its Reducer and 0-d views of every process's
-    home, which the Reducer combines as numpy scalars, with the same bits as ufunc
-    calls in a fraction of their time (see :class:`Reducer`); else None."""
-    got = []
-    for value_parts, cast in zip(parts, casts):
-        if cast or value_parts[0].size != 1:
-            return None
-        views = [p.reshape(()) for p in value_parts]  # views: the same memory
-        reducer = kept_reducer(proc.kept.reducers, op, views)
-        if not reducer.scalar_path:
-            return None
-        got.append((reducer, views))
-    return got
-
-
 def _held(vars_, homes, layout) -> list:
     """Per variable of a plan: its storage list (a Container keeps its own for
     life), the plan's array, its dtype and shape; see :func:`_still_held`."""
@@ -458,8 +384,12 @@ def keep_worker_plan(proc, wire) -> None:
     homes = [v.container.storage[0] for v in vars_]
     if any(type(h) is not np.ndarray for h in homes):
         return
-    proc.kept.worker_plans.keep(id(wire), _WorkerPlan(proc, wire, kind, vars_, homes, op))
-    comm, published = proc.comm, proc.kept.published
+    comm = proc.comm
+    cplan = comm.plan(kind, tuple((h.dtype, h.shape) for h in homes), op, reducers=proc.kept.reducers)
+    if cplan is None:
+        return
+    proc.kept.worker_plans.keep(id(wire), _WorkerPlan(wire, kind, vars_, homes, cplan))
+    published = proc.kept.published
     # (never evicted: a record dropped while its board entry stays would leave the entry stale;
     # once the table is full, the other variables' collectives take the command path)
     for sid, var, home in zip(sids, vars_, homes):
@@ -470,38 +400,23 @@ def keep_worker_plan(proc, wire) -> None:
 class _WorkerPlan:
     """A worker's kept plan of one inline broadcast, all_reduce, gather or reduce message (see above)."""
 
-    __slots__ = ("wire", "kind", "held", "homes", "layout", "reducers", "casts")
+    __slots__ = ("wire", "kind", "held", "homes", "cplan")
 
-    def __init__(self, proc, wire, kind, vars_, homes, op):
-        self.wire, self.kind, self.homes = wire, kind, homes
-        self.layout = tuple((h.dtype, h.shape) for h in homes)
-        self.held = _held(vars_, homes, self.layout)
-        self.reducers, self.casts = reducers_for(proc, op, homes) if kind == "all_reduce" else (None, None)
+    def __init__(self, wire, kind, vars_, homes, cplan):
+        self.wire, self.kind, self.homes, self.cplan = wire, kind, homes, cplan
+        self.held = _held(vars_, homes, cplan.layout)
 
     def run(self, proc) -> bool:
         """Run the plan; False, having done nothing, when it no longer holds."""
         homes = self.homes
         if not _still_held(self.held):
             return False
-        comm = proc.comm
-        if self.kind in _READ_KINDS:  # the worker's half: its values into its area
-            comm.put_inline(homes, self.layout)
-            return True
-        if self.kind == "broadcast":
-            srcs = comm.inline_values(proc.master_rank)
-            if len(srcs) != len(homes):
-                return False
-            for src, home in zip(srcs, homes):
-                if src.dtype is not home.dtype or src.shape != home.shape:
-                    return False
-            for src, home in zip(srcs, homes):
-                np.copyto(home, src)
-            return True
-        comm.put_inline(homes, self.layout)
-        comm.inline_arrive()
-        parts = comm.inline_parts(homes, self.layout)
-        if parts is not None:  # (values of another layout change nothing: the master raises, naming them)
-            fold_into(homes, parts, self.reducers, self.casts)
+        kind, cplan = self.kind, self.cplan
+        if kind == "broadcast":
+            return cplan.run(homes)  # (False: the master's values have another layout)
+        cplan.post(homes)  # a gather's or reduce's half: its values into its area
+        if kind == "all_reduce":
+            cplan.run(homes)  # (values of another layout change nothing: the master raises, naming them)
         return True
 
 

@@ -25,7 +25,7 @@ at every use by identity, shape and dtype, never trusted by generation.
 The tables, by side:
 
 * master: ``resolved`` (shared-variable arguments resolved to their ids),
-  ``bodies`` (pickled inline collective commands, with their layout),
+  ``bodies`` (pickled inline collective commands, with their layout and plan),
   ``plans`` (kept plans of small collectives, :mod:`synkhronos._kept.plans`),
   ``calls_of(fid)`` (a Function's planned calls, keyed by its inputs'
   shapes and data references; dropped by a full call of it, which may move
@@ -119,10 +119,12 @@ class Published(NamedTuple):
 
 
 class InlineBody(NamedTuple):
-    """A pickled inline collective command and the layout of the values it was made for."""
+    """A pickled inline collective command, the layout of the values it was made for,
+    and the communicator's plan of it (:class:`~synkhronos.collectives.shm_plans.InlinePlan`)."""
 
     body: bytes
     layout: tuple
+    plan: Any
 
 
 class Resolved(NamedTuple):

@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import typing
 from typing import Any
 
 import numpy as np
 
 from .._arrays import join
 from .._batching import batch_length, split, sub_batch
-from ..collectives.inline import fold_into, raise_mismatch, reduced, reducers_for, same_layout
+from ..collectives.inline import reduced, same_layout
+from ..collectives.shm_plans import INLINE_KINDS, InlinePlan
 from ..collectives.ops import cast_to
 from .._protocol.control import Command
 from .._procs.shmem import SHRINK_BYTES
@@ -82,74 +84,73 @@ def worker_collective(proc, wire: tuple):
 
 #: The first item of an inline command's wire tuple (a CollectiveSpec's is a kind).
 _INLINE = None
-_INLINE_KINDS = frozenset(("broadcast", "all_reduce", "reduce", "gather"))
+#: The kinds that try the inline path first.
+_INLINE_KINDS = INLINE_KINDS
 #: What :func:`_send_inline` returns when the collective must take the communicator's path.
 _NOT_INLINE = object()
 
 
-def _inline_body(s, key, layout, values, got):
-    """The pickled inline command ``key`` for ``values`` (``got``: the one kept for
-    ``key``, if any), or None when they cannot go inline."""
-    if got is not None and got.layout == layout:
-        return got.body
+def _inline_command(s, key, values, got):
+    """The kept inline command ``key`` for ``values`` (``got``: the one kept for
+    ``key``, if any): its pickled body, layout and plan; None when they cannot go inline."""
     for a in values:
-        if type(a) is not np.ndarray or not a.dtype.isnative or a.dtype.hasobject:
+        if type(a) is not np.ndarray:
             return None
-    if not s.proc.comm.fits_inline(values):
+    layout = tuple((a.dtype, a.shape) for a in values)
+    if got is not None and got.layout == layout:
+        return got
+    proc = s.proc
+    plan = proc.comm.plan(key[0], layout, key[2], reducers=proc.kept.reducers)
+    if plan is None:
         return None
     body = pickle.dumps(([], (_INLINE,) + key), protocol=pickle.HIGHEST_PROTOCOL)
-    s.proc.kept.bodies.keep(key, InlineBody(body, layout))
-    return body
+    return proc.kept.bodies.keep(key, InlineBody(body, layout, plan))
 
 
 def _send_inline(s, spec: CollectiveSpec, plan_key=None):
     """``spec`` by the inline path, or ``_NOT_INLINE`` when it must take the communicator's;
     a collective that went through keeps its plan under ``plan_key`` (see :mod:`synkhronos._kept.plans`)."""
     proc = s.proc
-    comm = proc.comm
     # workers still busy with an abandoned command might read the master's area: the full path settles them first
-    if not comm.within_fork or proc.device.keeps_values_on_device or not proc.control.all_answered():
+    if not proc.comm.within_fork or proc.device.keeps_values_on_device or not proc.control.all_answered():
         return _NOT_INLINE
     key = (spec.kind, tuple(spec.sids), spec.op)
     kept = proc.kept.bodies.get(key)
     vars_ = [proc.shareds[sid] for sid in spec.sids]
     values = [v.get_value(borrow=True) for v in vars_]
-    if kept is not None and same_layout(values, kept.layout):  # the usual case in a loop
-        body, layout = kept
-    else:
-        layout = tuple((a.dtype, a.shape) for a in values)
-        body = _inline_body(s, key, layout, values, kept)
-        if body is None:
+    if kept is None or not same_layout(values, kept.layout):  # (the usual case in a loop: the same)
+        kept = _inline_command(s, key, values, kept)
+        if kept is None:
             return _NOT_INLINE
+    body, layout, plan = kept
+    plan = typing.cast(InlinePlan, plan)
     kind, wire = spec.kind, (_INLINE,) + key
     if kind in ("broadcast", "all_reduce"):
-        comm.put_inline(values, layout)
+        plan.post(values)
     if kind == "broadcast":
         s.run(Command.COLLECTIVE, wire, body=body)
-        keep_plan(s, plan_key, kind, vars_, layout, None, wire, body)
+        keep_plan(s, plan_key, kind, vars_, plan, None, wire, body)
         return None
     if kind == "all_reduce":
         # the master combines while the workers do: its half runs between post and collect
-        done = s.run(Command.COLLECTIVE, wire, lambda p, _: _all_reduce_here(p, key[1], vars_, values, layout,
-                                                                            spec.op), body=body)
-        if not done:
-            raise_mismatch(comm, layout, spec.op)
-        keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
+        if not s.run(Command.COLLECTIVE, wire, lambda p, _: plan.run(values, resident(p, key[1], vars_)), body=body):
+            plan.mismatch()
+        keep_plan(s, plan_key, kind, vars_, plan, spec.op, wire, body)
         return None
     s.run(Command.COLLECTIVE, wire, body=body)
-    parts = comm.inline_parts(values, layout if kind == "reduce" else None)
+    parts = plan.parts(values, same=kind == "reduce")
     if parts is None:
         if kind == "gather":  # a worker's values did not fit (unequal lengths): the communicator's path
             return _NOT_INLINE
-        raise_mismatch(comm, layout, spec.op)
+        plan.mismatch()
     if kind == "gather":
         got = [join([p[i] for p in parts], spec.nd_up, v) for i, v in enumerate(vars_)]
         # (the workers' values may differ in shape from the master's: the plan maps each as it is)
-        keep_plan(s, plan_key, kind, vars_, layout, spec.nd_up, wire, body,
+        keep_plan(s, plan_key, kind, vars_, plan, spec.nd_up, wire, body,
                   peer_layouts=[tuple((a.dtype, a.shape) for a in p) for p in parts])
         return got
     got = _inline_reduce(proc, parts, spec, vars_)
-    keep_plan(s, plan_key, kind, vars_, layout, spec.op, wire, body)
+    keep_plan(s, plan_key, kind, vars_, plan, spec.op, wire, body)
     return got
 
 
@@ -162,41 +163,20 @@ def _inline_reduce(proc, parts, spec: CollectiveSpec, vars_) -> list:
     return got
 
 
-def _all_reduce_here(proc, sids, vars_, values, layout, op) -> bool:
-    """One process's half of an inline all_reduce, once its values are in its
-    area; False, changing nothing, when some process's values differ in layout."""
-    comm = proc.comm
-    if proc.is_master:
-        comm.inline_await()
-    else:
-        comm.inline_arrive()
-    parts = comm.inline_parts(values, layout)
-    if parts is None:
-        return False
-    homes = resident(proc, sids, vars_)
-    if any(h is not v for h, v in zip(homes, values)):
-        # a value moved into its home: the move may have overwritten another of ``values`` (a
-        # call that swapped two variables left one holding the other's home), so this process's
-        # part is read from its inline area, which holds them as they were
-        parts[comm.rank] = comm.inline_values(comm.rank)
-    fold_into(homes, parts, *reducers_for(proc, op, homes))
-    return True
-
-
 def _run_inline(proc, kind, sids, op) -> None:
     """A worker's half of an inline collective."""
-    comm = proc.comm
     vars_ = [proc.shareds[sid] for sid in sids]
+    # (whatever this process holds: values that do not fit, or of another layout than the
+    # master's, say so in its area, and the master raises, naming them)
+    plan = typing.cast(InlinePlan, proc.comm.plan(kind, None, op, reducers=proc.kept.reducers))
     if kind == "broadcast":
-        for sid, var, src in zip(sids, vars_, comm.inline_values(proc.master_rank)):
-            receive_into(proc, sid, var, src)
+        plan.receive(lambda i, src: receive_into(proc, sids[i], vars_[i], src))
         return
     # a gather's or reduce's values move into their homes (once), where the master can read them directly next time
     values = [v.get_value(borrow=True) for v in vars_] if kind == "all_reduce" else resident(proc, sids, vars_)
-    layout = tuple((a.dtype, a.shape) for a in values)
-    comm.put_inline(values, layout)
+    plan.post(values)
     if kind == "all_reduce":  # values of another layout change nothing: the master raises, naming them
-        _all_reduce_here(proc, sids, vars_, values, layout, op)
+        plan.run(values, resident(proc, sids, vars_))
 
 
 def run(proc, spec: CollectiveSpec):

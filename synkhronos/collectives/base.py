@@ -65,9 +65,10 @@ class Communicator(abc.ABC):
     #: them all), and it takes host arrays: small function outputs may skip it
     #: and ride back with the workers' answers instead.
     within_fork: bool = False
-    #: Slots of each process's home board (0: none): ``publish_home``,
-    #: ``home_board`` and ``peer_home`` work for slots below it, and between
-    #: commands the master may use the arrays the others published there.
+    #: Slots of each process's home board (0: none): a worker publishes where the
+    #: values of its kept small collectives live (``publish_home``, ``home_board``)
+    #: for slots below it, and between commands the master may use them there
+    #: (the communicator's :class:`~synkhronos.collectives.shm_plans.InlinePlan`).
     home_slots: int = 0
 
     @abc.abstractmethod
@@ -137,47 +138,19 @@ class Communicator(abc.ABC):
         """``rank``'s home board: per slot, the generation published there (0: none)."""
         raise NotImplementedError(f"{type(self).__name__} has no home board (home_slots is 0)")
 
-    def peer_home(self, rank: int, slot: int, gen: int, dtype, shape) -> np.ndarray | None:
-        """The array ``rank`` published under ``slot`` as generation ``gen``, or None."""
-        raise NotImplementedError(f"{type(self).__name__} has no home board (home_slots is 0)")
+    # (the inline channel of small collectives within one fork, and the master's reads of
+    # the others' homes, are the plans' own: ``plan(..., reducers=...)``)
 
-    # -- small values inline (``within_fork`` only) -------------------------
-
-    def fits_inline(self, arrays) -> bool:
-        """Whether ``arrays`` fit this process's inline area (False: no inline channel)."""
-        return False
-
-    def put_inline(self, arrays, layout=None) -> None:
-        """Write this process's arrays into its inline area, for the others to read."""
-        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
-
-    def inline_values(self, rank: int) -> list:
-        """The arrays that ``rank`` wrote into its inline area."""
-        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
-
-    def inline_parts(self, own, layout=None) -> list | None:
-        """Every rank's inline arrays in rank order (``own`` for this process's), or None."""
-        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
-
-    def inline_layouts(self, own_layout) -> list:
-        """Per rank, the layout of the arrays in its inline area (None where none fit)."""
-        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
-
-    def inline_arrive(self) -> None:
-        """A worker, once it wrote its inline area: tell the master (and wait for the others)."""
-        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
-
-    def inline_await(self) -> None:
-        """The master's half of :meth:`inline_arrive`: return once every worker wrote its area."""
-        raise NotImplementedError(f"{type(self).__name__} has no inline channel (within_fork is False)")
-
-    def plan(self, kind: str, layout, op, step=None) -> CommPlan | None:
-        """A :class:`CommPlan` for later ``kind`` collectives of this ``layout``
+    def plan(self, kind: str, layout, op, step=None, reducers=None) -> CommPlan | None:
+        """A :class:`CommPlan` for ``kind`` collectives of this ``layout``
         (per array ``(dtype, shape)``) and ``op``, or None (the default): no fast
         path here, every call takes the full path. ``step``: across nodes, the
         step's key and words, as ``begin_step`` numbers and checks them.
-        Called only in a process that has the fork to itself (no workers),
-        right after a full-path ``kind`` on values of this layout went through."""
+        Without ``reducers``: asked only in a process that has the fork to itself (no
+        workers), right after a full-path ``kind`` on values of this layout went through.
+        With ``reducers`` (the process's kept Reducers, ``proc.kept.reducers``): the
+        plan of a small collective of a fork with workers (``within_fork`` only:
+        :class:`~synkhronos.collectives.shm_plans.InlinePlan`), asked in every process."""
         return None
 
     def close(self) -> None:

@@ -501,7 +501,7 @@ class NodeCommunicator(HierarchicalCommunicator):
     def waiting_among_nodes(self) -> str | None:
         return None if self._inter is None else self._inter.waiting
 
-    def plan(self, kind, layout, op, step=None):
+    def plan(self, kind, layout, op, step=None, reducers=None):
         """In the node master of a node of one process: the inter-node communicator's
         plan (:meth:`.mpi.MpiCommunicator.plan`); None elsewhere (nodes of several
         processes take the full path)."""

@@ -22,12 +22,13 @@ layout mismatch, and combining every process's values into this process's.
 from __future__ import annotations
 
 import math
+import typing
 
 import numpy as np
 
 from .._arrays import packed_views, round_up
 from .._kept.records import Table
-from .ops import agreed_layout, cast_to, kept_reducer, result_dtype
+from .ops import agreed_layout, cast_to, kept_reducer, reducer_of, result_dtype
 
 __all__ = ["InlineArea", "EMPTY", "VALUES", "LAYOUT", "OVERSIZE", "area_bytes",
            "same_layout", "raise_mismatch", "reducers_for", "fold_into", "reduced"]
@@ -180,7 +181,7 @@ def same_layout(values, layout) -> bool:
     return True
 
 
-def raise_mismatch(comm, layout, op):
+def raise_mismatch(comm, layout, op) -> typing.NoReturn:
     """The error of an inline reduction whose processes hold different layouts."""
     layouts = comm.inline_layouts(layout)
     for r, got in enumerate(layouts):
@@ -191,12 +192,12 @@ def raise_mismatch(comm, layout, op):
     raise RuntimeError(f"the processes' values of an inline {op}-reduce did not arrive")  # not reached
 
 
-def reducers_for(proc, op, homes) -> tuple:
-    """Per value, the kept Reducer of every process's part, and whether its
+def reducers_for(n: int, cache, op, layout) -> tuple:
+    """Per value of ``layout`` (``(dtype, shape)`` pairs), the Reducer of ``n``
+    processes' parts (kept in ``cache``, ``proc.kept.reducers``), and whether its
     result must be cast to the value's dtype (an integer ``avg``)."""
-    n = proc.comm.size
-    reducers = [kept_reducer(proc.kept.reducers, op, [h] * n) for h in homes]
-    casts = [result_dtype(h.dtype, op) != h.dtype for h in homes]
+    reducers = [reducer_of(cache, op, dtype, shape, n) for dtype, shape in layout]
+    casts = [result_dtype(dtype, op) != dtype for dtype, _ in layout]
     return reducers, casts
 
 

@@ -749,7 +749,7 @@ class MpiCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
-    def plan(self, kind, layout, op, step=None):
+    def plan(self, kind, layout, op, step=None, reducers=None):
         """A kept plan of later all-reduces of ``layout`` with ``op`` (see
         :meth:`.base.Communicator.plan`) when every array is of numbers or booleans
         whose ``op`` result keeps its dtype (no ``avg`` of integers): a

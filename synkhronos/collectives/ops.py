@@ -9,7 +9,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .._kept.records import Table
 
-__all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to",
+__all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to", "reducer_of",
            "agreed_layout", "identity", "Reducer", "kept_reducer"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
@@ -232,10 +232,16 @@ def kept_reducer(cache: Table, op: str, parts) -> Reducer:
     checked by the caller) with ``op``, kept in ``cache`` (``proc.kept.reducers``, a
     :class:`~synkhronos._kept.records.Table`) from call to call."""
     first = parts[0]
-    key = (op, first.dtype, first.shape, len(parts))
+    return reducer_of(cache, op, first.dtype, first.shape, len(parts))
+
+
+def reducer_of(cache: Table, op: str, dtype, shape, n: int) -> Reducer:
+    """The :class:`Reducer` of ``n`` equally weighted parts of ``dtype`` and ``shape``
+    with ``op``, kept in ``cache`` (see :func:`kept_reducer`)."""
+    key = (op, dtype, shape, n)
     got = cache.get(key)
     if got is None:
-        got = cache.keep(key, Reducer(op, first.dtype, first.shape, None, len(parts)))
+        got = cache.keep(key, Reducer(op, dtype, shape, None, n))
     return got
 
 

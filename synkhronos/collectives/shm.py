@@ -25,6 +25,7 @@ from .._procs.shmem import Segment, Shrink, close_semaphores, open_semaphore, se
 from .base import Communicator
 from .inline import LAYOUT, VALUES, InlineArea
 from .ops import Reducer, cast_to, combine, result_dtype
+from .shm_plans import INLINE_KINDS, InlinePlan
 
 __all__ = ["ShmCommunicator", "PeerFailed"]
 
@@ -561,6 +562,22 @@ class ShmCommunicator(Communicator):
         return out
 
     # -- small values inline -------------------------------------------------
+
+    def plan(self, kind, layout, op, step=None, reducers=None):
+        """With ``reducers``: the :class:`~synkhronos.collectives.shm_plans.InlinePlan` of a small
+        broadcast, all_reduce, gather or reduce of ``layout`` within the fork, when its values
+        (native byte order, no objects) fit an inline area; else None (the full path).
+        ``layout`` None: a worker's plan of whatever it holds (or, a broadcast's, whatever
+        the master posted), which its inline command must take."""
+        if reducers is None or kind not in INLINE_KINDS:
+            return None
+        if layout is not None:
+            for dtype, _ in layout:
+                if not isinstance(dtype, np.dtype) or not dtype.isnative or dtype.hasobject:
+                    return None
+            if not self._areas[self.rank].fits(layout):
+                return None
+        return InlinePlan(self, kind, layout, op, reducers)
 
     def fits_inline(self, arrays) -> bool:
         """Whether ``arrays`` (numpy, native byte order) fit an inline area."""
