@@ -579,10 +579,6 @@ class ShmCommunicator(Communicator):
                 return None
         return InlinePlan(self, kind, layout, op, reducers)
 
-    def fits_inline(self, arrays) -> bool:
-        """Whether ``arrays`` (numpy, native byte order) fit an inline area."""
-        return self._areas[self.rank].fits([(a.dtype, a.shape) for a in arrays])
-
     def put_inline(self, arrays, layout=None) -> None:
         """Write this process's arrays (of ``layout``, if given) into its inline
         area, for the others to read (:meth:`inline_parts`)."""
