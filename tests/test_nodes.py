@@ -124,6 +124,26 @@ def test_planned_all_reduce_bit_for_bit(tmp_path, seed, sizes):
 
 
 @needs_mpi
+@pytest.mark.parametrize("sizes", ["1,1", "1,2"], ids=["alone", "mixed"])
+def test_planned_calls_across_nodes(tmp_path, sizes):
+    """Random calls repeated with the same shapes (every op, float64, float32, int64, two
+    outputs of one op; row counts equal on every node or not), on nodes of one process
+    (``alone``: each keeps its output reduction, the MPI call plan) and on a node of one
+    process beside a node of two (``mixed``: the plan's exchange meets the full path's):
+    every result equals numpy's over every node's rows, the same bits on every node; a
+    node's share failing inside a planned call raises on every node (its Assert there,
+    PeerFailed naming it elsewhere) and the next call agrees again."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "planned_calls:4901", sizes)
+    assert_all_ok(rc, output, verdicts, 2)
+    digests = [v["digests"] for v in verdicts.values()]
+    assert len(digests[0]) > 100 and all(d == digests[0] for d in digests), "the nodes' results differ in bits"
+    assert verdicts[0]["planned_calls"] > 40, verdicts[0]["planned_calls"]  # (node 0 alone in both: it planned)
+    if sizes == "1,1":
+        assert verdicts[1]["planned_calls"] > 40, verdicts[1]["planned_calls"]
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 def test_divergence_on_the_plan(tmp_path):
     """Once both nodes keep MPI plans, node 1 changes a variable's shape (ValueError on
     both), uses another op, skips a step (StepMismatchError on both), joins (node 0's

@@ -30,12 +30,13 @@ class KeptReduction:
     answers it at every call.
     """
 
-    __slots__ = ("plan", "idx", "guard")
+    __slots__ = ("plan", "idx", "guard", "weight")
 
     def __init__(self) -> None:
         self.plan = None   # the communicator's CommPlan of the reduced outputs, or None
         self.idx: list = []  # the positions of the outputs it reduces
         self.guard: dict = {}  # Device.guarded's own record (see there)
+        self.weight = 1.0  # this process's weight in an avg when the plan was made (the plan's own)
 
 
 def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, kept=None):
@@ -45,12 +46,12 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, 
     (:meth:`Device.writable_outputs`; ``guarded``: what it must never write into).
     ``kept``: a planned call's :class:`KeptReduction`, used and kept up to date."""
     if kept is not None:
-        if kept.plan is not None and not failed and outs is not None:
+        if kept.plan is not None and not failed and outs is not None and weight == kept.weight:
             results = _kept_reduce(proc, outs, n_outputs, groups, guarded, kept)
             if results is not None:
                 return results
         results = reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded)
-        _keep_reduction(proc, outs, groups, kept)
+        _keep_reduction(proc, outs, groups, kept, weight)
         return results
     root = proc.master_rank
     results = [None] * n_outputs
@@ -122,25 +123,27 @@ def _kept_reduce(proc, outs, n_outputs, groups, guarded, kept):
     return results
 
 
-def _keep_reduction(proc, outs, groups, kept) -> None:
+def _keep_reduction(proc, outs, groups, kept, weight) -> None:
     """After a full reduction of ``outs`` in a process alone in its fork: ``kept.plan``
-    for the next calls, when every reduced output goes through one device
-    communicator that keeps such a reduce (else None: the full path each time)."""
-    kept.plan, kept.idx = None, []
+    for the next calls of this ``weight``, when every reduced output goes through one
+    communicator that keeps such a reduce (NCCL's; across nodes, MPI's for outputs of
+    one op; else None: the full path each time)."""
+    kept.plan, kept.idx, kept.weight = None, [], weight
     if proc.size != 1 or outs is None:
         return
     comm, idx, ops = None, [], []
     for op, c, group in groups:
         if op is None:
             continue
-        if op == "gather" or not c.device_arrays or (comm is not None and c is not comm):
+        # (the shared-memory communicator keeps no reduce: a fork of one process on one node)
+        if op == "gather" or c.within_fork or (comm is not None and c is not comm):
             return
         comm = c
         idx += group
         ops += [op] * len(group)
     layout = [(getattr(outs[i], "dtype", None), getattr(outs[i], "shape", None)) for i in idx]
     if comm is not None:
-        kept.plan = comm.plan("reduce", layout, tuple(ops))
+        kept.plan = comm.plan("reduce", layout, tuple(ops), weight=weight)
         kept.idx = idx if kept.plan is not None else []
 
 

@@ -141,7 +141,7 @@ class Communicator(abc.ABC):
     # (the inline channel of small collectives within one fork, and the master's reads of
     # the others' homes, are the plans' own: ``plan(..., reducers=...)``)
 
-    def plan(self, kind: str, layout, op, step=None, reducers=None) -> CommPlan | None:
+    def plan(self, kind: str, layout, op, step=None, reducers=None, weight: float = 1.0) -> CommPlan | None:
         """A :class:`CommPlan` for ``kind`` collectives of this ``layout``
         (per array ``(dtype, shape)``) and ``op``, or None (the default): no fast
         path here, every call takes the full path. ``step``: across nodes, the
@@ -150,7 +150,9 @@ class Communicator(abc.ABC):
         workers), right after a full-path ``kind`` on values of this layout went through.
         With ``reducers`` (the process's kept Reducers, ``proc.kept.reducers``): the
         plan of a small collective of a fork with workers (``within_fork`` only:
-        :class:`~synkhronos.collectives.shm_plans.InlinePlan`), asked in every process."""
+        :class:`~synkhronos.collectives.shm_plans.InlinePlan`), asked in every process.
+        ``"reduce"``: a planned call's output reduction (``op``: one op per array),
+        ``weight`` this process's in an ``avg``."""
         return None
 
     def close(self) -> None:

@@ -501,13 +501,13 @@ class NodeCommunicator(HierarchicalCommunicator):
     def waiting_among_nodes(self) -> str | None:
         return None if self._inter is None else self._inter.waiting
 
-    def plan(self, kind, layout, op, step=None, reducers=None):
+    def plan(self, kind, layout, op, step=None, reducers=None, weight=1.0):
         """In the node master of a node of one process: the inter-node communicator's
         plan (:meth:`.mpi.MpiCommunicator.plan`); None elsewhere (nodes of several
         processes take the full path)."""
         if not self._alone or self._inter is None:
             return None
-        return self._inter.plan(kind, layout, op, step)
+        return self._inter.plan(kind, layout, op, step, weight=weight)
 
     def reset(self) -> None:
         self._local.reset()

@@ -57,7 +57,7 @@ from .._procs.launch import Notices, mpi as _mpi
 from .._procs.waits import wait_until
 from .base import Communicator
 from . import mpi_wire
-from .mpi_plans import LargePlan, StepPlan
+from .mpi_plans import CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, RING_NODES, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
                        Head, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, gather_in_pieces, inline_reduce,
@@ -749,21 +749,21 @@ class MpiCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
-    def plan(self, kind, layout, op, step=None, reducers=None):
+    def plan(self, kind, layout, op, step=None, reducers=None, weight=1.0):
         """A kept plan of later all-reduces of ``layout`` with ``op`` (see
         :meth:`.base.Communicator.plan`) when every array is of numbers or booleans
         whose ``op`` result keeps its dtype (no ``avg`` of integers): a
         :class:`.mpi_plans.StepPlan` when all of them travel in the header slot, else a
-        :class:`.mpi_plans.LargePlan` where MPI reduces them in their own bytes; None
-        otherwise, or on a communicator that cannot make steps any more."""
-        if kind != "all_reduce" or op not in MPI_OPS or step is None or self._comm is None \
-                or self.broken is not None or self.ended is not None:
-            return None
-        lay = plannable_layout(layout, op)
-        if lay is None:
+        :class:`.mpi_plans.LargePlan` where MPI reduces them in their own bytes; a call's
+        ``"reduce"``: :class:`.mpi_plans.CallPlan`. None otherwise, or on a communicator
+        that cannot make steps any more."""
+        if self._comm is None or self.broken is not None or self.ended is not None:
             return None
         lines = (self._MPI, self._comm)
-        return StepPlan.make(self, lines, lay, op, step) or LargePlan.make(self, lines, lay, op, step)
+        if kind == "reduce":
+            return CallPlan.make(self, lines, layout, op, weight)
+        lay = None if kind != "all_reduce" or op not in MPI_OPS or step is None else plannable_layout(layout, op)
+        return None if lay is None else StepPlan.make(self, lines, lay, op, step) or LargePlan.make(self, lines, lay, op, step)
 
     def reset(self) -> None:
         """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""

@@ -20,9 +20,9 @@ from .._arrays import packed_views, round_up
 from .base import CommPlan
 from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_FOLDS, RING_NODES, WHAT_CODES,
                        fill_slot, payload_at, reduce_plan, ring_all_reduce, spans)
-from .ops import REDUCE_OPS, Reducer
+from .ops import REDUCE_OPS, Reducer, result_dtype
 
-__all__ = ["LargePlan", "StepPlan"]
+__all__ = ["CallPlan", "LargePlan", "StepPlan"]
 
 #: The step number's place in a header slot (see mpi_wire.HEAD: an int64 after the blob's length).
 _NUMBER = 8
@@ -215,3 +215,98 @@ class LargePlan(StepPlan):
             return reqs
 
         comm.wait(comm.started("all_reduce", start), "all_reduce", (values, outs))
+
+
+class CallPlan(CommPlan):
+    """A planned call's output reduction among node masters of nodes of one process:
+    the exchange the full path makes inside the call's step (``all_reduce`` of the
+    outputs in their result dtypes with this node's ``weight``, every output of one op,
+    small enough to travel in the header slot), its header slot made once. Each
+    :meth:`run` writes the call step's number and key (numbered when the call began)
+    and the outputs into it, makes the one exchange, and compares every node's head
+    and blob with this node's, byte for byte: all equal (the same step, layout, op and
+    weight everywhere), every node combines every node's outputs in node order with
+    the full path's weights (:func:`.ops.combine`, so a node on the full path in the
+    same step gets the same bits); any difference reads the slots as the full path
+    does and reduces or raises as it would. Results are new arrays, never an output.
+    """
+
+    @classmethod
+    def make(cls, comm, lines, layout, ops, weight: float):
+        """The plan, or None: several ops, a gather, an ``avg`` of integers, no weight,
+        or outputs that do not travel in the header slot."""
+        ops = [ops] * len(layout) if isinstance(ops, str) else list(ops)
+        if not ops or len(set(ops)) != 1 or len(ops) != len(layout) or not weight > 0:
+            return None
+        op = ops[0]
+        if op not in MPI_OPS:
+            return None
+        lay = []
+        for dtype, shape in layout:
+            if not isinstance(dtype, np.dtype) or shape is None or dtype.hasobject or result_dtype(dtype, op) != dtype:
+                return None
+            lay.append((dtype, tuple(int(d) for d in shape)))
+        meta = (lay, float(weight), False, True)  # (the full path's meta of these outputs)
+        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in lay]
+        end = payload_at(len(blob))
+        for n in nbytes:
+            end = round_up(end + n, 8)
+        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
+            return None
+        return cls(comm, lines, lay, op, float(weight), blob)
+
+    def __init__(self, comm, lines, layout, op: str, weight: float, blob: bytes):
+        self.comm, self.layout, self.op, self.weight, self.blob = comm, layout, op, weight, blob
+        self.MPI, self.mpi_comm = lines
+        self.fingerprint = zlib.crc32(blob)
+        size, at = comm.size, payload_at(len(blob))
+        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        fill_slot(self.slot, 0, blob, 0, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
+        self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
+        self.mark = self.slot[_NUMBER + 8:_NUMBER + 16].view("<i8")
+        n = HEAD.size + len(blob)
+        self.own = self.slot[:n]
+        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
+        self.sends = packed_views(self.slot, layout, at, 8)
+        received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
+        weights = [weight] * size  # (all equal when every blob is this one: the full path's weights)
+        self.folds = [(Reducer(op, dtype, shape, weights, size), [received[r][i] for r in range(size)])
+                      for i, (dtype, shape) in enumerate(layout)]
+        self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
+        self.keep = (self.slot, self.slots)
+
+    def run(self, values, outs=None) -> bool:
+        """The reduced outputs into ``outs`` (a list, one new array per value); False,
+        nothing sent, when the values left the plan or the step is not a call's."""
+        comm = self.comm
+        if comm.pre_begun or outs is None or len(values) != len(self.layout) or len(outs) != len(values):
+            return False
+        values = [np.asarray(v) for v in values]  # (as the full path takes them)
+        for v, (dtype, shape) in zip(values, self.layout):
+            if v.dtype != dtype or v.shape != shape or v.dtype.hasobject:
+                return False
+        comm.enter("all_reduce")
+        number, mark = comm.step
+        self.number[0], self.mark[0] = number, mark
+        for view, v in zip(self.sends, values):
+            view[...] = v
+        req = self.mpi_comm.Iallgather(*self.spec)
+        own = self.own.tobytes()
+        try:
+            done = req.Test() or req.Test() or req.Test() or req.Test()
+        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
+            done = False
+        if not done:
+            comm.wait([req], "all_reduce", self.keep, header=True)
+        equal = all(head.tobytes() == own for head in self.heads)
+        comm.plan_exchanged(equal)
+        if equal:
+            for i, (reducer, parts) in enumerate(self.folds):
+                outs[i] = np.array(reducer(parts), copy=True)  # (never a view of the kept slots)
+            return True
+        got = [np.array(v, copy=True) for v in values]  # (the full path reads the slots long: into copies)
+        comm.settle_slots("all_reduce", got, self.slots, self.blob, self.op)
+        outs[:] = got
+        return True

@@ -483,7 +483,7 @@ class NcclCommunicator(Communicator):
             out = [receive(i, a) for i, a in enumerate(out)]
         return out
 
-    def plan(self, kind, layout, op, step=None, reducers=None):
+    def plan(self, kind, layout, op, step=None, reducers=None, weight=1.0):
         """With one process, a kept collective of ``layout`` (per array ``(dtype, shape)``)
         that NCCL runs on the arrays' own buffers, when every array of the layout can be
         (a non-empty array NCCL reduces in its own dtype); else None. Several processes

@@ -563,7 +563,7 @@ class ShmCommunicator(Communicator):
 
     # -- small values inline -------------------------------------------------
 
-    def plan(self, kind, layout, op, step=None, reducers=None):
+    def plan(self, kind, layout, op, step=None, reducers=None, weight=1.0):
         """With ``reducers``: the :class:`~synkhronos.collectives.shm_plans.InlinePlan` of a small
         broadcast, all_reduce, gather or reduce of ``layout`` within the fork, when its values
         (native byte order, no objects) fit an inline area; else None (the full path).

@@ -1040,6 +1040,71 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
     v.info["checked"] = checked
 
 
+def scenario_planned_calls(v, node, node_sizes, seed, count=160):
+    """Random calls drawn alike on every node, repeated with the same shapes so that a node
+    of one process keeps its output reduction (the MPI call plan), with new row counts now
+    and then (equal on every node: the plan's exchange; unequal: its weights differ, the
+    slots are read the long way): every op (sum, avg, max, min, prod) on float64, float32 and
+    int64 outputs, and a call with two outputs of one op. Each result against numpy over
+    every node's rows, and its bits recorded (the test compares them across nodes). Twice
+    node 1's rows fail inside a planned call: node 1 raises its Assert, the others
+    PeerFailed naming node 1, and the next call agrees again."""
+    from pytensor.raise_op import Assert
+
+    rng = np.random.default_rng(seed)  # the same draws on every node
+    n = len(node_sizes)
+    want_of = {"sum": lambda d: d.sum(0), "max": lambda d: d.max(0), "min": lambda d: d.min(0),
+               "prod": lambda d: d.prod(0), "avg": lambda d: d.mean(0)}
+    cases = []
+    for dtype in ("float64", "float32", "int64"):
+        x = pt.matrix("x", dtype=dtype)
+        ok = pt.all(x < 100)
+        for op in ("sum", "max", "min", "prod") + (("avg",) if dtype != "int64" else ()):
+            out = {"sum": x.sum(axis=0), "max": x.max(axis=0), "min": x.min(axis=0), "prod": x.prod(axis=0),
+                   "avg": x.mean(axis=0)}[op]
+            cases.append((dtype, (op,), synk.function([x], (Assert("row too large")(out, ok), op), mode=MODE)))
+    x2 = pt.dmatrix("x2")
+    cases.append(("float64", ("sum", "sum"), synk.function([x2], [(x2.sum(axis=0), "sum"), ((x2 ** 2).sum(), "sum")],
+                                                            mode=MODE)))
+    inter = synk._state.current().proc.comm.inter
+    fails = {int(count * 0.4), int(count * 0.8)}
+    case, rows, width, planned, digests = cases[0], [2] * n, 3, 0, []
+    for step in range(count):
+        if rng.random() < 0.2:
+            case = cases[int(rng.integers(len(cases)))]
+        if rng.random() < 0.15:  # new rows: equal on every node, or not
+            width = int(rng.integers(1, 5))
+            rows = [int(rng.integers(1, 5))] * n if rng.random() < 0.5 else [int(r) for r in rng.integers(1, 5, n)]
+        dtype, ops, f = case
+        datas = [rng.choice(np.array([-2, -1, 1, 2]), size=(rows[k], width)).astype(dtype) for k in range(n)]
+        data = np.concatenate(datas)
+        where = f"step {step}: {ops} of {dtype}, rows {rows}, width {width}"
+        if step in fails:
+            mine = datas[node].copy()
+            if node == 1:
+                mine[0, 0] = 1000
+            text = raises_soon(v, lambda: f(mine), f"{where}: node 1's rows failing")
+            v.expect(("row too large" in text) if node == 1 else ("node(s) [1]" in text), f"{where}: {text}")
+            continue
+        before = inter.plan_steps
+        try:
+            got = f(datas[node])
+        except Exception as err:  # noqa: BLE001
+            v.expect(False, f"{where}: {type(err).__name__}: {err}")
+            return
+        planned += inter.plan_steps > before
+        got = got if isinstance(got, list) else [got]
+        wants = [want_of[ops[0]](data)] if len(ops) == 1 else [data.sum(0), (data ** 2).sum()]
+        for g, w in zip(got, wants):
+            g = np.asarray(g)
+            tight = np.dtype(dtype).kind == "i" or (dtype == "float64" and ops[0] != "avg")
+            same = np.array_equal(g, w) if tight else np.allclose(g, w, rtol=1e-5)
+            v.expect(same and g.shape == np.shape(w), f"{where}: {g!r} != {w!r}")
+            digests.append(zlib.crc32(g.tobytes()))
+    v.info["planned_calls"] = planned
+    v.info["digests"] = digests
+
+
 def scenario_diverge_planned(v, node, node_sizes):
     """Divergences met on the kept MPI plan (see the module's docstring)."""
     x = pt.dmatrix("x")
@@ -1140,6 +1205,8 @@ def main() -> int:
         elif scenario.startswith("random"):  # random:<seed>:<count>
             _, seed, count = scenario.split(":")
             scenario_random(v, node, node_sizes, int(seed), int(count))
+        elif scenario.startswith("planned_calls:"):  # planned_calls:<seed>
+            scenario_planned_calls(v, node, node_sizes, int(scenario.split(":")[1]))
         elif scenario.startswith("planned:"):  # planned:<seed>
             scenario_planned(v, node, node_sizes, int(scenario.split(":")[1]))
         elif scenario in SCENARIOS:
