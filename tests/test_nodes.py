@@ -127,7 +127,7 @@ def test_planned_all_reduce_bit_for_bit(tmp_path, seed, sizes):
 @pytest.mark.parametrize("sizes", ["1,1", "1,2"], ids=["alone", "mixed"])
 def test_planned_calls_across_nodes(tmp_path, sizes):
     """Random calls repeated with the same shapes (every op, float64, float32, int64, two
-    outputs of one op; row counts equal on every node or not), on nodes of one process
+    outputs of one op, three ops; row counts equal on every node or not), on nodes of one process
     (``alone``: each keeps its output reduction, the MPI call plan) and on a node of one
     process beside a node of two (``mixed``: the plan's exchange meets the full path's):
     every result equals numpy's over every node's rows, the same bits on every node; a

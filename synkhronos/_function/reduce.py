@@ -30,29 +30,42 @@ class KeptReduction:
     answers it at every call.
     """
 
-    __slots__ = ("plan", "idx", "guard", "weight")
+    __slots__ = ("plan", "idx", "guard", "weight", "groups")
 
     def __init__(self) -> None:
         self.plan = None   # the communicator's CommPlan of the reduced outputs, or None
         self.idx: list = []  # the positions of the outputs it reduces
         self.guard: dict = {}  # Device.guarded's own record (see there)
-        self.weight = 1.0  # this process's weight in an avg when the plan was made (the plan's own)
+        self.weight = 1.0  # this process's weight in an avg, which ``groups``' plans were made with
+        self.groups: dict = {}  # across nodes: per group of outputs (its index), MPI's CommPlan of it
 
 
-def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, kept=None):
+def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, kept=None, by_group=None):
     """Combine outputs across processes, one collective per group of outputs that
     share an op and a communicator (see :meth:`LocalFunction.plan`). On a device
     communicator the master's outputs are reduced in place where the device allows
     (:meth:`Device.writable_outputs`; ``guarded``: what it must never write into).
-    ``kept``: a planned call's :class:`KeptReduction`, used and kept up to date."""
+    ``kept``: a planned call's :class:`KeptReduction`, used and kept up to date: its
+    reduction of every output at once (NCCL's), else, across nodes, its plan of each
+    group of outputs (``by_group``, one exchange each, as the full path makes them)."""
     if kept is not None:
-        if kept.plan is not None and not failed and outs is not None and weight == kept.weight:
+        if kept.plan is not None and not failed and outs is not None:
             results = _kept_reduce(proc, outs, n_outputs, groups, guarded, kept)
             if results is not None:
                 return results
-        results = reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded)
-        _keep_reduction(proc, outs, groups, kept, weight)
+        if kept.weight != weight:  # (each group's plan carries the weight it was made with)
+            kept.groups.clear()
+            kept.weight = weight
+        by_group = kept.groups if proc.size == 1 and outs is not None and proc.comm.among_nodes() is not None else None
+        results = reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded, by_group=by_group)
+        _keep_reduction(proc, outs, groups, kept)
         return results
+    return _reduce_groups(proc, outs, n_outputs, groups, weight, failed, guarded, by_group)
+
+
+def _reduce_groups(proc, outs, n_outputs, groups, weight, failed, guarded, by_group):
+    """:func:`reduce_outputs` without a kept reduction of every output at once; ``by_group``
+    (or None) keeps, per group of outputs, the communicator's plan of it (across nodes)."""
     root = proc.master_rank
     results = [None] * n_outputs
     failure = None
@@ -63,7 +76,7 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, 
         inter = getattr(proc.comm, "inter", None)
         if inter is not None:
             inter.barrier(failed)
-    for op, comm, idx in groups:
+    for j, (op, comm, idx) in enumerate(groups):
         if op is None:
             if proc.is_master and outs is not None:
                 for i in idx:
@@ -90,8 +103,10 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, 
                 if on_device and mine is not None and proc.is_master:
                     writable = proc.device.writable_outputs(proc, outs, idx, guarded)
                     got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged, in_place=writable or False)
-                else:
+                elif by_group is None or on_device or mine is None or flagged:
                     got = comm.reduce(mine, op, root=root, weight=weight, failed=flagged)
+                else:
+                    got = _group_reduce(comm, op, mine, root, weight, by_group, j)
                 if got is not None:
                     for i, r in zip(idx, got):
                         results[i] = r
@@ -101,6 +116,22 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, 
     if failure is not None:
         raise failure
     return results if proc.is_master else None
+
+
+def _group_reduce(comm, op, mine, root, weight, by_group, j):
+    """Group ``j``'s reduction through its kept plan (``by_group[j]``), or by the full path,
+    which then keeps one: the same exchange, every node alike (see :class:`KeptReduction`)."""
+    plan = by_group.get(j)
+    if plan is not None:
+        got: list = [None] * len(mine)
+        if plan.run(mine, got):  # (it raises as the full path would)
+            return got
+        del by_group[j]  # the outputs left it: nothing was sent
+    got = comm.reduce(mine, op, root=root, weight=weight)
+    plan = comm.plan("reduce", [(a.dtype, a.shape) for a in mine], (op,) * len(mine), weight=weight)
+    if plan is not None:
+        by_group[j] = plan
+    return got
 
 
 def _kept_reduce(proc, outs, n_outputs, groups, guarded, kept):
@@ -123,27 +154,25 @@ def _kept_reduce(proc, outs, n_outputs, groups, guarded, kept):
     return results
 
 
-def _keep_reduction(proc, outs, groups, kept, weight) -> None:
+def _keep_reduction(proc, outs, groups, kept) -> None:
     """After a full reduction of ``outs`` in a process alone in its fork: ``kept.plan``
-    for the next calls of this ``weight``, when every reduced output goes through one
-    communicator that keeps such a reduce (NCCL's; across nodes, MPI's for outputs of
-    one op; else None: the full path each time)."""
-    kept.plan, kept.idx, kept.weight = None, [], weight
+    for the next calls, when every reduced output goes through one device
+    communicator that keeps such a reduce (else None: the full path each time)."""
+    kept.plan, kept.idx = None, []
     if proc.size != 1 or outs is None:
         return
     comm, idx, ops = None, [], []
     for op, c, group in groups:
         if op is None:
             continue
-        # (the shared-memory communicator keeps no reduce: a fork of one process on one node)
-        if op == "gather" or c.within_fork or (comm is not None and c is not comm):
+        if op == "gather" or not c.device_arrays or (comm is not None and c is not comm):
             return
         comm = c
         idx += group
         ops += [op] * len(group)
     layout = [(getattr(outs[i], "dtype", None), getattr(outs[i], "shape", None)) for i in idx]
     if comm is not None:
-        kept.plan = comm.plan("reduce", layout, tuple(ops), weight=weight)
+        kept.plan = comm.plan("reduce", layout, tuple(ops))
         kept.idx = idx if kept.plan is not None else []
 
 

@@ -1045,7 +1045,8 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
     of one process keeps its output reduction (the MPI call plan), with new row counts now
     and then (equal on every node: the plan's exchange; unequal: its weights differ, the
     slots are read the long way): every op (sum, avg, max, min, prod) on float64, float32 and
-    int64 outputs, and a call with two outputs of one op. Each result against numpy over
+    int64 outputs, a call with two outputs of one op and one with three ops (three exchanges,
+    each on its own plan). Each result against numpy over
     every node's rows, and its bits recorded (the test compares them across nodes). Twice
     node 1's rows fail inside a planned call: node 1 raises its Assert, the others
     PeerFailed naming node 1, and the next call agrees again."""
@@ -1066,6 +1067,9 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
     x2 = pt.dmatrix("x2")
     cases.append(("float64", ("sum", "sum"), synk.function([x2], [(x2.sum(axis=0), "sum"), ((x2 ** 2).sum(), "sum")],
                                                             mode=MODE)))
+    x3 = pt.dmatrix("x3")  # three groups of outputs: three exchanges, each its own plan
+    cases.append(("float64", ("sum", "max", "avg"), synk.function(
+        [x3], [(x3.sum(axis=0), "sum"), (x3.max(axis=0), "max"), (x3.mean(), "avg")], mode=MODE)))
     inter = synk._state.current().proc.comm.inter
     fails = {int(count * 0.4), int(count * 0.8)}
     case, rows, width, planned, digests = cases[0], [2] * n, 3, 0, []
@@ -1094,10 +1098,11 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
             return
         planned += inter.plan_steps > before
         got = got if isinstance(got, list) else [got]
-        wants = [want_of[ops[0]](data)] if len(ops) == 1 else [data.sum(0), (data ** 2).sum()]
+        wants = [want_of[ops[0]](data)] if len(ops) == 1 else [data.sum(0), (data ** 2).sum()] \
+            if len(ops) == 2 else [data.sum(0), data.max(0), data.mean()]
         for g, w in zip(got, wants):
             g = np.asarray(g)
-            tight = np.dtype(dtype).kind == "i" or (dtype == "float64" and ops[0] != "avg")
+            tight = np.dtype(dtype).kind == "i" or (dtype == "float64" and "avg" not in ops)
             same = np.array_equal(g, w) if tight else np.allclose(g, w, rtol=1e-5)
             v.expect(same and g.shape == np.shape(w), f"{where}: {g!r} != {w!r}")
             digests.append(zlib.crc32(g.tobytes()))
