@@ -72,13 +72,12 @@ def test_worker_killed_on_node_one(tmp_path):
 
 def _planned_somewhere(verdicts, sizes: str) -> None:
     """Every node of one process made steps on its kept MPI plan (a fast path that
-    never ran would prove nothing); no other node did."""
+    never ran would prove nothing). (A node of several processes may too: its master's
+    small reductions among nodes run on kept exchanges, ``NodeCommunicator._kept_middle``.)"""
     per_node = [int(k) for k in sizes.split(",")]
     for node, v in verdicts.items():
         if per_node[node % len(per_node)] == 1:
             assert v["plan_steps"] > 0, (node, v["plan_steps"])
-        else:
-            assert v["plan_steps"] == 0, (node, v["plan_steps"])
 
 
 @needs_mpi
@@ -129,7 +128,8 @@ def test_planned_calls_across_nodes(tmp_path, sizes):
     """Random calls repeated with the same shapes (every op, float64, float32, int64, two
     outputs of one op, three ops; row counts equal on every node or not), on nodes of one process
     (``alone``: each keeps its output reduction, the MPI call plan) and on a node of one
-    process beside a node of two (``mixed``: the plan's exchange meets the full path's):
+    process beside a node of two (``mixed``: whose master makes the same exchange through
+    its own kept plan, ``NodeCommunicator._kept_middle``, after the node's local steps):
     every result equals numpy's over every node's rows, the same bits on every node; a
     node's share failing inside a planned call raises on every node (its Assert there,
     PeerFailed naming it elsewhere) and the next call agrees again."""
@@ -137,9 +137,8 @@ def test_planned_calls_across_nodes(tmp_path, sizes):
     assert_all_ok(rc, output, verdicts, 2)
     digests = [v["digests"] for v in verdicts.values()]
     assert len(digests[0]) > 100 and all(d == digests[0] for d in digests), "the nodes' results differ in bits"
-    assert verdicts[0]["planned_calls"] > 40, verdicts[0]["planned_calls"]  # (node 0 alone in both: it planned)
-    if sizes == "1,1":
-        assert verdicts[1]["planned_calls"] > 40, verdicts[1]["planned_calls"]
+    # (node 0, alone in both: its calls' kept reductions; node 1 of two processes: its master's kept exchanges)
+    assert all(v["planned_calls"] > 40 for v in verdicts.values()), [v["planned_calls"] for v in verdicts.values()]
     _no_shm_left(tmp_path, 2)
 
 

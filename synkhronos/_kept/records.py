@@ -55,7 +55,11 @@ What is not here, and why: the control block's kept message bodies
 by one shared window, and the reply and inline areas' parsed layouts are
 keyed by a version that the writer puts in the area's header with the data:
 both are checked against shared memory at every use, so they cannot go
-stale; they use :class:`Table` for their capacity. Nor are the resources a
+stale; they use :class:`Table` for their capacity. Nor is a node master's
+kept exchange among nodes per layout, op and weight
+(``NodeCommunicator._kept_middle``): a pure function of its key and of the
+communicator it lives and dies with, whose every use compares every node's
+header byte for byte. Nor are the resources a
 process owns or maps (scratch segments, homes, slots, a ``synk.data``
 mapping, which ``data.attach`` checks against the segment's name at every
 use): they hold memory, they let nothing skip a check.

@@ -24,10 +24,11 @@ of its contributing processes' weights, so it equals the flat average.
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
 
+from .._kept.records import Table
 from .base import Communicator
 from .ops import cast_to, result_dtype
 
@@ -53,6 +54,10 @@ def _own_failure(failed) -> None:
     it goes to the other nodes as the node's failure, as a local collective's flag does)."""
     if failed:
         raise PeerFailed(failed if isinstance(failed, str) else "its own part failed")
+
+
+#: Kept reductions among nodes per (layout, op, weight) in a node master (each a few KiB).
+_MIDDLES = 32
 
 
 class HierarchicalCommunicator(Communicator):
@@ -81,6 +86,8 @@ class HierarchicalCommunicator(Communicator):
         self._local, self._inter, self._is_master = local, inter, is_master
         self._lm = local.master_rank
         self._alone = local.size == 1  # a node of one process: no local steps at all
+        # the node master's small reductions among nodes, kept per (layout, op, weight): see _kept_middle
+        self._middles = Table(_MIDDLES)
         shape = None
         if inter is not None:  # (the node master)
             parts = inter.all_gather([np.array([local.size, local.master_rank], dtype=np.int64)])[0]
@@ -223,6 +230,9 @@ class HierarchicalCommunicator(Communicator):
             part, wsum = value if value is not None else (None, None)
             w = 1.0 if wsum is None else wsum
             if root is None or root is MASTERS:
+                got = None if bad or part is None else self._kept_middle(inter, part, op, w)
+                if got is not None:
+                    return got
                 # MPI works in the node's part when that is ours to overwrite: a
                 # fresh local result, or the caller's own arrays when in place
                 fresh = part is not None and (arrays is None or not any(
@@ -259,6 +269,23 @@ class HierarchicalCommunicator(Communicator):
                 return None
             return value if root_local == lm else got
         return self._steps(first, middle, share)
+
+    def _kept_middle(self, inter, part, op, weight):
+        """The node master's reduction among nodes of its node's ``part`` (every node's
+        result, new arrays) through a kept :class:`.mpi_plans.CallPlan` of its layout, op and
+        ``weight``: the full path's exchange with its header made once, every node's header
+        compared byte for byte and read the long way where they differ, as the full path
+        would. None when there is no such plan (then the full path runs). Each plan is a
+        pure function of its key and this communicator: kept while the communicator lives."""
+        layout = tuple((a.dtype, a.shape) for a in part)
+        key = (layout, op, weight)
+        plan: Any = self._middles.get(key)
+        if plan is None:  # (False kept: no plan for this key, asked once)
+            plan = self._middles.keep(key, inter.plan("reduce", layout, (op,) * len(part), weight=weight) or False)
+        if plan is False:
+            return None
+        got: list = [None] * len(part)
+        return got if plan.run(part, got) else None
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every process's arrays; the result on global rank ``root``."""

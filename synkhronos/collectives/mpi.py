@@ -1,25 +1,21 @@
 """MPI Communicator among the masters of several nodes, through mpi4py.
 
-Under ``mpirun`` (or ``srun``) each launched copy of a script is the master
-of its node. The node's processes reduce and gather among themselves first,
-through the shared-memory communicator (or NCCL); then the node masters alone
-run one collective through this communicator; then each master shares the
-result inside its node again (see :mod:`.hier`). So an ``MpiCommunicator``
-lives only in node masters, one per node, over an mpi4py communicator whose
-ranks are the node indices. Workers never touch MPI: the node master forks
-them before MPI is initialised (``mpi4py.rc.initialize = False``, then
-``MPI.Init_thread`` after the fork), and this module imports mpi4py only when
-a communicator is made.
+Under ``mpirun`` (or ``srun``) each launched copy of a script is the master of its node. The node's
+processes reduce and gather among themselves first, through the shared-memory communicator (or NCCL);
+then the node masters alone run one collective through this communicator; then each master shares the
+result inside its node again (see :mod:`.hier`). So an ``MpiCommunicator`` lives only in node masters,
+one per node, over an mpi4py communicator whose ranks are the node indices. Workers never touch MPI:
+the node master forks them before MPI is initialised (``mpi4py.rc.initialize = False``, then
+``MPI.Init_thread`` after the fork), and this module imports mpi4py only when a communicator is made.
 
-Every collective first agrees, in one small non-blocking all-gather, on what
-each node contributes (dtypes and shapes, weights, failure flags): a node that
-flagged ``failed=True`` makes every node raise :class:`PeerFailed` before
-anything is combined, and different layouts are the same ``ValueError`` on
-every node. Then the arrays move with buffer-based non-blocking MPI calls
-(``Iallreduce``, ``Ireduce``, ``Ibcast``, ``Igatherv``, ``Iallgatherv``),
-never pickled; a node with nothing to add sends the identity element of the
-op. Dtypes and values follow :mod:`.ops` as on every other path: ``avg`` of
-integers or booleans is float64, ``sum``/``max`` of booleans is a logical or.
+Every collective first agrees, in one small non-blocking all-gather, on what each node
+contributes (dtypes and shapes, weights, failure flags): a node that flagged ``failed=True``
+makes every node raise :class:`PeerFailed` before anything is combined, and different layouts
+are the same ``ValueError`` on every node. Then the arrays move with buffer-based non-blocking
+MPI calls (``Iallreduce``, ``Ireduce``, ``Ibcast``, ``Igatherv``, ``Iallgatherv``), never
+pickled; a node with nothing to add sends the identity element of the op. Dtypes and values
+follow :mod:`.ops` as on every other path: ``avg`` of integers or booleans is float64,
+``sum``/``max`` of booleans is a logical or.
 
 No call ever blocks inside MPI: every wait is a loop of ``Test()`` with
 ``check()`` (the runtime's liveness check: the node's workers, deadlines,
@@ -183,6 +179,13 @@ class MpiCommunicator(Communicator):
             raise SynkError(f"the MPI communicator was abandoned after an earlier failure "
                             f"({self.broken}); call synk.close() and synk.fork() again")
 
+    def enter_exchange(self, what: str) -> None:
+        """:meth:`enter`; PeerFailed when this step failed on every node at an earlier exchange (none
+        makes another: every node makes the same number of exchanges in it, whatever each had left)."""
+        self.enter(what)
+        if self._failed is not None:
+            raise PeerFailed(f"{what}: {self._failed}")
+
     def wait(self, reqs, what: str, keep=None, notices: bool = True, header: bool = False) -> None:
         """Until every request in ``reqs`` completes; ``check()`` between slices,
         and a peer's failure notice ends the wait at once. Never a blocking wait.
@@ -252,8 +255,9 @@ class MpiCommunicator(Communicator):
         try:
             self._same_step(what, heads)
             no_failure(what, metas)
-        except (StepMismatchError, PeerFailed, TypeError) as err:
-            self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})"
+        except (StepMismatchError, PeerFailed, TypeError) as err:  # (as _agree: in a numbered step only)
+            self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})" \
+                if self.begun else None
             raise
         # the payload views are of the plan's kept slots: copied before the slots are used again
         payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
@@ -342,11 +346,7 @@ class MpiCommunicator(Communicator):
         ``op`` and ``root`` tell a node that has joined (see :meth:`join`) which
         exchange follows. A node that has joined gives ``(None, 0.0)``: nothing to add.
         """
-        self.enter(what)
-        if self._failed is not None:
-            # every node learnt in one exchange of this step that it failed: none makes another,
-            # so every node makes the same number of exchanges in it, whatever each had left to do
-            raise PeerFailed(f"{what}: {self._failed}")
+        self.enter_exchange(what)
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
         # a failure may come with its reason (a string: what failed where), cut to fit
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)

@@ -287,7 +287,7 @@ class CallPlan(CommPlan):
         for v, (dtype, shape) in zip(values, self.layout):
             if v.dtype != dtype or v.shape != shape or v.dtype.hasobject:
                 return False
-        comm.enter("all_reduce")
+        comm.enter_exchange("all_reduce")
         number, mark = comm.step
         self.number[0], self.mark[0] = number, mark
         for view, v in zip(self.sends, values):
