@@ -122,15 +122,16 @@ def _group_reduce(comm, op, mine, root, weight, by_group, j):
     """Group ``j``'s reduction through its kept plan (``by_group[j]``), or by the full path,
     which then keeps one: the same exchange, every node alike (see :class:`KeptReduction`)."""
     plan = by_group.get(j)
-    if plan is not None:
+    if plan:
         got: list = [None] * len(mine)
         if plan.run(mine, got):  # (it raises as the full path would)
             return got
-        del by_group[j]  # the outputs left it: nothing was sent
+        del by_group[j]  # the outputs left it (nothing was sent): asked again below
+        plan = None
     got = comm.reduce(mine, op, root=root, weight=weight)
-    plan = comm.plan("reduce", [(a.dtype, a.shape) for a in mine], (op,) * len(mine), weight=weight)
-    if plan is not None:
-        by_group[j] = plan
+    if plan is None:  # (False: none can be made for this group, asked once)
+        by_group[j] = comm.plan("reduce", [(a.dtype, a.shape) for a in mine], (op,) * len(mine), weight=weight) \
+            or False
     return got
 
 
