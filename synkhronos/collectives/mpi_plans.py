@@ -28,6 +28,17 @@ __all__ = ["CallPlan", "LargePlan", "StepPlan"]
 _NUMBER = 8
 
 
+def _blob_with_payload(meta):
+    """The full path's pickled ``meta`` (``(layout, weight, flag, True)``) of values that
+    travel in the header slot after it, or None when they do not fit there."""
+    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in meta[0]]
+    end = payload_at(len(blob))
+    for n in nbytes:
+        end = round_up(end + n, 8)
+    return None if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT else blob
+
+
 class StepPlan(CommPlan):
     """A kept all-reduce among node masters of nodes of one process: the full path's
     header slot, made once (only the step number changes), its payload views in the
@@ -49,14 +60,8 @@ class StepPlan(CommPlan):
         """The plan, or None when the values do not travel in the header slot. ``comm``:
         the :class:`.mpi.MpiCommunicator`; ``lines``: its MPI module and mpi4py communicator."""
         meta = (layout, 1.0, False, True)  # (as the full path's: a node of one process weighs 1)
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in layout]
-        end = payload_at(len(blob))
-        for n in nbytes:
-            end = round_up(end + n, 8)
-        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
-            return None
-        return cls(comm, lines, layout, op, step, meta, blob)
+        blob = _blob_with_payload(meta)
+        return None if blob is None else cls(comm, lines, layout, op, step, meta, blob)
 
     def __init__(self, comm, lines, layout, op: str, step, meta, blob: bytes):
         self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
@@ -246,15 +251,8 @@ class CallPlan(CommPlan):
             if not isinstance(dtype, np.dtype) or shape is None or dtype.hasobject or result_dtype(dtype, op) != dtype:
                 return None
             lay.append((dtype, tuple(int(d) for d in shape)))
-        meta = (lay, float(weight), False, True)  # (the full path's meta of these outputs)
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        nbytes = [math.prod(shape) * dtype.itemsize for dtype, shape in lay]
-        end = payload_at(len(blob))
-        for n in nbytes:
-            end = round_up(end + n, 8)
-        if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT:
-            return None
-        return cls(comm, lines, lay, op, float(weight), blob)
+        blob = _blob_with_payload((lay, float(weight), False, True))  # (the full path's meta of these outputs)
+        return None if blob is None else cls(comm, lines, lay, op, float(weight), blob)
 
     def __init__(self, comm, lines, layout, op: str, weight: float, blob: bytes):
         self.comm, self.layout, self.op, self.weight, self.blob = comm, layout, op, weight, blob
