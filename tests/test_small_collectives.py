@@ -66,7 +66,7 @@ def _each(v, n):
 
 def _the_communicator_path(monkeypatch):
     """Every collective from now on through the communicator, as before the inline path."""
-    monkeypatch.setattr(shareds, "_INLINE_KINDS", frozenset())
+    monkeypatch.setattr(shareds, "INLINE_KINDS", frozenset())
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

@@ -40,14 +40,14 @@ class KeptReduction:
         self.groups: dict = {}  # across nodes: per group of outputs (its index), MPI's CommPlan of it
 
 
-def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, kept=None, by_group=None):
+def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, kept=None):
     """Combine outputs across processes, one collective per group of outputs that
     share an op and a communicator (see :meth:`LocalFunction.plan`). On a device
     communicator the master's outputs are reduced in place where the device allows
     (:meth:`Device.writable_outputs`; ``guarded``: what it must never write into).
     ``kept``: a planned call's :class:`KeptReduction`, used and kept up to date: its
     reduction of every output at once (NCCL's), else, across nodes, its plan of each
-    group of outputs (``by_group``, one exchange each, as the full path makes them)."""
+    group of outputs (one exchange each, as the full path makes them)."""
     if kept is not None:
         if kept.plan is not None and not failed and outs is not None:
             results = _kept_reduce(proc, outs, n_outputs, groups, guarded, kept)
@@ -57,10 +57,10 @@ def reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded=None, 
             kept.groups.clear()
             kept.weight = weight
         by_group = kept.groups if proc.size == 1 and outs is not None and proc.comm.among_nodes() is not None else None
-        results = reduce_outputs(proc, outs, n_outputs, groups, weight, failed, guarded, by_group=by_group)
+        results = _reduce_groups(proc, outs, n_outputs, groups, weight, failed, guarded, by_group)
         _keep_reduction(proc, outs, groups, kept)
         return results
-    return _reduce_groups(proc, outs, n_outputs, groups, weight, failed, guarded, by_group)
+    return _reduce_groups(proc, outs, n_outputs, groups, weight, failed, guarded, None)
 
 
 def _reduce_groups(proc, outs, n_outputs, groups, weight, failed, guarded, by_group):

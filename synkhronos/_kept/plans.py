@@ -149,13 +149,11 @@ def keep_plan(s, plan_key, kind, vars_, cplan, op, wire, body, peer_layouts=None
 class _Plan:
     """The master's kept plan of one inline broadcast, all_reduce, gather or reduce (see above)."""
 
-    __slots__ = ("s", "kind", "vars_", "held", "homes", "layout", "cplan", "op", "wire", "body", "found",
-                 "verified")
+    __slots__ = ("s", "kind", "vars_", "held", "homes", "cplan", "op", "wire", "body", "found", "verified")
 
     def __init__(self, s, kind, vars_, homes, cplan, op, wire, body):
         self.s, self.kind, self.vars_, self.homes, self.cplan = s, kind, list(vars_), homes, cplan
-        self.layout = cplan.layout
-        self.held = _held(vars_, homes, self.layout)
+        self.held = _held(vars_, homes, cplan.layout)
         self.op, self.wire, self.body = op, wire, body
         self.found: typing.Any = None  # direct: every process's values where they live (PeerHomes), once found
         self.verified = None  # direct: the kept generation when the fork was last found idle, every value home

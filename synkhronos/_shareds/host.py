@@ -45,7 +45,7 @@ def send(s, spec: CollectiveSpec, plan_key=None):
     dataclass takes several times longer to pickle, on every collective).
     Small values take the inline path (:func:`_send_inline`), which keeps a
     plan under ``plan_key`` (see :mod:`synkhronos._kept.plans`)."""
-    if spec.kind in _INLINE_KINDS:
+    if spec.kind in INLINE_KINDS:
         got = _send_inline(s, spec, plan_key)
         if got is not _NOT_INLINE:
             return got
@@ -84,8 +84,6 @@ def worker_collective(proc, wire: tuple):
 
 #: The first item of an inline command's wire tuple (a CollectiveSpec's is a kind).
 _INLINE = None
-#: The kinds that try the inline path first.
-_INLINE_KINDS = INLINE_KINDS
 #: What :func:`_send_inline` returns when the collective must take the communicator's path.
 _NOT_INLINE = object()
 
@@ -122,8 +120,7 @@ def _send_inline(s, spec: CollectiveSpec, plan_key=None):
         kept = _inline_command(s, key, values, kept)
         if kept is None:
             return _NOT_INLINE
-    body, layout, plan = kept
-    plan = typing.cast(InlinePlan, plan)
+    body, plan = kept.body, typing.cast(InlinePlan, kept.plan)
     kind, wire = spec.kind, (_INLINE,) + key
     if kind in ("broadcast", "all_reduce"):
         plan.post(values)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import typing
 import zlib
 
 import numpy as np
@@ -19,8 +20,8 @@ import numpy as np
 from .._arrays import packed_views, round_up
 from .base import CommPlan
 from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_FOLDS, RING_NODES, WHAT_CODES,
-                       fill_slot, payload_at, reduce_plan, ring_all_reduce, spans)
-from .ops import REDUCE_OPS, Reducer, result_dtype
+                       fill_slot, payload_at, plannable_layout, reduce_plan, ring_all_reduce, spans)
+from .ops import REDUCE_OPS, Reducer
 
 __all__ = ["CallPlan", "LargePlan", "StepPlan"]
 
@@ -39,7 +40,56 @@ def _blob_with_payload(meta):
     return None if sum(nbytes) > INLINE_BYTES or end > HEADER_SLOT else blob
 
 
-class StepPlan(CommPlan):
+class _SlotPlan(CommPlan):
+    """What :class:`StepPlan` and :class:`CallPlan` share: the full path's header slot of
+    one exchange, made once (:meth:`_make_slots`), and the exchange itself, compared byte
+    for byte (:meth:`_exchange_slots`)."""
+
+    comm: typing.Any  # the MpiCommunicator (set by each plan's __init__)
+
+    def _make_slots(self, comm, lines, layout, op: str, blob: bytes, mark: int, payload: bool):
+        """The send slot (head and ``blob`` written once: a run writes its step's number,
+        and its values where ``payload``), the receive slots, and this node's head and blob
+        and every other node's, to compare. Per node, the views of its values in its
+        receive slot (``payload``), else None."""
+        self.MPI, self.mpi_comm = lines
+        self.fingerprint = zlib.crc32(blob)
+        size, at = comm.size, payload_at(len(blob))
+        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
+        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        fill_slot(self.slot, 0, blob, mark, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
+        self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
+        n = HEAD.size + len(blob)
+        self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
+        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
+        self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
+        self.keep = (self.slot, self.slots)
+        self.sends: list = packed_views(self.slot, layout, at, 8) if payload else []
+        return [packed_views(self.slots[r], layout, at, 8) for r in range(size)] if payload else None
+
+    def _exchange_slots(self, values) -> bool:
+        """Exchange the header slots (the step's number written, ``values`` written here
+        where they travel there): whether every node's head and blob is this node's."""
+        comm = self.comm
+        for view, v in zip(self.sends, values):
+            view[...] = v
+        req = self.mpi_comm.Iallgather(*self.spec)
+        own = self.own.tobytes()  # (meanwhile: MPI only reads the send slot)
+        try:  # (the answer is usually there within a few tests: no wait set up for it)
+            done = req.Test() or req.Test() or req.Test() or req.Test()
+        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
+            done = False
+        if not done:
+            comm.wait([req], "all_reduce", self.keep, header=True)
+        for head in self.heads:
+            if head.tobytes() != own:
+                comm.plan_exchanged(False)
+                return False
+        comm.plan_exchanged(True)
+        return True
+
+
+class StepPlan(_SlotPlan):
     """A kept all-reduce among node masters of nodes of one process: the full path's
     header slot, made once (only the step number changes), its payload views in the
     send slot and in every node's receive slot, and a reducer per array.
@@ -65,28 +115,14 @@ class StepPlan(CommPlan):
 
     def __init__(self, comm, lines, layout, op: str, step, meta, blob: bytes):
         self.comm, self.layout, self.op, self.meta, self.blob = comm, layout, op, meta, blob
-        self.MPI, self.mpi_comm = lines
         self.key, self.words = step
         self.mark = comm.mark_of(self.key)  # the step key's checksum, as begin() gives it
-        self.fingerprint = zlib.crc32(blob)
-        size, at = comm.size, payload_at(len(blob))
-        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
-        # the head and blob once; each run writes its step's number (and values) only
-        fill_slot(self.slot, 0, blob, self.mark, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
-        self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
-        n = HEAD.size + len(blob)
-        self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
-        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
-        self.sends: list = []
-        self.folds: list = []
-        if meta[3]:  # the values travel in the header slots
-            self.sends = packed_views(self.slot, layout, at, 8)
-            received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
-            self.folds = [self._fold_of(Reducer(op, dtype, shape, None, size), [received[r][i] for r in range(size)])
-                          for i, (dtype, shape) in enumerate(layout)]
-        self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
-        self.keep = (self.slot, self.slots)
+        # (meta[3]: the values travel in the header slots)
+        received = self._make_slots(comm, lines, layout, op, blob, self.mark, meta[3])
+        size = comm.size
+        self.folds = [] if received is None else [
+            self._fold_of(Reducer(op, dtype, shape, None, size), [received[r][i] for r in range(size)])
+            for i, (dtype, shape) in enumerate(layout)]
         self.count = len(layout)
 
     def _fold_of(self, reducer, parts):
@@ -124,24 +160,8 @@ class StepPlan(CommPlan):
     def _exchange(self, values) -> bool:
         """Number the step, exchange the header slots (with ``values`` where they travel
         there): whether every node's head and blob is this node's."""
-        comm = self.comm
-        self.number[0] = comm.plan_step(self.mark, self.words)  # numbered before anything can fail
-        for view, v in zip(self.sends, values):
-            view[...] = v
-        req = self.mpi_comm.Iallgather(*self.spec)
-        own = self.own.tobytes()  # (meanwhile: MPI only reads the send slot)
-        try:  # (the answer is usually there within a few tests: no wait set up for it)
-            done = req.Test() or req.Test() or req.Test() or req.Test()
-        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
-            done = False
-        if not done:
-            comm.wait([req], "all_reduce", self.keep, header=True)
-        for head in self.heads:
-            if head.tobytes() != own:
-                comm.plan_exchanged(False)
-                return False
-        comm.plan_exchanged(True)
-        return True
+        self.number[0] = self.comm.plan_step(self.mark, self.words)  # numbered before anything can fail
+        return self._exchange_slots(values)
 
     def _read_long(self, values) -> None:
         """The slots differ: read them as the full path does, then reduce or raise as it would."""
@@ -222,7 +242,7 @@ class LargePlan(StepPlan):
         comm.wait(comm.started("all_reduce", start), "all_reduce", (values, outs))
 
 
-class CallPlan(CommPlan):
+class CallPlan(_SlotPlan):
     """A planned call's output reduction among node masters of nodes of one process:
     the exchange the full path makes inside the call's step (``all_reduce`` of the
     outputs in their result dtypes with this node's ``weight``, every output of one op,
@@ -244,36 +264,20 @@ class CallPlan(CommPlan):
         if not ops or len(set(ops)) != 1 or len(ops) != len(layout) or not weight > 0:
             return None
         op = ops[0]
-        if op not in MPI_OPS:
+        lay = plannable_layout(layout, op) if op in MPI_OPS else None
+        if lay is None:
             return None
-        lay = []
-        for dtype, shape in layout:
-            if not isinstance(dtype, np.dtype) or shape is None or dtype.hasobject or result_dtype(dtype, op) != dtype:
-                return None
-            lay.append((dtype, tuple(int(d) for d in shape)))
         blob = _blob_with_payload((lay, float(weight), False, True))  # (the full path's meta of these outputs)
         return None if blob is None else cls(comm, lines, lay, op, float(weight), blob)
 
     def __init__(self, comm, lines, layout, op: str, weight: float, blob: bytes):
         self.comm, self.layout, self.op, self.weight, self.blob = comm, layout, op, weight, blob
-        self.MPI, self.mpi_comm = lines
-        self.fingerprint = zlib.crc32(blob)
-        size, at = comm.size, payload_at(len(blob))
-        self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
-        fill_slot(self.slot, 0, blob, 0, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
-        self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
-        self.mark = self.slot[_NUMBER + 8:_NUMBER + 16].view("<i8")
-        n = HEAD.size + len(blob)
-        self.own = self.slot[:n]
-        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
-        self.sends = packed_views(self.slot, layout, at, 8)
-        received = [packed_views(self.slots[r], layout, at, 8) for r in range(size)]
+        received = typing.cast(list, self._make_slots(comm, lines, layout, op, blob, 0, True))
+        self.mark = self.slot[_NUMBER + 8:_NUMBER + 16].view("<i8")  # (the call step's key: written per run)
+        size = comm.size
         weights = [weight] * size  # (all equal when every blob is this one: the full path's weights)
         self.folds = [(Reducer(op, dtype, shape, weights, size), [received[r][i] for r in range(size)])
                       for i, (dtype, shape) in enumerate(layout)]
-        self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
-        self.keep = (self.slot, self.slots)
 
     def run(self, values, outs=None) -> bool:
         """The reduced outputs into ``outs`` (a list, one new array per value); False,
@@ -286,21 +290,8 @@ class CallPlan(CommPlan):
             if v.dtype != dtype or v.shape != shape or v.dtype.hasobject:
                 return False
         comm.enter_exchange("all_reduce")
-        number, mark = comm.step
-        self.number[0], self.mark[0] = number, mark
-        for view, v in zip(self.sends, values):
-            view[...] = v
-        req = self.mpi_comm.Iallgather(*self.spec)
-        own = self.own.tobytes()
-        try:
-            done = req.Test() or req.Test() or req.Test() or req.Test()
-        except BaseException:  # noqa: BLE001 - the wait below meets it again, and abandons the step
-            done = False
-        if not done:
-            comm.wait([req], "all_reduce", self.keep, header=True)
-        equal = all(head.tobytes() == own for head in self.heads)
-        comm.plan_exchanged(equal)
-        if equal:
+        self.number[0], self.mark[0] = comm.step  # (the call's step, numbered when it began)
+        if self._exchange_slots(values):
             for i, (reducer, parts) in enumerate(self.folds):
                 outs[i] = np.array(reducer(parts), copy=True)  # (never a view of the kept slots)
             return True
