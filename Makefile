@@ -109,6 +109,10 @@ test: $(VENV)/.test $(PYMC_VENV)/.installed $(PYMC5_VENV)/.installed
 # process's children and names only, so the tests may share the machine. test_xla_rewrites.py
 # runs in the PyMC environments, the only users of those rewrites.
 TEST_WORKERS ?= 3
+# OpenBLAS's idle threads spin for a tenth of a second before they sleep, which on a machine
+# with more processes than cores takes the cores from the other tests (tests/conftest.py says
+# more; it sets the same, but in PyMC 6's environment a pytest plugin loads numpy before it)
+test-main test-pymc6 test-pymc5 test-slow test-nodes: export OPENBLAS_THREAD_TIMEOUT ?= 4
 test-main: $(VENV)/.test
 	$(PY) -m ruff check synkhronos
 	$(PY) -m mypy

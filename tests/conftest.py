@@ -12,7 +12,17 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
+#: The suite runs more processes than the machine has cores (pytest-xdist's workers,
+#: each test's forked workers, mpirun's nodes), and OpenBLAS's threads spin for about
+#: 2^28 cycles (a tenth of a second) before they sleep: on 2 cores the spinning threads
+#: of one test took the cores from the others (the headline demo's test took 140 s in
+#: the suite against 12 s alone, the whole main suite 8:37 against 6:15 with this).
+#: The shortest spin OpenBLAS allows (2^4 cycles), read when it loads: before numpy,
+#: here and in every process the tests start. What runs is unchanged; only how long an
+#: idle BLAS thread keeps its core. A value set by the caller is kept.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
 import pytest
 
 import synkhronos as synk
