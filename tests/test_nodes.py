@@ -90,7 +90,9 @@ def test_nodes_in_different_steps_raise_everywhere(tmp_path, n, sizes):
     collective more, gather against all_gather: every node raises StepMismatchError
     naming every node's step (each went on silently before), and the next call works.
     Nodes of one process make their all_reduces on kept MPI plans ("1,1": both; "1,2":
-    node 0 against node 1's full path), nodes of two never do."""
+    node 0 against node 1's full path); nodes of two here take the full path (a value set
+    before each step), their direct plans meet divergences in
+    test_divergence_on_a_node_masters_direct_plan."""
     rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", "diverge", sizes)
     assert_all_ok(rc, output, verdicts, n)
     assert all(v["cases"] == 8 for v in verdicts.values())
@@ -119,6 +121,29 @@ def test_planned_all_reduce_bit_for_bit(tmp_path, seed, sizes):
     digests = [v.get("digests", []) for v in verdicts.values()]
     assert all(d == digests[0] for d in digests) and (n == 2 or len(digests[0]) > 10), digests
     _planned_somewhere(verdicts, sizes)
+    _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+@pytest.mark.parametrize("sizes", ["2,2", "1,2"], ids=["two-two", "mixed"])
+def test_node_master_plans_all_reduce_of_its_node(tmp_path, sizes):
+    """Nodes of several processes: random all_reduce loops over random sets of variables
+    (every op; float32, float64, int32, int64; 0-d to (40,)), each node master's value of a
+    variable new in a third of its steps, its workers' the last result. Every result equals the full path's
+    hierarchy of ops.combine (each node's processes in rank order, then the nodes; an avg
+    weighted by the nodes' sizes) bit for bit, in every process of every node (gathered
+    every 8 steps); and most steps are made with no command, by the node master alone on
+    its node's homes and the kept exchange among node masters ("1,2": beside a node of one
+    process on its own kept plan)."""
+    n = len(sizes.split(","))
+    rc, output, verdicts = mpirun(tmp_path, n, "nodes_script.py", "node_planned:4911", sizes)
+    assert_all_ok(rc, output, verdicts, n)
+    assert all(v["checked"] > 200 for v in verdicts.values()), verdicts
+    per_node = [int(k) for k in sizes.split(",")]
+    for node, v in verdicts.items():
+        if per_node[node % n] > 1:  # (the direct plan ran: a fast path that never ran proves nothing)
+            assert v["direct"] > 15, (node, v["direct"])  # (26 of 160 steps with this seed)
+            assert node == 0 or v["direct_avg"] >= 4, (node, v["direct_avg"])
     _no_shm_left(tmp_path, n)
 
 
@@ -152,6 +177,20 @@ def test_divergence_on_the_plan(tmp_path):
     assert_all_ok(rc, output, verdicts, 2)
     assert all(v["cases"] == 4 for v in verdicts.values())
     _planned_somewhere(verdicts, "1,1")
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
+@pytest.mark.parametrize("sizes", ["2,2", "2,1"], ids=["two-two", "two-one"])
+def test_divergence_on_a_node_masters_direct_plan(tmp_path, sizes):
+    """Nodes of several processes whose masters make a small all_reduce alone (no command:
+    the node's homes and the kept exchange): node 1 uses another op, skips the step (a
+    call), changes the variable's shape, or calls join() while the others reduce on
+    their direct plans: every node raises the same error (or reduces the others' values
+    while joined), and the next call and all_reduce agree again."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "diverge_node_planned", sizes)
+    assert_all_ok(rc, output, verdicts, 2)
+    assert all(v["cases"] == 4 for v in verdicts.values())
     _no_shm_left(tmp_path, 2)
 
 

@@ -65,14 +65,18 @@ from pytensor.compile.sharedvalue import SharedVariable
 from .. import _state as state
 from .._arrays import join
 from ..collectives.inline import reduced
+from ..collectives.mpi_wire import INLINE_BYTES
 from .._protocol.control import Command
 from .records import Mode, Published
 
 __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
-           "keep_comm_plan", "keep_worker_plan", "publish_homes"]
+           "keep_comm_plan", "keep_node_plan", "keep_worker_plan", "publish_node_homes", "publish_homes"]
 
 #: The inline collectives that keep plans.
 PLANNED_KINDS = frozenset(("broadcast", "all_reduce", "gather", "reduce"))
+#: The most bytes of a node's values that a node of several processes plans (the MPI
+#: header slot's inline values, :data:`synkhronos.collectives.mpi_wire.INLINE_BYTES`).
+NODE_PLAN_BYTES = INLINE_BYTES
 #: The kinds whose plans run only directly: they read values and change no worker's.
 _READ_KINDS = frozenset(("gather", "reduce"))
 #: (module globals: a direct run, about 1.7 us in all, looks each up once)
@@ -345,6 +349,54 @@ def keep_comm_plan(s, plan_key, vars_, sids, op, comm, step, spare) -> None:
     plans.keep(plan_key, _CommAllReducePlan(s, vars_, sids, layout, cplan, spare))
 
 
+class _NodeAllReducePlan(_Plan):
+    """A node master's kept all_reduce in a node of several processes across nodes
+    (:class:`~synkhronos.collectives.hier_plans.NodePlan`): it runs only directly,
+    under the same rule as a fork's direct path (the fork idle, every worker's
+    values in the homes found; see above); else the full path runs the command,
+    and keeps the plan again. The step among nodes is numbered by the plan's
+    exchange itself, before anything can fail."""
+
+    __slots__ = ()
+
+    def run(self) -> bool:
+        if self._mode() is not _DIRECT or not _still_held(self.held):
+            return False
+        s = self.s
+        s.in_flight = get_ident()  # a command for close() and nested calls, as Session.run's
+        s.begin_wait()             # fork(timeout=...) counts from here
+        try:
+            done = self.found.all_reduce()  # (direct: find_homes found them)
+        finally:
+            s.in_flight = None
+        s.close_if_requested()
+        return done
+
+
+def keep_node_plan(s, plan_key, vars_, sids, op, comm, step) -> None:
+    """After a full-path all_reduce in the master of a node of several processes across
+    nodes: keep ``comm``'s plan of it under ``plan_key`` when it can run directly
+    (every worker published its values' homes), else keep none. ``step``: its step
+    key and words across nodes, as for :func:`keep_comm_plan`."""
+    plans = s.kept.plans
+    have = plans.get(plan_key)
+    if have is not None and type(have) is not _NodeAllReducePlan:
+        return
+    plans.pop(plan_key, None)
+    homes = [v.container.storage[0] for v in vars_]
+    if any(type(h) is not np.ndarray for h in homes) or sum(h.nbytes for h in homes) > NODE_PLAN_BYTES:
+        return
+    cplan = comm.plan("all_reduce", tuple((h.dtype, h.shape) for h in homes), op, step,
+                      reducers=s.proc.kept.reducers)
+    if cplan is None:
+        return
+    wire = (None, "all_reduce", tuple(sids), op)  # (find_homes reads the variables' ids there)
+    plan = plans.keep(plan_key, _NodeAllReducePlan(s, "all_reduce", vars_, homes, cplan, op, wire, None))
+    plan.find_homes()
+    if plan.found is None:
+        del plans[plan_key]
+
+
 _CLASSES = {"all_reduce": _AllReducePlan, "broadcast": _BroadcastPlan, "gather": _ReadPlan, "reduce": _ReadPlan}
 
 
@@ -387,7 +439,22 @@ def keep_worker_plan(proc, wire) -> None:
     if cplan is None:
         return
     proc.kept.worker_plans.keep(id(wire), _WorkerPlan(wire, kind, vars_, homes, cplan))
-    published = proc.kept.published
+    _publish(proc, sids, vars_, homes)
+
+
+def publish_node_homes(proc, sids) -> None:
+    """A worker of a node of several processes, after a full-path all_reduce of small
+    host values (at most :data:`NODE_PLAN_BYTES`): publish where they live, for the node master's
+    direct path (:class:`_NodeAllReducePlan`)."""
+    vars_ = [proc.shareds[sid] for sid in sids]
+    homes = [v.container.storage[0] for v in vars_]
+    if all(type(h) is np.ndarray for h in homes) and sum(h.nbytes for h in homes) <= NODE_PLAN_BYTES:
+        _publish(proc, sids, vars_, homes)
+
+
+def _publish(proc, sids, vars_, homes) -> None:
+    """Publish the homes of these variables on this worker's home board (see :func:`publish_homes`)."""
+    comm, published = proc.comm, proc.kept.published
     # (never evicted: a record dropped while its board entry stays would leave the entry stale;
     # once the table is full, the other variables' collectives take the command path)
     for sid, var, home in zip(sids, vars_, homes):

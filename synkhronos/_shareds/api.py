@@ -21,7 +21,7 @@ from ..data import Data, ref
 from .._protocol.scratch import fit_scratch, release_scratch
 from .._protocol.distribute import distribute
 from .._kept.records import Resolved
-from .._kept.plans import keep_comm_plan, planned, planned_gather, planned_reduce, resolve_key
+from .._kept.plans import keep_comm_plan, keep_node_plan, planned, planned_gather, planned_reduce, resolve_key
 from ..world import world
 from .homes import assign, spare_home
 from .host import CollectiveSpec, send, wire_of
@@ -358,11 +358,20 @@ def _all_reduce(shared_vars, op, nccl) -> None:
     plan_key = ("all_reduce", resolve_key(shared_vars), op, nccl)
     send(s, spec, plan_key=plan_key)
     proc = s.proc
-    if proc.size == 1 and plan_key[1] is not None:  # a fork of one process: the communicator's own plan
-        wire = wire_of(spec)
-        step = (nodes.step_key("collective", wire, proc), (nodes.step_words, proc, "collective", wire))
-        keep_comm_plan(s, plan_key, vars_, sids, name, proc.device.comm_for(proc, cpu), step,
+    if plan_key[1] is None:
+        return
+    if proc.size == 1:  # a fork of one process: the communicator's own plan
+        keep_comm_plan(s, plan_key, vars_, sids, name, proc.device.comm_for(proc, cpu), _step_of(proc, spec),
                        spare=lambda sid, value: spare_home(proc, sid, value))
+    elif proc.comm.among_nodes() is not None and not proc.device.keeps_values_on_device:
+        # a node of several processes across nodes: the node master's direct plan
+        keep_node_plan(s, plan_key, vars_, sids, name, proc.comm, _step_of(proc, spec))
+
+
+def _step_of(proc, spec) -> tuple:
+    """Across nodes, the step key and words of ``spec``'s step, as the full path numbers it."""
+    wire = wire_of(spec)
+    return nodes.step_key("collective", wire, proc), (nodes.step_words, proc, "collective", wire)
 
 
 def _check_nccl(nccl) -> bool:

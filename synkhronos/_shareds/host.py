@@ -21,7 +21,7 @@ from .._protocol.control import Command
 from .._procs.shmem import SHRINK_BYTES
 from .._protocol.data_refs import attach, forget
 from .._kept.records import InlineBody
-from .._kept.plans import PLANNED_KINDS, keep_plan, keep_worker_plan
+from .._kept.plans import PLANNED_KINDS, keep_plan, keep_worker_plan, publish_node_homes
 from .homes import assign, receive_into, resident
 
 __all__ = []
@@ -66,7 +66,11 @@ def worker_collective(proc, wire: tuple):
         if wire[1] in PLANNED_KINDS and proc.control.message_kept:  # (else it never comes again)
             keep_worker_plan(proc, wire)
         return None
-    return run(proc, CollectiveSpec(*wire))
+    spec = CollectiveSpec(*wire)
+    got = run(proc, spec)
+    if spec.kind == "all_reduce" and proc.comm.node_table() is not None and not proc.device.keeps_values_on_device:
+        publish_node_homes(proc, spec.sids)  # across nodes: for the node master's direct path
+    return got
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import numpy as np
 
 from .._kept.records import Table
 from .base import Communicator
+from .hier_plans import NodePlan
 from .ops import cast_to, result_dtype
 
 from ..errors import PeerFailed
@@ -530,11 +531,29 @@ class NodeCommunicator(HierarchicalCommunicator):
 
     def plan(self, kind, layout, op, step=None, reducers=None, weight=1.0):
         """In the node master of a node of one process: the inter-node communicator's
-        plan (:meth:`.mpi.MpiCommunicator.plan`); None elsewhere (nodes of several
-        processes take the full path)."""
-        if not self._alone or self._inter is None:
+        plan (:meth:`.mpi.MpiCommunicator.plan`); of a node of several processes, a
+        small all_reduce's :class:`.hier_plans.NodePlan` (with ``step`` and
+        ``reducers``); None elsewhere (the full path)."""
+        inter = self._inter
+        if inter is None:
             return None
-        return self._inter.plan(kind, layout, op, step, weight=weight)
+        if self._alone:
+            return inter.plan(kind, layout, op, step, weight=weight)
+        if kind != "all_reduce" or step is None or reducers is None or layout is None:
+            return None
+        return NodePlan.make(self._local, inter, layout, op, step, reducers)
+
+    # the node's home board (a worker publishes, the node master reads): the local communicator's
+
+    @property
+    def home_slots(self) -> int:  # type: ignore[override]
+        return self._local.home_slots
+
+    def publish_home(self, slot: int, view) -> int:
+        return self._local.publish_home(slot, view)
+
+    def home_board(self, rank: int) -> memoryview:
+        return self._local.home_board(rank)
 
     def reset(self) -> None:
         self._local.reset()

@@ -750,20 +750,19 @@ class MpiCommunicator(Communicator):
         return out
 
     def plan(self, kind, layout, op, step=None, reducers=None, weight=1.0):
-        """A kept plan of later all-reduces of ``layout`` with ``op`` (see
-        :meth:`.base.Communicator.plan`) when every array is of numbers or booleans
-        whose ``op`` result keeps its dtype (no ``avg`` of integers): a
-        :class:`.mpi_plans.StepPlan` when all of them travel in the header slot, else a
-        :class:`.mpi_plans.LargePlan` where MPI reduces them in their own bytes; a call's
-        ``"reduce"``: :class:`.mpi_plans.CallPlan`. None otherwise, or on a communicator
-        that cannot make steps any more."""
+        """A kept plan of later all-reduces of ``layout`` with ``op`` (see :meth:`.base.Communicator.plan`)
+        when every array is of numbers or booleans whose ``op`` result keeps its dtype (no ``avg`` of
+        integers): a :class:`.mpi_plans.StepPlan` when all of them travel in the header slot (``weight``:
+        the node's), else a :class:`.mpi_plans.LargePlan` where MPI reduces them in their own bytes; a
+        call's ``"reduce"``: :class:`.mpi_plans.CallPlan`. None otherwise, or once no step can be made."""
         if self._comm is None or self.broken is not None or self.ended is not None:
             return None
         lines = (self._MPI, self._comm)
         if kind == "reduce":
             return CallPlan.make(self, lines, layout, op, weight)
         lay = None if kind != "all_reduce" or op not in MPI_OPS or step is None else plannable_layout(layout, op)
-        return None if lay is None else StepPlan.make(self, lines, lay, op, step) or LargePlan.make(self, lines, lay, op, step)
+        return None if lay is None else StepPlan.make(self, lines, lay, op, step, weight) or LargePlan.make(
+            self, lines, lay, op, step, weight)
 
     def reset(self) -> None:
         """Nothing to reset: an abandoned MPI collective leaves the communicator broken."""

@@ -106,10 +106,12 @@ class StepPlan(_SlotPlan):
     needs_exclusive = True
 
     @classmethod
-    def make(cls, comm, lines, layout, op: str, step):
+    def make(cls, comm, lines, layout, op: str, step, weight: float = 1.0):
         """The plan, or None when the values do not travel in the header slot. ``comm``:
-        the :class:`.mpi.MpiCommunicator`; ``lines``: its MPI module and mpi4py communicator."""
-        meta = (layout, 1.0, False, True)  # (as the full path's: a node of one process weighs 1)
+        the :class:`.mpi.MpiCommunicator`; ``lines``: its MPI module and mpi4py communicator;
+        ``weight``: this node's in an ``avg``, as the full path's (a node of one process
+        weighs 1, a node of several the sum of its processes' weights)."""
+        meta = (layout, float(weight), False, True)
         blob = _blob_with_payload(meta)
         return None if blob is None else cls(comm, lines, layout, op, step, meta, blob)
 
@@ -184,9 +186,11 @@ class LargePlan(StepPlan):
     needs_exclusive = False
 
     @classmethod
-    def make(cls, comm, lines, layout, op: str, step):
+    def make(cls, comm, lines, layout, op: str, step, weight: float = 1.0):
         """The plan, or None where MPI cannot reduce a dtype in its own bytes (see
-        :meth:`StepPlan.make`)."""
+        :meth:`StepPlan.make`), or for a node of several processes (``weight`` not 1)."""
+        if weight != 1.0:
+            return None
         for dtype, shape in layout:
             plan = reduce_plan(dtype, op)
             if plan is None or plan[0].itemsize != dtype.itemsize or (plan[0] != dtype and dtype.kind != "b"):

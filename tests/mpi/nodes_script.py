@@ -51,6 +51,10 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
 - ``diverge_planned``: once the plans are kept, node 1 changes a variable's shape, uses
   another op, skips a step, calls join(): every node raises the same error (or the join
   semantics hold) and the next step agrees.
+- ``node_planned:<seed>``: as ``planned`` on nodes of several processes, whose masters
+  run most steps alone on their node's homes and the kept exchange (no command).
+- ``diverge_node_planned``: ``diverge_planned``'s divergences where the other nodes'
+  masters are on their direct plans.
 
 Every node master reports ``plan_steps``: the steps its kept MPI plans made.
 """
@@ -1040,6 +1044,90 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
     v.info["checked"] = checked
 
 
+NODE_PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64)
+NODE_PLAN_SHAPES = ((), (1,), (3,), (2, 5), (40,))
+
+
+def scenario_node_planned(v, node, node_sizes, seed, count=160):
+    """Nodes of several processes: random all_reduce loops over random sets of variables
+    (every op; float32, float64, int32, int64; 0-d to (40,), some too large for the
+    node master's direct plan), drawn alike on every node. Each node's master sets a new
+    value of a variable in a fifth of its steps (that step takes the full path: the
+    variable holds another array than its home), node 0's alone in another seventh (the
+    others stay on their plans: an avg there weighs the nodes' values), its workers hold
+    the last result. Every result, in
+    every process of every node, equals the full path's hierarchy of ops.combine, bit
+    for bit: each node's processes in rank order, then the nodes in node order (an
+    ``avg`` weighted by the nodes' sizes). Counts the steps made with no command (the
+    node master's direct plan: the kept generation did not move) and checks every
+    process's values with a gather every few steps."""
+    from synkhronos.collectives.ops import cast_to, combine
+
+    rng = np.random.default_rng(seed)  # the same draws on every node
+    kinds = [(np.dtype(NODE_PLAN_DTYPES[int(rng.integers(len(NODE_PLAN_DTYPES)))]),
+              NODE_PLAN_SHAPES[int(rng.integers(len(NODE_PLAN_SHAPES)))]) for _ in range(6)]
+    shared = [pytensor.shared(np.zeros(shape, dtype), name=f"p{i}") for i, (dtype, shape) in enumerate(kinds)]
+    extra = pytensor.shared(np.ones(3), name="a")
+    synk.function([], [(sv.sum(), "sum") for sv in [*shared, extra]], mode=MODE, name="h")
+    synk.distribute()
+    n, s = len(node_sizes), synk._state.current()
+    masters = [[np.zeros(shape, dtype)] * n for dtype, shape in kinds]  # per variable: each node master's value
+    rest = [np.zeros(shape, dtype) for dtype, shape in kinds]  # per variable: every worker's (the last result)
+    checked = direct = 0
+    for step in range(count):
+        chosen = sorted(int(i) for i in rng.choice(len(kinds), int(rng.integers(1, 4)), replace=False))
+        ints = any(kinds[i][0].kind == "i" for i in chosen)
+        op = [o for o in PLAN_OPS if not (ints and o == "avg")][int(rng.integers(4 if ints else 5))]
+        for i in chosen:
+            r = rng.random()
+            if r < 0.35:  # new values on every node, or on node 0 alone (the others stay on their plans)
+                masters[i] = [_plan_value(seed, step, i, k, *kinds[i]) if r < 0.2 or k == 0 else masters[i][k]
+                              for k in range(n)]
+                if r < 0.2 or node == 0:
+                    shared[i].set_value(masters[i][node])
+        want = []
+        for i in chosen:
+            parts = [combine([masters[i][k]] + [rest[i]] * (node_sizes[k] - 1), op) for k in range(n)]
+            whole = combine(parts, op, [float(size) for size in node_sizes] if op == "avg" else None)
+            want.append(cast_to(np.asarray(whole), kinds[i][0]))
+        where = f"step {step}: all_reduce({chosen}, {op!r}) of {[kinds[i] for i in chosen]}"
+        generation = s.kept.generation
+        try:
+            synk.all_reduce([shared[i] for i in chosen], op)
+        except Exception as err:  # noqa: BLE001
+            v.expect(False, f"{where}: {type(err).__name__}: {err}")
+            return
+        direct += s.kept.generation == generation  # (no command posted: the direct plan)
+        for i, w in zip(chosen, want):
+            got = shared[i].get_value(borrow=True)
+            checked += 1
+            v.expect(got.dtype == w.dtype and got.shape == w.shape and got.tobytes() == w.tobytes(),
+                     f"{where}: p{i} {got!r} != {w!r}")
+            masters[i], rest[i] = [np.array(w)] * n, np.array(w)
+        if step % 8 == 7:  # every process of every node holds the last results
+            for i, g in enumerate(synk.gather(shared)):
+                parts = list(np.asarray(g))
+                v.expect(len(parts) == sum(node_sizes) and all(p.tobytes() == rest[i].tobytes() for p in parts),
+                         f"step {step}: gathered p{i} {g!r}, every process should hold {rest[i]!r}")
+    v.info["checked"], v.info["direct"] = checked, direct
+    # an avg weighs the nodes by their sizes on the plans too: node 0's master alone changes
+    # its value, the other nodes' stay on their direct plans (values unlike node 0's)
+    every, direct = np.ones(3), 0
+    for t in range(6):
+        new = np.full(3, 10.0 * (t + 1)) + t / 7
+        if node == 0:
+            extra.set_value(new)
+        parts = [combine([new if k == 0 else every] + [every] * (node_sizes[k] - 1), "avg") for k in range(n)]
+        want = cast_to(np.asarray(combine(parts, "avg", [float(size) for size in node_sizes])), np.float64)
+        generation = s.kept.generation
+        synk.all_reduce(extra, "avg")
+        direct += s.kept.generation == generation
+        got = extra.get_value(borrow=True)
+        v.expect(got.tobytes() == want.tobytes(), f"avg {t} with node 0's new value: {got!r} != {want!r}")
+        every = np.array(want)
+    v.info["direct_avg"] = direct
+
+
 def scenario_planned_calls(v, node, node_sizes, seed, count=160):
     """Random calls drawn alike on every node, repeated with the same shapes so that a node
     of one process keeps its output reduction (the MPI call plan), with new row counts now
@@ -1165,13 +1253,73 @@ def scenario_diverge_planned(v, node, node_sizes):
     v.info["cases"] = len(cases) + 1
 
 
+def scenario_diverge_node_planned(v, node, node_sizes):
+    """Divergences met by a node master on its direct plan (a node of several processes,
+    see the module's docstring)."""
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.ones(3), name="w")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    synk.function([], (w.sum(), "sum"), mode=MODE, name="h")
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    mine, total, s = per_node[node], sum(node_sizes), synk._state.current()
+
+    def direct(what, call):  # call() made its step with no command where the node has workers
+        generation = s.kept.generation
+        out = call()
+        v.expect(node_sizes[node] == 1 or s.kept.generation == generation, f"{what}: not on the direct plan")
+        return out
+
+    def reset():  # every process holds ones, then the plan of sum is kept and runs once
+        w.set_value(np.ones(3))
+        synk.broadcast(w)
+        synk.all_reduce(w, "sum")  # (the full path: the master's value is not its home)
+        direct("sum", lambda: synk.all_reduce(w, "sum"))
+        v.expect(np.array_equal(w.get_value(), np.full(3, float(total * total))), f"sum: {w.get_value()}")
+
+    cases = [  # (name, what every other node does, what node 1 does, what each raises)
+        ("another op", lambda: direct("op", lambda: synk.all_reduce(w, "sum")),
+         lambda: synk.all_reduce(w, "max"), "StepMismatchError"),
+        ("a step skipped", lambda: direct("skip", lambda: synk.all_reduce(w, "sum")),
+         lambda: f(mine), "StepMismatchError"),
+        ("another shape", lambda: direct("shape", lambda: synk.all_reduce(w, "sum")),
+         lambda: (w.set_value(np.ones(4)), synk.all_reduce(w, "sum")), "ValueError"),
+    ]
+    for name, others, ones, error in cases:
+        reset()
+        text = raises_soon(v, ones if node == 1 else others, name)
+        # (another shape on node 1 of two processes: node 1's own processes disagree first,
+        # and the others raise PeerFailed naming its ValueError)
+        v.expect(text.startswith(error) or (node != 1 and error == "ValueError" and node_sizes[1] > 1
+                                            and text.startswith("PeerFailed") and "ValueError" in text),
+                 f"{name}: {text}")
+        _step_ok(v, f"the call after {name}", lambda: f(mine), data.sum(0))
+        w.set_value(np.ones(3))
+        synk.broadcast(w)
+        _step_ok(v, f"all_reduce after {name}", lambda: synk.all_reduce(w, "sum") or w.get_value(),
+                 np.full(3, float(total)))
+    reset()
+    if node == 1:  # join(): the others' steps go on over their own values, on their plans
+        synk.join()
+    else:
+        for t in range(3):
+            want = w.get_value() * (total - node_sizes[1])
+            direct("join", lambda: synk.all_reduce(w, "sum"))
+            v.expect(np.array_equal(w.get_value(), want), f"while joined ({t}): {w.get_value()} != {want}")
+        synk.join()
+    w.set_value(np.ones(3))
+    synk.broadcast(w)
+    _step_ok(v, "all_reduce after join", lambda: synk.all_reduce(w, "sum") or w.get_value(), np.full(3, float(total)))
+    v.info["cases"] = len(cases) + 1
+
+
 #: The scenarios that take (verdict, node, node sizes), by name.
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
-             "diverge_planned": scenario_diverge_planned}
+             "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_node_planned}
 
 
 def main() -> int:
@@ -1212,6 +1360,8 @@ def main() -> int:
             scenario_random(v, node, node_sizes, int(seed), int(count))
         elif scenario.startswith("planned_calls:"):  # planned_calls:<seed>
             scenario_planned_calls(v, node, node_sizes, int(scenario.split(":")[1]))
+        elif scenario.startswith("node_planned:"):  # node_planned:<seed>
+            scenario_node_planned(v, node, node_sizes, int(scenario.split(":")[1]))
         elif scenario.startswith("planned:"):  # planned:<seed>
             scenario_planned(v, node, node_sizes, int(scenario.split(":")[1]))
         elif scenario in SCENARIOS:
