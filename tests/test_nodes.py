@@ -128,7 +128,7 @@ def test_planned_all_reduce_bit_for_bit(tmp_path, seed, sizes):
 @pytest.mark.parametrize("sizes", ["2,2", "1,2"], ids=["two-two", "mixed"])
 def test_node_master_plans_all_reduce_of_its_node(tmp_path, sizes):
     """Nodes of several processes: random all_reduce loops over random sets of variables
-    (every op; float32, float64, int32, int64; 0-d to (40,)), each node master's value of a
+    (every op; float32, float64, int32, int64, uint8, complex64; 0-d to (40,)), each node master's value of a
     variable new in a third of its steps, its workers' the last result. Every result equals the full path's
     hierarchy of ops.combine (each node's processes in rank order, then the nodes; an avg
     weighted by the nodes' sizes) bit for bit, in every process of every node (gathered

@@ -45,7 +45,9 @@ The tables, by side:
   value or another output, differently at every call);
 * worker: ``calls`` (a kept call message's spec, share and lane),
   ``worker_plans`` (a kept inline collective message's plan),
-  ``published`` (the homes published on this worker's board);
+  ``published`` (the homes published on this worker's board: of its kept
+  plans, and across nodes of its full-path small all_reduces, which its node
+  master's direct plan reads);
 * both: ``reducers`` (a :class:`~synkhronos.collectives.ops.Reducer` per
   op, dtype, shape and number of parts: a pure function of its key, valid
   for ever).

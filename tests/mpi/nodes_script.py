@@ -1044,13 +1044,13 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
     v.info["checked"] = checked
 
 
-NODE_PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64)
+NODE_PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex64)
 NODE_PLAN_SHAPES = ((), (1,), (3,), (2, 5), (40,))
 
 
 def scenario_node_planned(v, node, node_sizes, seed, count=160):
     """Nodes of several processes: random all_reduce loops over random sets of variables
-    (every op; float32, float64, int32, int64; 0-d to (40,), some too large for the
+    (every op; float32, float64, int32, int64, uint8, complex64; 0-d to (40,), some too large for the
     node master's direct plan), drawn alike on every node. Each node's master sets a new
     value of a variable in a fifth of its steps (that step takes the full path: the
     variable holds another array than its home), node 0's alone in another seventh (the
@@ -1076,7 +1076,7 @@ def scenario_node_planned(v, node, node_sizes, seed, count=160):
     checked = direct = 0
     for step in range(count):
         chosen = sorted(int(i) for i in rng.choice(len(kinds), int(rng.integers(1, 4)), replace=False))
-        ints = any(kinds[i][0].kind == "i" for i in chosen)
+        ints = any(kinds[i][0].kind in "iu" for i in chosen)
         op = [o for o in PLAN_OPS if not (ints and o == "avg")][int(rng.integers(4 if ints else 5))]
         for i in chosen:
             r = rng.random()
