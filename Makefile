@@ -163,6 +163,7 @@ bench: $(VENV)/.bench
 	$(MPIRUN) -np 2 $(PY) bench/mv_bench.py
 	$(PY) bench/nodes_bench.py
 	$(PY) bench/nodes_steps.py
+	$(PY) bench/nodes_steps.py --processes 2
 
 # synkhronos.pymc against PyMC, PyMC cores=2, nutpie and numpyro (in .venv-pymc), 20k and 200k rows
 # by default (1M: ROWS=20000,200000,1000000, an hour or more on 2 cores): the logistic regression in

@@ -2,7 +2,7 @@
 a small call, under ``mpirun -np 2`` on this machine (2 nodes of 1 process each),
 beside mpi4py's own calls on the same bytes in the same job (the floors).
 
-    python bench/nodes_steps.py [--rounds 3] [--against OTHER_TREE] [--np 2] [--profile]
+    python bench/nodes_steps.py [--rounds 3] [--against OTHER_TREE] [--np 2] [--processes 1] [--profile]
 
 The mpi4py rows: blocking ``Allreduce`` of 4 B and 64 MiB; ``Iallgather`` of a
 512-byte slot then a Python ``Test`` loop (the floor of a step that never blocks
@@ -10,7 +10,9 @@ inside MPI and carries a header); ``Iallreduce`` of 64 MiB into another buffer
 then a ``Test`` loop, without and with a 64 MiB copy back, and without on shared
 mappings of 4 KiB pages (what synk's homes in POSIX shared memory are). ``--np 1`` gives a
 step's Python alone (the exchange completes at once); ``--profile`` prints node
-0's cProfile of 4-byte all_reduce steps.
+0's cProfile of 4-byte all_reduce steps. ``--processes 2`` forks 2 processes per node
+(nodes of several processes: the node's own steps, or its master's direct plan, besides
+the exchange among node masters).
 
 Each round launches one ``mpirun -np 2`` job per tree (this checkout, and with
 ``--against`` another checkout of synkhronos, e.g. a ``git worktree`` of an
@@ -94,7 +96,7 @@ def timed(step, n) -> float:
     return statistics.median(blocks)
 
 
-def node(out: str, profile: bool = False) -> None:
+def node(out: str, profile: bool = False, processes: int = 1) -> None:
     """One node of a job: time each kind of step, node 0 writes the medians."""
     import numpy as np
     import pytensor
@@ -102,7 +104,7 @@ def node(out: str, profile: bool = False) -> None:
 
     import synkhronos as synk
 
-    synk.fork(1, device="cpu")
+    synk.fork(processes, device="cpu")
     small = pytensor.shared(np.ones(1, dtype=np.float32), name="small")
     large = pytensor.shared(np.ones(16 << 20, dtype=np.float32), name="large")
     x = pt.dmatrix("x")
@@ -132,13 +134,14 @@ def node(out: str, profile: bool = False) -> None:
     synk.close()
 
 
-def job(tree: Path, np_: int = 2, profile: bool = False) -> dict:
+def job(tree: Path, np_: int = 2, profile: bool = False, processes: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
         env = dict(os.environ, PYTHONPATH=str(tree), OMPI_ALLOW_RUN_AS_ROOT="1",
                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTENSOR_FLAGS="mode=FAST_RUN")
         cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--mca", "osc", "^ucx",
-               "-x", "PYTHONPATH", sys.executable, str(Path(__file__).resolve()), "--node", str(out)]
+               "-x", "PYTHONPATH", sys.executable, str(Path(__file__).resolve()), "--node", str(out),
+               "--processes", str(processes)]
         cmd += ["--profile"] if profile else []
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
         if done.returncode != 0:
@@ -165,9 +168,10 @@ def main() -> None:
     p.add_argument("--against", help="another checkout of synkhronos to compare with")
     p.add_argument("--np", type=int, default=2, help="nodes (copies under mpirun; 1: a step's Python alone)")
     p.add_argument("--profile", action="store_true", help="print node 0's profile of 4-byte all_reduce steps")
+    p.add_argument("--processes", type=int, default=1, help="processes per node (synk.fork's count)")
     a = p.parse_args()
     if a.node:
-        node(a.node, a.profile)
+        node(a.node, a.profile, a.processes)
         return
     trees = {"this": HERE.parent}
     if a.against:
@@ -175,9 +179,9 @@ def main() -> None:
     runs = {k: [] for k in trees}
     for r in range(a.rounds):
         for k, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-            runs[k].append(job(tree, a.np, a.profile))
+            runs[k].append(job(tree, a.np, a.profile, a.processes))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"{cpu}, {os.cpu_count()} cores; THP {_thp()}; mpirun -np {a.np}, 1 process per node; median of {a.rounds} "
+    print(f"{cpu}, {os.cpu_count()} cores; THP {_thp()}; mpirun -np {a.np}, {a.processes} process(es) per node; median of {a.rounds} "
           "rounds (us); 'x MPI': this tree's row over the mpi4py row named in the same job, the median "
           "over rounds, then each round's")
     for m in MEASURES:
