@@ -360,7 +360,7 @@ class _NodeAllReducePlan(_Plan):
     __slots__ = ()
 
     def run(self) -> bool:
-        if self._mode() is not _DIRECT or not _still_held(self.held):
+        if not _still_held(self.held) or self._mode() is not _DIRECT:
             return False
         s = self.s
         s.in_flight = get_ident()  # a command for close() and nested calls, as Session.run's
@@ -382,12 +382,23 @@ def keep_node_plan(s, plan_key, vars_, sids, op, comm, step) -> None:
     have = plans.get(plan_key)
     if have is not None and type(have) is not _NodeAllReducePlan:
         return
-    plans.pop(plan_key, None)
     homes = [v.container.storage[0] for v in vars_]
+    if have is not None and _still_held(have.held):  # (the usual case: the full path ran because a
+        # value was set, and left it in the same home): the plan stands, with the homes found again
+        # unless every worker's board still shows them
+        if have.found is None or not have.found.hold():
+            have.find_homes()
+        if have.found is None:
+            del plans[plan_key]
+        return
+    plans.pop(plan_key, None)
     if any(type(h) is not np.ndarray for h in homes) or sum(h.nbytes for h in homes) > NODE_PLAN_BYTES:
         return
-    cplan = comm.plan("all_reduce", tuple((h.dtype, h.shape) for h in homes), op, step,
-                      reducers=s.proc.kept.reducers)
+    layout = tuple((h.dtype, h.shape) for h in homes)
+    # the communicator's plan is a pure function of the key (variables, op: the step's key) and
+    # the layout: the one kept serves again (a value set before each step would make it anew)
+    cplan = have.cplan if have is not None and have.cplan.layout == layout else \
+        comm.plan("all_reduce", layout, op, step, reducers=s.proc.kept.reducers)
     if cplan is None:
         return
     wire = (None, "all_reduce", tuple(sids), op)  # (find_homes reads the variables' ids there)
