@@ -142,7 +142,7 @@ def test_node_master_plans_all_reduce_of_its_node(tmp_path, sizes):
     per_node = [int(k) for k in sizes.split(",")]
     for node, v in verdicts.items():
         if per_node[node % n] > 1:  # (the direct plan ran: a fast path that never ran proves nothing)
-            assert v["direct"] > 15, (node, v["direct"])  # (26 of 160 steps with this seed)
+            assert v["direct"] > 15, (node, v["direct"])  # (34 of 160 steps with this seed)
             assert node == 0 or v["direct_avg"] >= 4, (node, v["direct_avg"])
     _no_shm_left(tmp_path, n)
 
