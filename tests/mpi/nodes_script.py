@@ -1199,63 +1199,11 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
 
 
 def scenario_diverge_planned(v, node, node_sizes):
-    """Divergences met on the kept MPI plan (see the module's docstring)."""
-    x = pt.dmatrix("x")
-    w = pytensor.shared(np.ones(3), name="w")
-    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
-    synk.function([], (w.sum(), "sum"), mode=MODE, name="h")
-    synk.distribute()
-    data, per_node = all_rows(node_sizes)
-    mine, n = per_node[node], len(node_sizes)
-    inter = synk._state.current().proc.comm.inter
-
-    def planned(what, call):  # call() made its step on the plan (where a node has one process)
-        before = inter.plan_steps
-        out = call()
-        v.expect(node_sizes[node] > 1 or inter.plan_steps == before + 1, f"{what}: not on the plan")
-        return out
-
-    def keep():  # the plans of sum and max kept (a full-path step each), then one step on each
-        for op in ("sum", "max", "sum", "max"):
-            w.set_value(np.ones(3))
-            synk.all_reduce(w, op)
-        planned("sum", lambda: synk.all_reduce(w, "sum"))
-        v.expect(np.array_equal(w.get_value(), np.full(3, float(n))), f"sum on the plan: {w.get_value()}")
-        w.set_value(np.ones(3))
-
-    cases = [  # (name, what every other node does, what node 1 does, what each raises)
-        ("another shape", lambda: planned("shape", lambda: synk.all_reduce(w, "sum")),
-         lambda: (w.set_value(np.ones(4)), synk.all_reduce(w, "sum")), "ValueError"),
-        ("another op", lambda: planned("op", lambda: synk.all_reduce(w, "sum")),
-         lambda: planned("op", lambda: synk.all_reduce(w, "max")), "StepMismatchError"),
-        ("a step skipped", lambda: planned("skip", lambda: synk.all_reduce(w, "sum")),
-         lambda: f(mine), "StepMismatchError"),
-    ]
-    for name, others, ones, error in cases:
-        keep()
-        text = raises_soon(v, ones if node == 1 else others, name)
-        v.expect(text.startswith(error), f"{name}: {text}")
-        w.set_value(np.ones(3))
-        _step_ok(v, f"the call after {name}", lambda: f(mine), data.sum(0))
-        _step_ok(v, f"all_reduce after {name}", lambda: synk.all_reduce(w, "sum") or w.get_value(),
-                 np.full(3, float(n)))
-    keep()
-    if node == 1:  # join(): the others' steps go on over their own values, on the plan
-        synk.join()
-    else:
-        for _ in range(3):
-            w.set_value(np.full(3, 2.0))
-            planned("join", lambda: synk.all_reduce(w, "sum"))
-            v.expect(np.array_equal(w.get_value(), np.full(3, 2.0 * (n - 1))), f"while joined: {w.get_value()}")
-        synk.join()
-    w.set_value(np.ones(3))
-    _step_ok(v, "all_reduce after join", lambda: synk.all_reduce(w, "sum") or w.get_value(), np.full(3, float(n)))
-    v.info["cases"] = len(cases) + 1
-
-
-def scenario_diverge_node_planned(v, node, node_sizes):
-    """Divergences met by a node master on its direct plan (a node of several processes,
-    see the module's docstring)."""
+    """Divergences met on the nodes' plans (``diverge_planned`` and ``diverge_node_planned``,
+    see the module's docstring). Once the plans of sum and max are kept (a node of one process: the MPI plan; of
+    several: its master's direct plan), node 1 changes a variable's shape, uses another
+    op, skips a step, calls join() while the others step on their plans: every node
+    raises (or the join semantics hold) and the next call and all_reduce agree."""
     x = pt.dmatrix("x")
     w = pytensor.shared(np.ones(3), name="w")
     f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
@@ -1263,52 +1211,57 @@ def scenario_diverge_node_planned(v, node, node_sizes):
     synk.distribute()
     data, per_node = all_rows(node_sizes)
     mine, total, s = per_node[node], sum(node_sizes), synk._state.current()
+    inter = s.proc.comm.inter
 
-    def direct(what, call):  # call() made its step with no command where the node has workers
-        generation = s.kept.generation
+    def on_plan(what, call):  # call() made its step on the node's plan
+        before, generation = inter.plan_steps, s.kept.generation
         out = call()
-        v.expect(node_sizes[node] == 1 or s.kept.generation == generation, f"{what}: not on the direct plan")
+        alone = node_sizes[node] == 1
+        v.expect(inter.plan_steps == before + 1 if alone else s.kept.generation == generation,
+                 f"{what}: not on the plan")
         return out
 
-    def reset():  # every process holds ones, then the plan of sum is kept and runs once
+    def ones():  # every process's value ones
         w.set_value(np.ones(3))
         synk.broadcast(w)
-        synk.all_reduce(w, "sum")  # (the full path: the master's value is not its home)
-        direct("sum", lambda: synk.all_reduce(w, "sum"))
-        v.expect(np.array_equal(w.get_value(), np.full(3, float(total * total))), f"sum: {w.get_value()}")
+
+    def keep():  # the plans of sum and max kept (a full-path step each), then one step on each
+        for op in ("sum", "max", "sum", "max"):
+            ones()
+            synk.all_reduce(w, op)
+        on_plan("sum", lambda: synk.all_reduce(w, "sum"))
+        v.expect(np.array_equal(w.get_value(), np.full(3, float(total))), f"sum on the plan: {w.get_value()}")
 
     cases = [  # (name, what every other node does, what node 1 does, what each raises)
-        ("another op", lambda: direct("op", lambda: synk.all_reduce(w, "sum")),
-         lambda: synk.all_reduce(w, "max"), "StepMismatchError"),
-        ("a step skipped", lambda: direct("skip", lambda: synk.all_reduce(w, "sum")),
-         lambda: f(mine), "StepMismatchError"),
-        ("another shape", lambda: direct("shape", lambda: synk.all_reduce(w, "sum")),
+        ("another shape", lambda: on_plan("shape", lambda: synk.all_reduce(w, "sum")),
          lambda: (w.set_value(np.ones(4)), synk.all_reduce(w, "sum")), "ValueError"),
+        ("another op", lambda: on_plan("op", lambda: synk.all_reduce(w, "sum")),
+         lambda: on_plan("op", lambda: synk.all_reduce(w, "max")), "StepMismatchError"),
+        ("a step skipped", lambda: on_plan("skip", lambda: synk.all_reduce(w, "sum")),
+         lambda: f(mine), "StepMismatchError"),
     ]
-    for name, others, ones, error in cases:
-        reset()
-        text = raises_soon(v, ones if node == 1 else others, name)
-        # (another shape on node 1 of two processes: node 1's own processes disagree first,
-        # and the others raise PeerFailed naming its ValueError)
+    for name, others, ones_, error in cases:
+        keep()
+        text = raises_soon(v, ones_ if node == 1 else others, name)
+        # (another shape on node 1 of several processes: node 1's own processes disagree
+        # first, and the others raise PeerFailed naming its ValueError)
         v.expect(text.startswith(error) or (node != 1 and error == "ValueError" and node_sizes[1] > 1
                                             and text.startswith("PeerFailed") and "ValueError" in text),
                  f"{name}: {text}")
         _step_ok(v, f"the call after {name}", lambda: f(mine), data.sum(0))
-        w.set_value(np.ones(3))
-        synk.broadcast(w)
+        ones()
         _step_ok(v, f"all_reduce after {name}", lambda: synk.all_reduce(w, "sum") or w.get_value(),
                  np.full(3, float(total)))
-    reset()
+    keep()
     if node == 1:  # join(): the others' steps go on over their own values, on their plans
         synk.join()
     else:
         for t in range(3):
             want = w.get_value() * (total - node_sizes[1])
-            direct("join", lambda: synk.all_reduce(w, "sum"))
+            on_plan("join", lambda: synk.all_reduce(w, "sum"))
             v.expect(np.array_equal(w.get_value(), want), f"while joined ({t}): {w.get_value()} != {want}")
         synk.join()
-    w.set_value(np.ones(3))
-    synk.broadcast(w)
+    ones()
     _step_ok(v, "all_reduce after join", lambda: synk.all_reduce(w, "sum") or w.get_value(), np.full(3, float(total)))
     v.info["cases"] = len(cases) + 1
 
@@ -1319,7 +1272,7 @@ SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast"
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
-             "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_node_planned}
+             "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned}
 
 
 def main() -> int:
