@@ -392,7 +392,7 @@ def keep_node_plan(s, plan_key, vars_, sids, op, comm, step) -> None:
             del plans[plan_key]
         return
     plans.pop(plan_key, None)
-    if any(type(h) is not np.ndarray for h in homes) or sum(h.nbytes for h in homes) > NODE_PLAN_BYTES:
+    if not _node_plannable(homes):
         return
     layout = tuple((h.dtype, h.shape) for h in homes)
     # the communicator's plan is a pure function of the key (variables, op: the step's key) and
@@ -459,8 +459,14 @@ def publish_node_homes(proc, sids) -> None:
     direct path (:class:`_NodeAllReducePlan`)."""
     vars_ = [proc.shareds[sid] for sid in sids]
     homes = [v.container.storage[0] for v in vars_]
-    if all(type(h) is np.ndarray for h in homes) and sum(h.nbytes for h in homes) <= NODE_PLAN_BYTES:
+    if _node_plannable(homes):
         _publish(proc, sids, vars_, homes)
+
+
+def _node_plannable(homes) -> bool:
+    """Whether a node of several processes plans an all_reduce of ``homes`` (host arrays of
+    at most :data:`NODE_PLAN_BYTES` in all): the node master keeps a plan, the workers publish."""
+    return all(type(h) is np.ndarray for h in homes) and sum(h.nbytes for h in homes) <= NODE_PLAN_BYTES
 
 
 def _publish(proc, sids, vars_, homes) -> None:
