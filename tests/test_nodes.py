@@ -576,6 +576,19 @@ def test_timeout_says_what_to_do(tmp_path):
 
 
 @needs_mpi
+def test_timeout_and_close_during_a_planned_all_reduce(tmp_path):
+    """fork(timeout=2), an all_reduce kept on every node (MPI plan on the node of one process,
+    the master's direct plan on the node of two), one node 4 s late: the other raises
+    SynkTimeoutError naming the other nodes (it raised the private _TimedOut, a
+    BaseException), whichever node is late; a signal handler's close() during a planned
+    all_reduce raises SynkError and closes the fork; every node forks again and reduces."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "timeout_planned", "1,2")
+    # (mpirun's status is not checked: an abandoned exchange makes MPI abort the job at exit)
+    assert sorted(verdicts) == [0, 1] and verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 def test_close_from_a_signal_handler_during_join(tmp_path):
     """A signal handler calls synk.close() while node 1 waits in join(): join() raises
     SynkError saying so (it raised AttributeError on a freed communicator, or a worker

@@ -57,7 +57,6 @@ before every answer.
 from __future__ import annotations
 
 import typing
-from threading import get_ident
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -293,17 +292,14 @@ class _CommAllReducePlan:
                 if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
                     return False
             outs = [self.spare(sid, value) for sid, value in zip(self.sids, values)]
-        s.in_flight = get_ident()  # a command for close() and nested calls, as Session.run's
-        s.begin_wait()             # fork(timeout=...) counts from here
-        try:
-            done = cplan.run(values, outs)
-        finally:
-            s.in_flight = None
+        return s.step_alone("all_reduce", self._step, values, outs)
+
+    def _step(self, values, outs) -> bool:
+        done = self.cplan.run(values, outs)
         if done and outs is not None:
             for storage, out in zip(self.storages, outs):
                 storage[0] = out
-            s.kept.moved()  # variables hold other arrays (the validity rule)
-        s.close_if_requested()
+            self.s.kept.moved()  # variables hold other arrays (the validity rule)
         return done
 
     def _held_elsewhere(self, values, shareds) -> bool:
@@ -362,15 +358,7 @@ class _NodeAllReducePlan(_Plan):
     def run(self) -> bool:
         if not _still_held(self.held) or self._mode() is not _DIRECT:
             return False
-        s = self.s
-        s.in_flight = get_ident()  # a command for close() and nested calls, as Session.run's
-        s.begin_wait()             # fork(timeout=...) counts from here
-        try:
-            done = self.found.all_reduce()  # (direct: find_homes found them)
-        finally:
-            s.in_flight = None
-        s.close_if_requested()
-        return done
+        return self.s.step_alone("all_reduce", self.found.all_reduce)  # (direct: find_homes found them)
 
 
 def keep_node_plan(s, plan_key, vars_, sids, op, comm, step) -> None:

@@ -24,7 +24,6 @@ import functools
 import os
 import pickle
 import sys
-import threading
 import time
 import warnings
 import zlib
@@ -301,17 +300,12 @@ def failed_step(s, before, what: str, err: BaseException) -> None:
     begun = comm.steps_begun()
     if begun is None:
         return
-    s.begin_wait()  # (fork(timeout=...) bounds this wait too, counted from now)
-    s.in_flight = threading.get_ident()  # a command for close(): called meanwhile, it ends the wait first
     try:
-        comm.fail_step(what, f"{type(err).__name__}: {err}"[:200], begun != before)
+        s.step_alone(what, comm.fail_step, what, f"{type(err).__name__}: {err}"[:200], begun != before)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException:  # noqa: BLE001 - a timeout or close() meanwhile: the others were told; ours is the error
         pass
-    finally:
-        s.in_flight = None
-    s.close_if_requested()
 
 
 def stepped(what: str):

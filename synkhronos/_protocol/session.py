@@ -244,6 +244,23 @@ class Session:
                 self._tell_break()
             self.close_if_requested()
 
+    def step_alone(self, what: str, step: Callable, *args):
+        """``step(*args)``: a step among nodes that this node master makes alone, with no
+        command to its workers (a kept plan's exchange; the end of a call whose outputs
+        rode the workers' answers). A command as far as close() and nested calls know,
+        ``fork(timeout=...)`` counted from here; a timeout or close() meanwhile ends it
+        with the error a command's would give (never the private stop itself), and
+        close() asked meanwhile closes the fork at its end."""
+        self.in_flight = threading.get_ident()
+        self.begin_wait()
+        try:
+            return step(*args)
+        except (_TimedOut, _CloseRequested) as stop:  # (the workers are idle: they are back)
+            raise self._stopped(what, stop, back=True) from None
+        finally:
+            self.in_flight = None
+            self.close_if_requested()
+
     def close_if_requested(self) -> None:
         """At the end of a command (or of join()): close the fork if close() was asked
         for meanwhile (by a signal handler, an Op or another thread)."""
@@ -302,11 +319,11 @@ class Session:
         if stop is None and self.close_requested:  # the workers answered before a wait noticed it
             stop = _CloseRequested()
         if errors is None:  # abandoned, and some workers are still busy with it
-            raise self._stopped(cmd, stop, back=False)
+            raise self._stopped(cmd.name.lower(), stop, back=False)
         if aborted or errors or stop is not None:
             self._reset_after_abort()
         if stop is not None:
-            raise self._stopped(cmd, stop, back=True)
+            raise self._stopped(cmd.name.lower(), stop, back=True)
         unpacked = {rank: unpack_exception(blob) for rank, blob in errors.items()}
         if local_err is not None:
             unpacked[self.proc.rank] = local_err
@@ -354,9 +371,8 @@ class Session:
                 elif isinstance(err, KeyboardInterrupt):
                     return None, stop
 
-    def _stopped(self, cmd: Command, stop: BaseException, back: bool) -> BaseException:
-        """The exception that ends an abandoned command, saying whether the runtime is usable."""
-        what = cmd.name.lower()
+    def _stopped(self, what: str, stop: BaseException, back: bool) -> BaseException:
+        """The exception that ends an abandoned command (``what``), saying whether the runtime is usable."""
         busy = self.proc.control.pending()
         state = ("every process is back and synkhronos is usable" if back else
                  f"worker ranks {busy} are still busy with it: the next command first waits for "

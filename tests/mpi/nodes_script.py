@@ -977,6 +977,72 @@ def scenario_close_in_join(v, node, node_sizes):
     _step_ok(v, "a call after both forked again", lambda: f(mine), data.sum(0))
 
 
+def scenario_timeout_planned(v, node, node_sizes):
+    """A timeout of 2 s; once the all_reduce of w is kept on every node (a node of one
+    process: its MPI plan; of several: its master's direct plan), one node is 4 s late:
+    the other's all_reduce on its plan raises SynkTimeoutError naming the other nodes (it
+    raised the private _TimedOut), the late one NodeFailedError; both close() and fork()
+    again, node 1 then node 0 late. Last, a signal handler calls synk.close() during node
+    0's planned all_reduce that node 1 is late for: SynkError saying so, the fork closed;
+    both fork again and reduce together."""
+    x = pt.dmatrix("x")
+    n = node_sizes[node]
+    rounds = iter(range(10))
+
+    def fork_and_keep():
+        if synk._state.current() is None:  # (main() forked the first time)
+            # every node reaches fork() within fork(timeout=2) of the others: a barrier through files
+            mark = f"refork{next(rounds)}"
+            (v.path.parent / f"{mark}.{node}").touch()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                    (v.path.parent / f"{mark}.{k}").exists() for k in range(len(node_sizes))):
+                time.sleep(0.01)
+            synk.fork(n, device="cpu", timeout=30.0)
+        synk._state.current().timeout = 2.0  # (the steps' bound; a fork of a loaded machine may take longer)
+        w = pytensor.shared(np.full(3, node + 1.0), name="w")
+        synk.function([x], ((x * w).sum(axis=0), "sum"), mode=MODE, name="f")  # (the workers hold w)
+        synk.distribute()
+        for _ in range(3):
+            w.set_value(np.full(3, node + 1.0))
+            synk.all_reduce(w, "max")
+        s = synk._state.current()
+        plan_steps, generation = s.proc.comm.inter.plan_steps, s.kept.generation
+        _step_ok(v, "the planned all_reduce", lambda: (synk.all_reduce(w, "max"), w.get_value())[1],
+                 np.full(3, float(len(node_sizes))))
+        v.expect(s.proc.comm.inter.plan_steps == plan_steps + 1 if n == 1 else s.kept.generation == generation,
+                 "the all_reduce was not on its plan")
+        return w
+
+    w = fork_and_keep()
+    for late in (1, 0):
+        if node == late:
+            time.sleep(4)
+            text = raises_soon(v, lambda: synk.all_reduce(w, "max"), "the late node's all_reduce")
+            v.expect(text.startswith("NodeFailedError") and "timeout" in text, f"late node {node}: {text}")
+        else:
+            text = raises_soon(v, lambda: synk.all_reduce(w, "max"), "an all_reduce the other node is late for")
+            v.expect(text.startswith("SynkTimeoutError") and "the other nodes did not reach" in text
+                     and "synk.close()" in text, f"node {node}, node {late} late: {text}")
+        synk.close()
+        w = fork_and_keep()
+    if node == 1:
+        time.sleep(3)
+        text = raises_soon(v, lambda: synk.all_reduce(w, "max"), "node 1's all_reduce after node 0 closed")
+        v.expect(text.startswith("NodeFailedError") and "close()" in text, f"node 1: {text}")
+        synk.close()
+    else:
+        old = signal.signal(signal.SIGUSR1, lambda *_: synk.close())
+        timer = __import__("threading").Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+        timer.start()
+        text = raises_soon(v, lambda: synk.all_reduce(w, "max"), "a planned all_reduce closed by a signal handler")
+        signal.signal(signal.SIGUSR1, old)
+        v.expect(text.startswith("SynkError") and "synk.close() was called" in text and "all_reduce" in text,
+                 f"node 0: {text}")
+        v.expect(synk._state.current() is None, "node 0's fork is closed")
+    w = fork_and_keep()
+
+
 PLAN_OPS = ("sum", "avg", "prod", "max", "min")
 PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_, np.complex64)
 PLAN_SHAPES = ((), (1,), (3,), (5, 7), (129,))
@@ -1272,6 +1338,7 @@ SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast"
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
+             "timeout_planned": scenario_timeout_planned,
              "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned}
 
 
