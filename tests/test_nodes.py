@@ -60,13 +60,15 @@ def test_three_nodes_over_tcp(tmp_path):
 @needs_mpi
 def test_worker_killed_on_node_one(tmp_path):
     """A worker of node 1 killed with SIGKILL: node 1's next call raises
-    WorkerDiedError naming its rank, node 0's raises PeerFailed naming node 1
-    and that rank, both within seconds; close() is clean, nothing is left in
-    /dev/shm on either node, and every node forks again and goes on."""
+    WorkerDiedError naming its rank, node 0's the NodeFailedError of a node that left,
+    naming node 1 and that rank (node 1 leaves in that step: its outputs ride its
+    workers' answers, so no exchange of the step is made before its fork broke), both
+    within seconds; close() is clean, nothing is left in /dev/shm on either node, and
+    every node forks again and goes on."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "kill", "1,2")
     assert_all_ok(rc, output, verdicts, 2)
     assert "WorkerDiedError" in verdicts[1]["error"] and "rank 1" in verdicts[1]["error"]
-    assert "node(s) [1]" in verdicts[0]["error"] and "rank 1 died" in verdicts[0]["error"]
+    assert verdicts[0]["error"].startswith("NodeFailedError: node 1 ") and "rank 1 died" in verdicts[0]["error"]
     _no_shm_left(tmp_path, 2)
 
 
@@ -148,22 +150,27 @@ def test_node_master_plans_all_reduce_of_its_node(tmp_path, sizes):
 
 
 @needs_mpi
-@pytest.mark.parametrize("sizes", ["1,1", "1,2"], ids=["alone", "mixed"])
+@pytest.mark.parametrize("sizes", ["1,1", "1,2", "2,2"], ids=["alone", "mixed", "two-two"])
 def test_planned_calls_across_nodes(tmp_path, sizes):
     """Random calls repeated with the same shapes (every op, float64, float32, int64, two
     outputs of one op, three ops; row counts equal on every node or not), on nodes of one process
-    (``alone``: each keeps its output reduction, the MPI call plan) and on a node of one
-    process beside a node of two (``mixed``: whose master makes the same exchange through
-    its own kept plan, ``NodeCommunicator._kept_middle``, after the node's local steps):
+    (``alone``: each keeps its output reduction, the MPI call plan), on a node of one
+    process beside a node of two (``mixed``) and on two nodes of two (``two-two``): a node of
+    two combines its processes' outputs as within one fork (they ride the workers' answers)
+    and its master makes the same exchange through its own kept plan,
+    ``NodeCommunicator._kept_middle``; a node on either path meets the others byte for byte:
     every result equals numpy's over every node's rows, the same bits on every node; a
-    node's share failing inside a planned call raises on every node (its Assert there,
-    PeerFailed naming it elsewhere) and the next call agrees again."""
+    node's share failing inside a planned call (its master's, then a worker's) raises on every
+    node (its Assert there, PeerFailed naming it elsewhere) and the next call agrees again."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "planned_calls:4901", sizes)
     assert_all_ok(rc, output, verdicts, 2)
     digests = [v["digests"] for v in verdicts.values()]
     assert len(digests[0]) > 100 and all(d == digests[0] for d in digests), "the nodes' results differ in bits"
-    # (node 0, alone in both: its calls' kept reductions; node 1 of two processes: its master's kept exchanges)
+    # (a node of one process: its calls' kept reductions; of two: its master's kept exchanges)
     assert all(v["planned_calls"] > 40 for v in verdicts.values()), [v["planned_calls"] for v in verdicts.values()]
+    # a node of two processes: its kept calls' outputs ride the workers' answers (one per function called)
+    for node, size in enumerate(sizes.split(",")):
+        assert (verdicts[node]["inline_plans"] >= 10) == (size == "2"), (node, verdicts[node]["inline_plans"])
     _no_shm_left(tmp_path, 2)
 
 
@@ -278,9 +285,9 @@ def test_node_failing_before_fork_leaves_nothing(tmp_path):
 @needs_mpi
 def test_broken_node_tells_the_others_at_once(tmp_path):
     """A worker of node 1 is killed; node 1's call raises, then its script is busy for
-    5 s: node 0's next call raises NodeFailedError naming node 1 and its failure within
-    2.5 s (it waited until node 1 acted again); every node closes and forks again,
-    and MPI finalises cleanly (mpirun exits 0)."""
+    5 s: node 0's call of that step raises NodeFailedError naming node 1 and its failure
+    within 2.5 s (it waited until node 1 acted again), its next call at once; every node
+    closes and forks again, and MPI finalises cleanly (mpirun exits 0)."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "busy", "1,2")
     assert_all_ok(rc, output, verdicts, 2)
     _no_shm_left(tmp_path, 2)
@@ -576,13 +583,14 @@ def test_timeout_says_what_to_do(tmp_path):
 
 
 @needs_mpi
-def test_timeout_and_close_during_a_planned_all_reduce(tmp_path):
-    """fork(timeout=2), an all_reduce kept on every node (MPI plan on the node of one process,
-    the master's direct plan on the node of two), one node 4 s late: the other raises
+@pytest.mark.parametrize("late", ["1", "0", "close"], ids=["node-1-late", "node-0-late", "close"])
+def test_timeout_and_close_during_a_planned_all_reduce(tmp_path, late):
+    """An all_reduce kept on every node (MPI plan on the node of one process, the master's
+    direct plan on the node of two), a timeout of 2 s, one node 4 s late: the other raises
     SynkTimeoutError naming the other nodes (it raised the private _TimedOut, a
-    BaseException), whichever node is late; a signal handler's close() during a planned
-    all_reduce raises SynkError and closes the fork; every node forks again and reduces."""
-    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "timeout_planned", "1,2")
+    BaseException), whichever node is late; a signal handler's close() during node 0's
+    planned all_reduce raises SynkError and closes the fork (it stayed open)."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", f"timeout_planned:{late}", "1,2")
     # (mpirun's status is not checked: an abandoned exchange makes MPI abort the job at exit)
     assert sorted(verdicts) == [0, 1] and verdicts[0]["ok"] and verdicts[1]["ok"], output[-3000:]
     _no_shm_left(tmp_path, 2)

@@ -17,6 +17,7 @@ from .._procs.shmem import oversized
 from .._protocol import across_nodes as nodes
 from .._protocol.control import Command
 from .._protocol.distribute import distribute
+from .._protocol.session import note_updates
 from ..data import Data
 from .._protocol.scratch import fit_scratch
 from ..data import check_alive as check_data_alive
@@ -24,7 +25,7 @@ from ..data import data as make_data
 from ..data import label as data_label
 from ..data import ref as data_ref
 from ..errors import SynkError, short_repr, user_stacklevel
-from .reduce import KeptReduction, combine_inline
+from .reduce import KeptReduction, combine_inline, finish_among_nodes
 from .spec import CallSpec, FunctionSpec, LocalFunction
 from .worker import Lane, Share, execute_call, plain_input, share_of
 
@@ -363,10 +364,12 @@ class Function:
     def _finish(self, s, call, results, device_outputs):
         """The call's results as the user gets them, from what the master's share returned."""
         if call.inline:
-            results, spilled = combine_inline(s.proc, results, self._local.plan(s.proc, call.subset)[0])
+            results, spilled, weight = combine_inline(s.proc, results, self._local.plan(s.proc, call.subset)[0])
             if spilled:  # outputs this big reduce faster through the communicator
                 self._spilled.add(call.subset)
                 cast("Table", self._planned).clear()  # (synk.function set it with _owner)
+            if s.proc.comm.among_nodes() is not None:
+                results = self._among_nodes(s, call, results, weight)
         results = s.proc.device.to_user(results, device_outputs)
         if call.subset is not None:
             return results
@@ -431,7 +434,8 @@ class Function:
         share = share_of(proc, call, keep=True, own_keys=own.keys())
         planned.keep(key, _Plan(call, wire, pickle.dumps(([], wire), protocol=pickle.HIGHEST_PROTOCOL),
                                 copies, mine, share if share.fn is not None else None,
-                                Lane.of(proc, call, share), KeptReduction() if proc.size == 1 else None))
+                                Lane.of(proc, call, share), KeptReduction() if proc.size == 1 else None,
+                                call.inline and proc.comm.among_nodes() is not None))
 
     def _call_planned(self, plan, args, device_outputs: bool):
         s = state.running_session()
@@ -446,20 +450,35 @@ class Function:
             results = lane.combine(outs, mine)
             if results is None:  # out of the ordinary: the general path sorts it out
                 return self._finish(s, call, (outs, mine, lane.weight), device_outputs)
+            if plan.among_nodes:
+                results = self._among_nodes(s, call, results, lane.total)
             return self._shape_result(s.proc.device.to_user(results, device_outputs))
         own = {i: args[i] if rows is None else args[i][rows] for i, rows in plan.mine}
         results = s.run(Command.CALL, plan.wire, body=plan.body,
                         local=lambda proc, _: execute_call(proc, call, own, plan.share, plan.reduction))
         return self._finish(s, call, results, device_outputs)
 
+    def _among_nodes(self, s, call, results, weight):
+        """Across nodes, in the master of a node of several processes: an inline call's
+        results of this node reduced among the nodes (:func:`.reduce.finish_among_nodes`),
+        a step of this node master's own once its workers answered. Its failure is raised
+        with the note of a failed call: every process of this node applied the updates."""
+        try:
+            return s.step_alone(f"call {self.name}", finish_among_nodes, s.proc, results, weight,
+                                self._local.plan(s.proc, call.subset)[1], call.n_rows)
+        except Exception as err:
+            note_updates(err, s.proc, {})
+            raise
+
     def _inline(self, proc, subset) -> bool:
         """Whether this call's outputs ride back with the workers' answers
-        (small, host arrays, every communicator within the fork) instead of
-        going through a collective."""
+        (small, host arrays, one node's processes: see ``Communicator.inline_outputs``)
+        instead of going through a collective. Across nodes a gather's parts keep
+        the full path (the node masters exchange every process's part)."""
         if subset in self._spilled:
             return False
-        return all(comm.within_fork and not comm.device_arrays
-                   for _, comm, _ in self._local.plan(proc, subset)[1])
+        return all(comm.inline_outputs and (op != "gather" or comm.within_fork)
+                   for op, comm, _ in self._local.plan(proc, subset)[1])
 
     def _rows(self, values, batch) -> tuple:
         """``(n_rows, norm_batch)`` of a call: the rows the scattered inputs give
@@ -597,6 +616,7 @@ class _Plan:
     share: Share | None  # the master's share, kept
     lane: Lane | None    # the master's share as a lane, where it can run as one
     reduction: KeptReduction | None  # alone in the fork: its output reduction, kept (see there)
+    among_nodes: bool  # the lane's results of this node are then reduced among the nodes
 
 
 def _is_minibatch(value) -> bool:

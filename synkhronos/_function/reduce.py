@@ -192,9 +192,10 @@ def reply_inline(proc, outs, ops, weight, error):
 
 def combine_inline(proc, own, ops) -> tuple:
     """Master-side, after every worker answered an inline call: ``(results,
-    spilled)``, the outputs combined in rank order as the shared-memory
-    communicator would combine them, and whether a worker's outputs were too
-    big for its reply area."""
+    spilled, weight)``, the outputs combined in rank order as the shared-memory
+    communicator would combine them, whether a worker's outputs were too
+    big for its reply area, and the contributing processes' weights together
+    (across nodes, the node's weight in an ``avg``)."""
     outs, mine, weight = own
     ctl = proc.control
     ranks, sets, weights, spilled = [], [], [], False
@@ -210,7 +211,45 @@ def combine_inline(proc, own, ops) -> tuple:
             weights.append(got[1])
     results = [None] * len(ops) if outs is None else list(outs)
     return combine_sets(ranks, sets, weights, [(k, op) for k, op in enumerate(ops) if op is not None],
-                         results), spilled
+                         results), spilled, sum(weights)
+
+
+def finish_among_nodes(proc, results, weight, groups, n_rows) -> list:
+    """In the master of a node of several processes, once an inline call's outputs were
+    combined in the node (``results``, see :func:`combine_inline`; ``weight``: the node's
+    contributing processes' weights together): each group of reduced outputs reduced
+    among the nodes (:meth:`Communicator.reduce_node_part`), in the order, and with the
+    exchanges, of the full path (:func:`reduce_outputs`), so that a node on either path
+    meets the others byte for byte. As there, a failure is raised once every group took
+    its part (the later ones flagged), and every node's result is in every node master."""
+    if all(op is None for op, _, _ in groups):
+        # nothing to reduce: the node masters still meet once, so that this call is a step there
+        proc.comm.among_nodes().barrier()
+        return results
+    failure = None
+    for op, comm, idx in groups:
+        if op is None:
+            continue
+        part = None if results[idx[0]] is None else [results[i] for i in idx]
+        try:
+            got = comm.reduce_node_part(part, op, weight, failed=failure is not None)
+        except Exception as err:  # noqa: BLE001 - raised once every group took its part
+            failure = failure or err
+            continue
+        for i, r in zip(idx, got or [None] * len(idx)):
+            results[i] = r
+    if failure is not None:
+        raise failure
+    if n_rows == 0:
+        no_rows_anywhere([results[i] for op, _, idx in groups if op is not None for i in idx])
+    return results
+
+
+def no_rows_anywhere(reduced) -> None:
+    """A call of no rows on any node: ValueError when one of its ``reduced`` outputs has no value."""
+    if any(r is None for r in reduced):
+        raise ValueError("no node passed any rows to this call: its reduced outputs have no "
+                         "values (each node adds its own rows; give at least one node some)")
 
 
 def combine_sets(ranks, sets, weights, reduced, results, reducers=None) -> list:

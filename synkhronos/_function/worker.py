@@ -15,7 +15,7 @@ from .._state import interruptible
 from ..collectives.ops import result_dtype
 from .._protocol.data_refs import attach
 from ..errors import PeerFailed, as_interrupt, own_share_failed
-from .reduce import combine_sets, reduce_outputs, reply_inline
+from .reduce import combine_sets, no_rows_anywhere, reduce_outputs, reply_inline
 from .spec import CallSpec
 
 __all__ = []
@@ -90,7 +90,7 @@ class Lane:
     replies are ordinary: anything else takes :func:`execute_call` and
     :func:`combine_inline`, which raise the errors."""
 
-    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers", "kept")
+    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers", "kept", "total")
 
     def __init__(self, proc, call: CallSpec, share: Share):
         spec = proc.functions[call.fid].spec
@@ -110,6 +110,7 @@ class Lane:
         self.ranks = list(range(proc.size))
         self.reducers: list[Any] = [None] * len(self.reduced)  # master: each output's Reducer, kept
         self.kept = None  # master: what the last combine checked, see _keep
+        self.total = 0.0  # master: the weights of the last combine together (what _keep checks stays)
 
     def run(self, proc, own=()):
         """``(outs, mine)``: this process's outputs, and its reducible ones in the
@@ -155,6 +156,7 @@ class Lane:
                 return None
             sets.append(got[0])
             weights.append(got[1])
+        self.total = sum(weights)
         if not self.reduced:  # every reply ordinary, nothing to combine
             return list(outs)
         results = combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers)
@@ -282,10 +284,8 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None, kep
         results = reduce_outputs(proc, outs, len(ops), groups, weight, error is not None, guarded, kept)
         if own_only is not None:
             results = [own_only[k] if op is None else r for k, (op, r) in enumerate(zip(ops, results))]
-        if proc.is_master and call.n_rows == 0 and not proc.comm.within_fork and any(
-                results[k] is None for k, op in enumerate(ops) if op is not None):
-            raise ValueError("no node passed any rows to this call: its reduced outputs have no "
-                             "values (each node adds its own rows; give at least one node some)")
+        if proc.is_master and call.n_rows == 0 and not proc.comm.within_fork:
+            no_rows_anywhere([results[k] for k, op in enumerate(ops) if op is not None])
     except PeerFailed:
         # the collective fails in every process, the failing one too: report its own error
         if error is not None:

@@ -300,8 +300,10 @@ def failed_step(s, before, what: str, err: BaseException) -> None:
     begun = comm.steps_begun()
     if begun is None:
         return
+    # (a call whose shares failed in this node names their ranks, as the full path's exchange does)
+    reason = getattr(err, "synk_failed_ranks", None) or f"{type(err).__name__}: {err}"[:200]
     try:
-        s.step_alone(what, comm.fail_step, what, f"{type(err).__name__}: {err}"[:200], begun != before)
+        s.step_alone(what, comm.fail_step, what, reason, begun != before)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException:  # noqa: BLE001 - a timeout or close() meanwhile: the others were told; ours is the error

@@ -17,7 +17,7 @@ from .control import Command
 from ..errors import (Aborted, PeerFailed, SynkError, SynkTimeoutError, WorkerDiedError, as_interrupt,
                       is_own_share_failure, unpack_exception)
 
-__all__ = ["Session"]
+__all__ = ["Session", "note_updates"]
 
 log = logging.getLogger("synkhronos")
 
@@ -329,10 +329,7 @@ class Session:
             unpacked[self.proc.rank] = local_err
         err = _most_telling(unpacked)
         if cmd is Command.CALL and not aborted:
-            comm = self.proc.comm  # across nodes, global ranks (node-major) of this node's processes
-            table = comm.node_table()
-            first = None if table is None else sum(table[1][:table[0]])
-            _note_updates(err, self.proc.size, unpacked, first)
+            note_updates(err, self.proc, unpacked)
         raise err
 
     def _collect(self, stop):
@@ -401,13 +398,21 @@ class Session:
         return stop
 
 
-def _note_updates(err: BaseException, size: int, errors: dict, first=None) -> None:
+def note_updates(err: BaseException, proc, errors: dict) -> None:
     """Say on a failed call's exception which processes applied its updates: exactly
-    those whose own share ran without error (the rule of a failed call). Across
-    nodes (``first``: the global rank of this node's first process) it names this
-    node's processes by global rank; every other node's follow the same rule."""
+    those whose own share ran without error (the rule of a failed call); ``errors``:
+    each failed process's error by local rank (empty: every share ran, the call failed
+    afterwards). Across nodes it names this node's processes by global rank; every
+    other node's follow the same rule. The local ranks whose shares failed are kept on
+    ``err`` (``synk_failed_ranks``): across nodes, what the other nodes are told."""
     failed = sorted(r for r, e in errors.items() if not isinstance(e, (Aborted, PeerFailed)))
-    applied = [r for r in range(size) if r not in failed]
+    try:
+        err.synk_failed_ranks = failed  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an exception that takes no attributes: the others hear its text
+        pass
+    table = proc.comm.node_table()  # across nodes, global ranks (node-major) of this node's processes
+    first = None if table is None else sum(table[1][:table[0]])
+    applied = [r for r in range(proc.size) if r not in failed]
     where = ""
     if first is not None:
         applied, failed = [first + r for r in applied], [first + r for r in failed]

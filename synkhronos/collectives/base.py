@@ -184,10 +184,26 @@ class Communicator(abc.ABC):
         """How many steps among nodes this node master has begun (None: it makes none)."""
         return None
 
-    def fail_step(self, what: str, reason: str, begun: bool) -> None:
+    def fail_step(self, what: str, reason: str | list, begun: bool) -> None:
         """This node's step failed before the others heard of it: make its first exchange
         all the same, flagging the failure, so that every node raises in that step
-        (``begun``: whether the step was numbered already)."""
+        (``begun``: whether the step was numbered already). ``reason``: what failed, or
+        the local ranks whose shares of a call failed (named as the full path names them)."""
+
+    @property
+    def inline_outputs(self) -> bool:
+        """A call's outputs may skip this communicator and ride back with the workers'
+        answers (see ``within_fork``); across nodes the node master then finishes
+        their reduction among the nodes with :meth:`reduce_node_part`."""
+        return self.within_fork and not self.device_arrays
+
+    def reduce_node_part(self, part, op: str, weight: float = 1.0, failed=False):
+        """Across nodes, in a node master whose node's arrays were combined without this
+        communicator (a call's outputs that rode the workers' answers, combined as the
+        node's own reduce would): the exchange among the nodes of :meth:`reduce`, with
+        ``part`` the node's result (None: nothing to add) and ``weight`` its weight in an
+        ``avg`` (its contributing processes' together); every node's result."""
+        raise NotImplementedError(f"{type(self).__name__} has no nodes to reduce among")
 
     def nodes_joined(self) -> list:
         """The nodes that had joined (``synk.join()``) at the last exchange among nodes."""

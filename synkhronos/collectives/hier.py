@@ -231,17 +231,7 @@ class HierarchicalCommunicator(Communicator):
             part, wsum = value if value is not None else (None, None)
             w = 1.0 if wsum is None else wsum
             if root is None or root is MASTERS:
-                got = None if bad or part is None else self._kept_middle(inter, part, op, w)
-                if got is not None:
-                    return got
-                # MPI works in the node's part when that is ours to overwrite: a
-                # fresh local result, or the caller's own arrays when in place
-                fresh = part is not None and (arrays is None or not any(
-                    np.may_share_memory(p, a) for p, a in zip(part, arrays)))
-                if in_place and root is None and fresh and arrays is not None:
-                    # straight into this master's own arrays, which the node then shares
-                    return inter.all_reduce(part, op, weight=w, failed=bad, into=list(arrays))
-                return inter.all_reduce(part, op, weight=w, failed=bad, in_place=bool(in_place or fresh))
+                return self._among_masters(inter, part, op, w, bad, arrays, in_place and root is None)
             out = inter.reduce(part, op, root_node, weight=w, failed=bad)
             return out
 
@@ -270,6 +260,22 @@ class HierarchicalCommunicator(Communicator):
                 return None
             return value if root_local == lm else got
         return self._steps(first, middle, share)
+
+    def _among_masters(self, inter, part, op, weight, bad, arrays=None, in_place=False):
+        """Step 2 of a reduction whose result every node master gets: the node's ``part``
+        (None: nothing) reduced among the nodes, through a kept plan where there is one.
+        ``arrays``: the caller's own (``in_place``: the result goes into them)."""
+        got = None if bad or part is None else self._kept_middle(inter, part, op, weight)
+        if got is not None:
+            return got
+        # MPI works in the node's part when that is ours to overwrite: a
+        # fresh local result, or the caller's own arrays when in place
+        fresh = part is not None and (arrays is None or not any(
+            np.may_share_memory(p, a) for p, a in zip(part, arrays)))
+        if in_place and fresh and arrays is not None:
+            # straight into this master's own arrays, which the node then shares
+            return inter.all_reduce(part, op, weight=weight, failed=bad, into=list(arrays))
+        return inter.all_reduce(part, op, weight=weight, failed=bad, in_place=bool(in_place or fresh))
 
     def _kept_middle(self, inter, part, op, weight):
         """The node master's reduction among nodes of its node's ``part`` (every node's
@@ -500,11 +506,30 @@ class NodeCommunicator(HierarchicalCommunicator):
     def steps_begun(self) -> int | None:
         return None if self._inter is None else self._inter.begun
 
-    def fail_step(self, what: str, reason: str, begun: bool) -> None:
+    def fail_step(self, what: str, reason: str | list, begun: bool) -> None:
         inter = self._inter
         if inter is not None:
             inter.pre_begun = False
-            inter.fail_step(what, reason, begun)
+            inter.fail_step(what, self._reason(PeerFailed(reason))[:200] if isinstance(reason, list) else reason, begun)
+
+    @property
+    def inline_outputs(self) -> bool:
+        """In a node of several processes, as its own communicator's: the node master
+        combines its node's outputs, then :meth:`reduce_node_part` (a node of one
+        process keeps its reduction among the nodes instead, see ``_function/reduce.py``)."""
+        return not self._alone and self._local.inline_outputs
+
+    def reduce_node_part(self, part, op, weight=1.0, failed=False):
+        """The exchange among nodes of a reduce of this node's ``part`` (see
+        :meth:`.base.Communicator.reduce_node_part`), exactly as :meth:`reduce` makes it once
+        the node's processes reduced: the same kept plan or full exchange, the same header
+        (``weight`` 1.0 where ``part`` is None or ``op`` is not ``avg``). ``failed``: False,
+        a reason, or the local ranks that failed (named as :meth:`reduce` names them)."""
+        inter = self._inter
+        if inter is None:
+            raise ValueError("reduce_node_part: only the master of a node reduces among the nodes")
+        bad = self._reason(PeerFailed(failed))[:200] if isinstance(failed, list) else failed
+        return self._among_masters(inter, part, op, weight if op == "avg" and part is not None else 1.0, bad)
 
     def nodes_joined(self) -> list:
         return [] if self._inter is None else self._inter.joined

@@ -302,7 +302,7 @@ class MpiCommunicator(Communicator):
         self._exchanges = 0
         self._failed = None
 
-    def fail_step(self, what: str, reason: str, begun: bool) -> None:
+    def fail_step(self, what: str, reason: str | list, begun: bool) -> None:
         """This node's step failed here before its first exchange (a bad argument, a
         failed check, an error of its own before the others heard of it): make that
         exchange all the same, flagging the failure, so that every node raises
