@@ -120,17 +120,18 @@ class MpiCommunicator(Communicator):
         self._leaving = None        # this node's last header (leave()): (request, buffers)
         self._abandoned: list = []  # (requests, buffers) of waits given up: never freed
         self._recv: dict = {}       # (dtype, shape) -> receive buffer of in-place all-reduces
-        # duplicates, without blocking: data on one, failure notices on the other. MPI pairs
-        # collectives in the order they start: duplicates an earlier try gave up waiting for are
-        # the ones the other nodes' (next) try meets, so they are waited for again, never new ones
+        # duplicates, without blocking, one at a time (two outstanding Idups hung in Open MPI 5 once an
+        # abandoned exchange held a context id on one node only): data on one, failure notices on the
+        # other. MPI pairs collectives in the order they start: duplicates an earlier try gave up
+        # waiting for are the ones the other nodes' (next) try meets: waited for again, never new ones
         pending, state.mpi_pending_dup = state.mpi_pending_dup, None
-        if pending is not None and pending[0] is comm:
-            comm_dup, req, ctl_dup, req2 = pending[1:]
-        else:
-            comm_dup, req = comm.Idup()
-            ctl_dup, req2 = comm.Idup()
+        comm_dup, req, ctl_dup, req2 = pending[1:] if pending is not None and pending[0] is comm else \
+            (*comm.Idup(), None, None)
         try:
-            self.wait([req, req2], "creating the MPI communicator", notices=False)
+            self.wait([req], "creating the MPI communicator", notices=False)
+            if ctl_dup is None:
+                ctl_dup, req2 = comm.Idup()
+            self.wait([req2], "creating the MPI communicator", notices=False)
         except BaseException:
             state.mpi_pending_dup = (comm, comm_dup, req, ctl_dup, req2)
             raise

@@ -1027,6 +1027,42 @@ def scenario_timeout_planned(v, node, node_sizes, late):
         v.expect(synk._state.current() is None, "node 0's fork is closed")
 
 
+def scenario_refork(v, node, node_sizes):
+    """Forks again after exchanges abandoned on each node in turn, six times: node 0 is 4 s
+    late for an all_reduce (node 1 times out and abandons its exchange), every node closes
+    and forks again, then node 1 is late (node 0 abandons), and so on: every fork() and a
+    call after it work on every node (in about half of such jobs one fork() hung in Open
+    MPI's two outstanding Idups, whose free context ids then differed between the nodes: a
+    communicator still held by an abandoned exchange on one node only)."""
+    x = pt.dmatrix("x")
+    data, per_node = all_rows(node_sizes)
+    for k, late in enumerate((0, 1, 0, 1, 0, 1, None)):
+        if synk._state.current() is None:
+            # every node reaches fork() together: a barrier through files
+            (v.path.parent / f"refork{k}.{node}").touch()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                    (v.path.parent / f"refork{k}.{n}").exists() for n in range(len(node_sizes))):
+                time.sleep(0.01)
+            synk.fork(node_sizes[node], device="cpu", timeout=20.0)
+        s = synk._state.current()
+        s.timeout = 20.0
+        w = pytensor.shared(np.full(3, node + 1.0), name="w")
+        f = synk.function([x], ((x * w).sum(axis=0), "sum"), mode=MODE, name="f")
+        _step_ok(v, f"a call after fork() (node {late} late next)", lambda: f(per_node[node]),
+                 (data * (np.repeat(np.arange(1.0, len(node_sizes) + 1), [len(p) for p in per_node])[:, None])).sum(0))
+        if late is None:
+            return
+        for _ in range(3):
+            synk.all_reduce(w, "max")
+        s.timeout = 2.0
+        if node == late:
+            time.sleep(4)
+        text = raises_soon(v, lambda: synk.all_reduce(w, "max"), f"an all_reduce node {late} is late for")
+        v.expect(text.startswith("NodeFailedError" if node == late else "SynkTimeoutError"), f"node {node}: {text}")
+        synk.close()
+
+
 PLAN_OPS = ("sum", "avg", "prod", "max", "min")
 PLAN_DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_, np.complex64)
 PLAN_SHAPES = ((), (1,), (3,), (5, 7), (129,))
@@ -1324,6 +1360,7 @@ SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast"
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
+             "refork": scenario_refork,
              "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned}
 
 
