@@ -161,7 +161,9 @@ def test_planned_calls_across_nodes(tmp_path, sizes):
     ``NodeCommunicator._kept_middle``; a node on either path meets the others byte for byte:
     every result equals numpy's over every node's rows, the same bits on every node; a
     node's share failing inside a planned call (its master's, then a worker's) raises on every
-    node (its Assert there, PeerFailed naming it elsewhere) and the next call agrees again."""
+    node (its Assert there, PeerFailed naming it elsewhere) and the next call agrees again; the
+    others are late for that step, so node 1 waits in it (its wait's check took its worker's
+    failure flag, already told, for a failure during the exchange and abandoned the nodes)."""
     rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "planned_calls:4901", sizes)
     assert_all_ok(rc, output, verdicts, 2)
     digests = [v["digests"] for v in verdicts.values()]

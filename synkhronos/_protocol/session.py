@@ -59,6 +59,7 @@ class Session:
         self.collective_scratch: dict[tuple, Any] = {}  # staging Data for values the master sends
         self.data_memory: dict[int, Any] = {}  # Data uid -> its shared memory, while the Data lives
         self.in_flight: int | None = None  # thread id while a command runs (nested calls are refused)
+        self.alone = False  # in a step of the master's own (step_alone): the workers are idle
         self.pid = os.getpid()       # the process that called fork(): the only one that may use it
         self.timeout: float | None = None  # fork(timeout=...): longest wait for the workers
         self.close_requested = False  # close() came during a command (another thread, a handler)
@@ -94,9 +95,10 @@ class Session:
             raise _TimedOut(self.proc.control.pending(), None if comm is None else comm.waiting_among_nodes())
 
     def check(self) -> None:
-        """Master-side check between wait slices inside a collective."""
+        """Master-side check between wait slices inside a collective (in a step of the
+        master's own the workers are idle: a failure flag is the last command's, told already)."""
         self.poll()
-        if self.proc.control.any_failed():
+        if not self.alone and self.proc.control.any_failed():
             # a worker failed outside a collective's own error protocol: free the others
             self.abort()
             raise Aborted("a worker failed during a collective")
@@ -252,6 +254,7 @@ class Session:
         with the error a command's would give (never the private stop itself), and
         close() asked meanwhile closes the fork at its end."""
         self.in_flight = threading.get_ident()
+        self.alone = True
         self.begin_wait()
         try:
             return step(*args)
@@ -259,6 +262,7 @@ class Session:
             raise self._stopped(what, stop, back=True) from None
         finally:
             self.in_flight = None
+            self.alone = False
             self.close_if_requested()
 
     def close_if_requested(self) -> None:

@@ -1261,6 +1261,8 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
             mine = datas[node].copy()
             if node == 1:
                 mine[0 if step == min(fails) else -1, 0] = 1000
+            else:  # node 1 then waits for the others in the step it tells them of (its check runs)
+                time.sleep(0.3)
             text = raises_soon(v, lambda: f(mine), f"{where}: node 1's rows failing")
             v.expect(("row too large" in text) if node == 1 else ("node(s) [1]" in text), f"{where}: {text}")
             continue
