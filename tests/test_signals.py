@@ -103,6 +103,15 @@ def _stalling(how="python", seconds=30.0):
     return f, g
 
 
+def _timed_out_soon(fork, n, timeout, how="python", seconds=30.0):
+    """``fork(n, timeout=timeout)`` and :func:`_stalling`'s functions, distributed first under a
+    roomy timeout (a loaded machine compiles them in the workers for longer than ``timeout``)."""
+    fork(n, timeout=60.0)
+    f, g = _stalling(how, seconds)
+    _state.current().timeout = timeout
+    return f, g
+
+
 # -- Ctrl-C (finding 12) -------------------------------------------------------
 
 
@@ -306,11 +315,7 @@ def test_sigint_to_a_script_during_update_only_step(tmp_path, target):
 
 
 def test_timeout_names_the_stuck_rank_and_the_runtime_stays_usable(fork):
-    fork(3, timeout=1.0)
-    x = pt.dvector("x")
-    f = synk.function([x], Stall(60.0)(x).sum(), **FAST)
-    g = synk.function([x], x.sum(), reduce_ops="sum", **FAST)
-    synk.distribute()
+    f, g = _timed_out_soon(fork, 3, 1.0, seconds=60.0)
     t0 = time.monotonic()
     with pytest.raises(synk.SynkTimeoutError, match=r"ranks \[1, 2\] did not finish") as info:
         f(np.ones(6))
@@ -323,8 +328,7 @@ def test_timeout_names_the_stuck_rank_and_the_runtime_stays_usable(fork):
 
 
 def test_timeout_with_a_worker_that_cannot_be_interrupted(fork):
-    fork(2, timeout=0.5)
-    f, g = _stalling("blocked", seconds=3.0)
+    f, g = _timed_out_soon(fork, 2, 0.5, "blocked", seconds=3.0)
     with pytest.raises(synk.SynkTimeoutError, match=r"\[1\] are still busy") as info:
         f(np.ones(4))
     assert info.value.usable is False and info.value.ranks == [1]
@@ -336,8 +340,7 @@ def test_timeout_with_a_worker_that_cannot_be_interrupted(fork):
 
 
 def test_stuck_worker_then_close_leaves_nothing(fork):
-    fork(2, timeout=0.5)
-    f, _ = _stalling("blocked", seconds=30.0)
+    f, _ = _timed_out_soon(fork, 2, 0.5, "blocked", seconds=30.0)
     with pytest.raises(synk.SynkTimeoutError, match="still busy"):
         f(np.ones(4))
     t0 = time.monotonic()
