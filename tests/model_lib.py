@@ -316,6 +316,10 @@ class World:
     def __init__(self, n: int, fork_fn, master: int = 0):
         self.n = n
         self.master = master
+        # (one fork: the rank whose copies a broadcast without values sends, and every
+        # master; across nodes, tests/mpi/model_nodes.py: node 0's master, each node's)
+        self.root = master
+        self.masters = [master]
         self.fork_fn = fork_fn
         self.with_tiny = False
         self.log: list[str] = []
@@ -583,6 +587,27 @@ class World:
             return small, small.astype(v.dtype)
         return value, value
 
+    def _reduce_collective(self, parts, op: str, dtype) -> np.ndarray:
+        """What reduce/all_reduce store, of every rank's ``parts`` (:func:`reduce_collective`)."""
+        return reduce_collective(parts, op, dtype)
+
+    def _shapes_refused(self, names):
+        """What a collective that needs equal shapes raises when ``names`` differ between ranks."""
+        return ValueError
+
+    def _values_refused(self, exc_type):
+        """What a collective raises when the values it takes are refused (across nodes:
+        node 0's are taken, so the other nodes hear of node 0's error)."""
+        return exc_type
+
+    def _own_batch_s(self, batch_s):
+        """What this master passes as ``batch_s`` (across nodes: its own processes' entries)."""
+        return batch_s
+
+    def master_of(self, rank: int) -> int:
+        """The master of ``rank``'s fork (across nodes: its node's master)."""
+        return self.master
+
     def set_model(self, rank, name, value) -> None:
         self.model[rank][name] = np.array(cast_into(value, self.vars[name].dtype), copy=True)
 
@@ -657,12 +682,12 @@ class World:
             synk.broadcast(arg)
             for nm in names:
                 for r in range(self.n):
-                    self.model[r][nm] = self.model[self.master][nm].copy()
+                    self.model[r][nm] = self.model[self.root][nm].copy()
             return
         if rng.random() < 0.05 and self._lossy(names, rng) is not None:
             bad = [self._lossy(names, rng)] + [self.model[self.master][nm] for nm in names[1:]]
             self._say(f"synk.broadcast({text}, <a lossy value>)  # TypeError")
-            self._expect_error(TypeError, lambda: synk.broadcast(arg, bad[0] if single else bad),
+            self._expect_error(self._values_refused(TypeError), lambda: synk.broadcast(arg, bad[0] if single else bad),
                                "broadcast of a value the variable cannot hold")
             return
         passed, held, texts = self._values_arg(names, rng)
@@ -783,17 +808,18 @@ class World:
         arg, text, single = self._arg(names, rng=rng)
         self._say(f"synk.reduce({text}, op={given!r}, in_place={in_place})")
         if not all(self.equal_shapes(nm) for nm in names):
-            self._expect_error(ValueError, lambda: synk.reduce(arg, op=given, in_place=in_place),
+            self._expect_error(self._shapes_refused(names), lambda: synk.reduce(arg, op=given, in_place=in_place),
                                "reduce of shapes that differ")
             return
         got = synk.reduce(arg, op=given, in_place=in_place)
-        wants = [reduce_collective([self.model[r][nm] for r in range(self.n)], op, self.vars[nm].dtype)
+        wants = [self._reduce_collective([self.model[r][nm] for r in range(self.n)], op, self.vars[nm].dtype)
                  for nm in names]
         if in_place:
             if got is not None:
                 raise ModelMismatch("return", f"reduce(in_place=True) returned {type(got).__name__}, not None")
             for nm, want in zip(names, wants):
-                self.model[self.master][nm] = want
+                for m in self.masters:  # (every node's master, across nodes)
+                    self.model[m][nm] = want.copy()
         else:
             # every result is an ndarray (0-d values too), in the variable's dtype
             for g in (got,) if single else got:
@@ -808,13 +834,14 @@ class World:
         arg, text, single = self._arg(names, rng=rng)
         self._say(f"synk.all_reduce({text}, op={given!r})")
         if not all(self.equal_shapes(nm) for nm in names):
-            self._expect_error(ValueError, lambda: synk.all_reduce(arg, op=given), "all_reduce of shapes that differ")
+            self._expect_error(self._shapes_refused(names), lambda: synk.all_reduce(arg, op=given),
+                               "all_reduce of shapes that differ")
             return
         got = synk.all_reduce(arg, op=given)
         if got is not None:
             raise ModelMismatch("return", f"all_reduce returned {type(got).__name__}, not None")
         for nm in names:
-            want = reduce_collective([self.model[r][nm] for r in range(self.n)], op, self.vars[nm].dtype)
+            want = self._reduce_collective([self.model[r][nm] for r in range(self.n)], op, self.vars[nm].dtype)
             for r in range(self.n):
                 self.model[r][nm] = want.copy()
 
@@ -825,7 +852,7 @@ class World:
         if rng.random() < 0.04 and self._lossy(names, rng) is not None:
             bad = [self._lossy(names, rng)] + [self.model[rank][nm] for nm in names[1:]]
             self._say(f"synk.set_value({rank}, {text}, <a lossy value>)  # TypeError")
-            self._expect_error(TypeError, lambda: synk.set_value(rank, arg, bad[0] if single else bad),
+            self._expect_error(self._values_refused(TypeError), lambda: synk.set_value(rank, arg, bad[0] if single else bad),
                                "set_value of a value the variable cannot hold")
             return
         passed, held, texts = self._values_arg(names, rng)
@@ -942,7 +969,8 @@ class World:
         borrow = bool(rng.random() < 0.4)
         self._say(f"{nm}.set_value({text}, borrow={borrow})")
         self._v(nm).set_value(value, borrow=borrow)
-        self.set_model(self.master, nm, value)
+        for m in self.masters:  # (across nodes every node's master sets its own)
+            self.set_model(m, nm, value)
         if not borrow:
             _scribble(value)
 
@@ -1266,7 +1294,7 @@ class World:
             num_slices = 1
         self._say(f"f_sliced(batch_s={_show_batch(batch_s)}"
                   + (f", num_slices={num_slices}" if num_slices != 1 else "") + ")")
-        got = self.f_sliced(batch_s=batch_s, num_slices=num_slices)
+        got = self.f_sliced(batch_s=self._own_batch_s(batch_s), num_slices=num_slices)
         out_ops = ["sum", "avg"]
         outs_all, weights = [], {}
         for r in range(n):
@@ -1425,7 +1453,7 @@ class World:
         self._expect_error(RuntimeError, lambda: old_data.data, "a synk.data of the closed fork")
         for r in range(self.n):
             for nm in self.vars:
-                self.model[r][nm] = self.model[self.master][nm].copy()
+                self.model[r][nm] = self.model[self.master_of(r)][nm].copy()
         self._build_functions()
         self._make_data()
         synk.distribute()

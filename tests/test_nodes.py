@@ -238,6 +238,43 @@ def test_random_divergence(tmp_path, n, sizes, seed):
 
 
 @needs_mpi
+@pytest.mark.parametrize("n, sizes, masters, steps, seed", [
+    (2, "1,2", "0,1", 150, 4101),
+    pytest.param(2, "2,2", "1,0", 600, 4102, marks=pytest.mark.long),
+    pytest.param(3, "2,1,2", "1,0,0", 500, 4103, marks=pytest.mark.long),
+    pytest.param(2, "1,1", "0,0", 600, 4104, marks=pytest.mark.long)],
+    ids=["mixed", "two-two", "three", "ones"])
+def test_model_across_nodes(tmp_path, n, sizes, masters, steps, seed):
+    """tests/test_model.py's model-based random test across nodes (tests/mpi/model_nodes.py):
+    every node draws the same random steps (calls with every option, every collective,
+    set_value/get_value of global ranks, synk.data, late functions, a new fork, misuse)
+    and checks after each one every process's copy of every variable on every node and
+    every returned value, bit for bit, against a model of the hierarchy docs/nodes.rst
+    describes (each node's rows split among its processes, reductions by node then among
+    nodes, node 0's values where a collective takes values; a node master given the
+    master rank 1). ``SYNK_MODEL_SEED`` replaces the seed; make test-nodes runs the
+    longer ones. Nothing is left in /dev/shm."""
+    seed = int(os.environ.get("SYNK_MODEL_SEED", seed))
+    rc, output, verdicts = mpirun(tmp_path, n, "model_nodes.py", sizes, masters, str(seed), str(steps),
+                                  limit=max(240, steps))
+    assert_all_ok(rc, output, verdicts, n)
+    assert all(v["steps"] == steps for v in verdicts.values()), {r: v.get("steps") for r, v in verdicts.items()}
+    _no_shm_left(tmp_path, n)
+
+
+@needs_mpi
+def test_avg_on_nodes_of_different_sizes(tmp_path):
+    """np 3, nodes of 2, 1 and 2 processes: an avg all_reduce of 40 variables (too large for
+    the header; each node's part scaled by its share before MPI's sum), 0-d ones among them,
+    every process its own values: close to numpy's mean, the same bits on every node (the
+    0-d parts were read by MPI after they were freed: wrong values everywhere, no error)."""
+    rc, output, verdicts = mpirun(tmp_path, 3, "nodes_script.py", "avg_uneven", "2,1")
+    assert_all_ok(rc, output, verdicts, 3)
+    assert verdicts[0]["digests"] == verdicts[1]["digests"] == verdicts[2]["digests"]
+    _no_shm_left(tmp_path, 3)
+
+
+@needs_mpi
 def test_bad_broadcast_value_on_node_zero(tmp_path):
     """A value of the wrong ndim given to broadcast() on node 0 (None elsewhere): node 0
     raises it, node 1 PeerFailed naming it within seconds (it waited for ever), in the

@@ -578,7 +578,7 @@ class MpiCommunicator(Communicator):
             if mine is None:  # (never MPI.IN_PLACE: Open MPI's Iallreduce of 64 MiB took 87 ms so, 34 ms out of place)
                 send = np.full(shape, identity(op, work), dtype=work)
             elif pre is not None:
-                send = mine.astype(work) * work.type(pre)
+                send = np.asarray(mine.astype(work) * work.type(pre))  # (0-d: a scalar otherwise, whose reshape is a copy)
             elif mine.dtype.kind == "b" and work.kind == "u":
                 send = np.ascontiguousarray(mine).view(work)
             else:
@@ -601,7 +601,7 @@ class MpiCommunicator(Communicator):
                 reqs.append(self._comm.Iallreduce(flat_send[lo:hi], out, mpi_op[name]) if root is None
                             else self._comm.Ireduce(flat_send[lo:hi], out, mpi_op[name], root))
             jobs.append(("mpi", recv))
-            keep += [send, recv]
+            keep += [send, recv, flat_send, flat_recv]  # (what MPI reads and writes: the flat views too)
         return reqs, jobs, keep, ring
 
     def _start_gather(self, mine, metas, i, root, reqs, keep):

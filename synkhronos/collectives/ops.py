@@ -268,8 +268,8 @@ def identity(op: str, work):
     """The element of ``op`` in dtype ``work``: what a process with nothing to add
     contributes where a backend must send something (NCCL, MPI)."""
     work = np.dtype(work)
-    if op in ("sum", "avg"):
-        return 0
+    if op in ("sum", "avg"):  # (-0.0: x + -0.0 is x bit for bit, a zero's sign too; x + 0.0 is not for x = -0.0)
+        return complex(-0.0, -0.0) if work.kind == "c" else -0.0 if work.kind == "f" else 0
     if op == "prod":
         return 1
     if work.kind == "f":

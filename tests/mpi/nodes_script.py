@@ -53,6 +53,8 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
   semantics hold) and the next step agrees.
 - ``node_planned:<seed>``: as ``planned`` on nodes of several processes, whose masters
   run most steps alone on their node's homes and the kept exchange (no command).
+- ``avg_uneven``: an ``avg`` all_reduce too large for the header on nodes of different
+  sizes, 0-d variables among others: close to numpy's mean over the processes.
 - ``diverge_node_planned``: ``diverge_planned``'s divergences where the other nodes'
   masters are on their direct plans.
 
@@ -1357,12 +1359,40 @@ def scenario_diverge_planned(v, node, node_sizes):
 
 
 #: The scenarios that take (verdict, node, node sizes), by name.
+def scenario_avg_uneven(v, node, node_sizes):
+    """An ``avg`` all_reduce too large for the header on nodes of different sizes (each
+    node's part scaled by its share of the processes before MPI's sum): 0-d float32 and
+    float64 variables among others, every process its own values (set_value of each global
+    rank); every result close to numpy's mean over the processes, the same on every node.
+    (A 0-d part's scaled copy was a numpy scalar whose flat view MPI read after it was
+    freed: garbage, the same on every node, without an error.)"""
+    kinds = [((), np.float32), ((), np.float64), ((3,), np.float32), ((2,), np.int32)]
+    shared = [pytensor.shared(np.zeros(*kinds[i % 4]), name=f"u{i}") for i in range(40)]
+    synk.function([], [(s.sum(), "sum") for s in shared], mode=MODE, name="u")
+    synk.distribute()
+    n = sum(node_sizes)
+    rng = np.random.default_rng(7)  # the same draws on every node
+    for rep in range(3):
+        values = [[np.asarray(rng.normal(size=s.get_value().shape) * 10).astype(s.dtype) for s in shared]
+                  for _ in range(n)]
+        for r in range(n):
+            synk.set_value(r, shared, values[r])
+        synk.all_reduce(shared, "avg")
+        for i, s in enumerate(shared):
+            want = np.mean(np.stack([values[r][i] for r in range(n)]).astype(np.float64), axis=0)
+            want = np.round(want) if s.dtype.startswith("int") else want
+            for r in (0, n - 1):
+                got = synk.get_value(r, s)
+                v.expect(np.allclose(got, want, rtol=1e-5, atol=1e-4), f"rep {rep} u{i} rank {r}: {got} != {want}")
+        v.info.setdefault("digests", []).append(zlib.crc32(b"".join(s.get_value().tobytes() for s in shared)))
+
+
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
-             "refork": scenario_refork,
+             "refork": scenario_refork, "avg_uneven": scenario_avg_uneven,
              "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned}
 
 

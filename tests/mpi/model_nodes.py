@@ -1,0 +1,299 @@
+"""The model-based random test (tests/model_lib.py) across nodes, under ``mpirun``.
+
+Usage: ``mpirun -np N python model_nodes.py OUT SIZES MASTERS SEED STEPS``. Node k
+forks ``SIZES[k]`` processes with ``master_rank=MASTERS[k]`` (comma lists, one entry
+per node). Every node master draws the same random steps (``model_lib.random_steps``)
+and makes the same calls, as an SPMD script does; each keeps the same model of every
+process of every node (global ranks) and checks after every step every rank's copy of
+every variable (``get_value`` with global ranks), its own master's copies and every
+returned value, bit for bit, as ``tests/test_model.py`` does on one node.
+
+What differs from one node (:class:`NodeWorld`, as docs/nodes.rst defines it): each
+node's inputs are split among its own processes, every node passing the same inputs;
+reductions are hierarchical (each node's processes combined in rank order, then the
+nodes in node order, an ``avg`` weighted by each node's total); a collective that
+takes values uses node 0's (a ``broadcast`` without values, node 0's master's copies);
+``reduce(in_place=True)`` and a plain ``set_value`` reach every node's master; a call on
+no rows anywhere raises ``ValueError`` on every node; a per-process ``batch_s`` list has
+one entry per process of the node; after ``close()`` and ``fork()`` each node's
+processes start from their own master's values. ``as_pytensor`` (the master alone,
+nothing across nodes) is left out.
+
+Each node writes ``verdict.<node>.json``: ok, the steps run, and on a failure the
+report of ``model_lib.report`` (the seed, the steps, what differed).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: model_lib and conftest's MODE
+
+from common import Verdict  # noqa: E402  (puts this checkout's synkhronos first)
+
+import synkhronos as synk  # noqa: E402
+from model_lib import (_UFUNCS, FAIL_MARK, Failure, ModelMismatch, World, combine, random_steps,  # noqa: E402
+                       report, select, val)
+from synkhronos._batching import split  # noqa: E402
+from synkhronos.errors import PeerFailed  # noqa: E402
+
+
+class _NoRows(Exception):
+    """A call on no rows on any node was refused on every node, as documented (the step ends)."""
+
+
+class _RowsGuard:
+    """A function whose first input holds the rows (``f_main``, ``f_bc``). A plain array of
+    an odd number of rows without ``batch``: node k passes it without its first k rows
+    (nodes with fewer rows, or none, than the others); every other input alike on every
+    node. A call on no rows on any node must raise ``ValueError`` on every node where it
+    has reduced outputs (``ops``: each output's op); with op-None outputs only, each node
+    master returns its result on no rows."""
+
+    def __init__(self, world: NodeWorld, fn, ops):
+        self._world, self._fn, self._ops = world, fn, ops
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+    def __call__(self, *args, **kwargs):
+        world = self._world
+        x = kwargs.get("x", args[0] if args else None)
+        try:
+            rows = world.data_model["dX"] if x is world.data["dX"] else np.asarray(x)
+            count = len(select(rows, kwargs.get("batch")))
+        except Exception:  # noqa: BLE001 - a call the library refuses anyway: it goes through
+            count = None
+        if type(x) is np.ndarray and x.ndim == 2 and len(x) % 2 == 1 and kwargs.get("batch") is None:
+            world.dropped = [min(k, len(x)) for k in range(len(world.sizes))]
+            world._say(f"  # node k passes its input without its first k rows: {world.dropped}")
+            mine = x[world.dropped[world.node]:]
+            args, kwargs = ((mine,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, x=mine))
+        subset = kwargs.get("output_subset")
+        reduced = any(self._ops[i] is not None for i in (range(len(self._ops)) if subset is None else subset))
+        if count == 0 and reduced:
+            world._expect_error(ValueError, lambda: self._fn(*args, **kwargs), "a call on no rows on any node")
+            world._say("  # ValueError on every node: no node passed any rows")
+            raise _NoRows()
+        return self._fn(*args, **kwargs)
+
+
+class NodeWorld(World):
+    """The model of every process of every node; this node master's view of it."""
+
+    def __init__(self, sizes, node: int, masters):
+        self.sizes, self.node, self.local_masters = list(sizes), node, list(masters)
+        self.prefixes: list = []  # each fork's names in /dev/shm
+        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        super().__init__(sum(sizes), self._fork, self.offsets[node] + masters[node])
+        self.root = self.offsets[0] + masters[0]
+        self.masters = [o + m for o, m in zip(self.offsets, masters)]
+
+    def _fork(self, n, master_rank) -> None:
+        synk.fork(self.sizes[self.node], device="cpu", master_rank=self.local_masters[self.node])
+        self.prefixes.append(synk._state.current().proc.prefix)
+
+    def _nodes(self) -> list:
+        """Per node, its processes' global ranks."""
+        return [list(range(o, o + s)) for o, s in zip(self.offsets, self.sizes)]
+
+    def master_of(self, rank: int) -> int:
+        return next(self.masters[k] for k, ranks in enumerate(self._nodes()) if rank in ranks)
+
+    def _build_functions(self) -> None:
+        super()._build_functions()
+        self.f_main = _RowsGuard(self, self.f_main, ["avg", "sum", "prod", "max", "min", "gather", None, "avg", "avg"])
+        self.f_bc = _RowsGuard(self, self.f_bc, ["gather", "max", "c_sum"])
+
+    def apply(self, step) -> None:
+        self.dropped = [0] * len(self.sizes)  # rows each node leaves out of this step's call (_RowsGuard)
+        try:
+            super().apply(step)
+        except _NoRows:
+            pass
+
+    def _call_model(self, chosen, num_slices, outs_fn, upd_fn, out_ops, upd_names, failing=()):
+        """As on one node, each node on its own rows (``chosen`` without the first
+        ``dropped[k]`` on node k). A process without rows adds nothing to the reduced
+        outputs and applies no updates, a node without rows too (its master's op-None
+        outputs are those of no rows); no rows on any node raised already (_RowsGuard)."""
+        per_rank, weights, own = [], {}, None
+        for k, ranks in enumerate(self._nodes()):
+            rows = chosen[self.dropped[k]:]
+            for j, r in enumerate(ranks):
+                lo, hi = split(len(rows), self.sizes[k], j)
+                if hi == lo:
+                    per_rank.append(None)
+                    if r == self.master and None in out_ops:
+                        own = outs_fn(rows[:0], r, only={i for i, op in enumerate(out_ops) if op is None})
+                    continue
+                outs, upds = self._run_rank(rows[lo:hi], num_slices, lambda x, r=r: outs_fn(x, r),
+                                            lambda x, r=r: upd_fn(x, r), out_ops, upd_names)
+                weights[r] = float(hi - lo)
+                per_rank.append(outs)
+                if r not in failing:
+                    for nm, u in zip(upd_names, upds):
+                        self.set_model(r, nm, u)
+        return self._reduced(per_rank, weights, out_ops, own)
+
+    def _reduced(self, per_rank, weights, out_ops, own=None) -> list:
+        """Each node's present processes combined in rank order, then the nodes in node
+        order, an avg weighted by each node's total weight (docs/nodes.rst)."""
+        results = []
+        for i, op in enumerate(out_ops):
+            if op is None:  # this node master's own result
+                mine = per_rank[self.master] if per_rank[self.master] is not None else own
+                results.append(None if mine is None else mine[i])
+                continue
+            parts, node_weights = [], []
+            for ranks in self._nodes():
+                present = [r for r in ranks if per_rank[r] is not None]
+                if not present:
+                    continue
+                mine = [np.asarray(per_rank[r][i]) for r in present]
+                if op == "avg":
+                    mine = [p.astype(np.float64) if p.dtype.kind in "biu" else p for p in mine]
+                parts.append(combine(mine, op, [weights[r] for r in present]))
+                node_weights.append(sum(weights[r] for r in present))
+            results.append(combine(parts, op, node_weights))
+        return results
+
+    def _reduce_collective(self, parts, op: str, dtype) -> np.ndarray:
+        """Hierarchical: each node's processes in rank order, then the nodes; an avg is
+        each node's average weighted by its process count, rounded into integers once."""
+        dtype = np.dtype(dtype)
+        groups = [[np.asarray(parts[r]) for r in ranks] for ranks in self._nodes()]
+        if op != "avg":
+            folded = [functools.reduce(_UFUNCS[op], g) for g in groups]
+            return np.asarray(functools.reduce(_UFUNCS[op], folded)).astype(dtype)
+        work = dtype if dtype.kind == "f" else np.dtype(np.float64)
+        means = [combine([p.astype(work) for p in g], "avg") for g in groups]
+        mean = np.asarray(combine(means, "avg", [len(g) for g in groups]))
+        if dtype.kind != "f":
+            mean = mean.round()
+        return mean.astype(dtype)
+
+    def _shapes_refused(self, names):
+        """ValueError where this node's own processes hold different shapes, or where only
+        the nodes differ; PeerFailed where another node's processes differ and this node's not."""
+        def differs(ranks):
+            return any(len({self.model[r][nm].shape for r in ranks}) > 1 for nm in names)
+        nodes = self._nodes()
+        if differs(nodes[self.node]) or not any(differs(ranks) for ranks in nodes):
+            return ValueError
+        return PeerFailed
+
+    def _values_refused(self, exc_type):
+        return exc_type if self.node == 0 else PeerFailed
+
+    def _own_batch_s(self, batch_s):
+        if isinstance(batch_s, list):  # one entry per process: this node's
+            o = self.offsets[self.node]
+            return batch_s[o:o + self.sizes[self.node]]
+        return batch_s
+
+    def do_as_pytensor(self, rng) -> None:
+        self._say("# as_pytensor: the master alone, left out across nodes")
+
+    def do_call_fail(self, rng) -> None:
+        """A call whose graph raises in some processes: rows marked in the inputs every node
+        passes (so in the processes of every node that hold them). A node whose processes
+        all ran raises PeerFailed naming the others' ranks; theirs applied the updates."""
+        n = self.n
+        rows = int(rng.choice([n, n + 1, 2 * n, 3 * n + 1]))
+        seed = int(rng.integers(2**31 - 1))
+        X = val("float64", (rows, 2), seed, exact=True)
+        marked = set()
+        for k, ranks in enumerate(self._nodes()):
+            for j in range(len(ranks)):
+                if rng.random() < 0.35 / len(self.sizes):
+                    lo, hi = split(rows, self.sizes[k], j)
+                    i = int(rng.integers(lo, hi))
+                    X[i, int(rng.integers(2))] = FAIL_MARK
+                    marked.add(i)
+        failing = set()
+        for k, ranks in enumerate(self._nodes()):
+            for j, r in enumerate(ranks):
+                lo, hi = split(rows, self.sizes[k], j)
+                if any(lo <= i < hi for i in marked):
+                    failing.add(r)
+        num_slices = int(rng.choice([1, 1, 2, 3]))
+        self._say(f"f_fail(val('float64', ({rows}, 2), {seed}, exact=True) with {FAIL_MARK} in rows "
+                  f"{sorted(marked)} (ranks {sorted(failing)})" + (f", num_slices={num_slices}" if num_slices != 1
+                                                                   else ""))
+        m = self.model
+        wants = self._call_model(X.copy(), num_slices, lambda xs, r: [xs.sum(axis=0)],
+                                 lambda xs, r: [m[r]["acc"] + xs.sum(), m[r]["cnt"] + 1],
+                                 ["sum"], ["acc", "cnt"], failing=failing)
+        if failing:
+            mine = failing & set(self._nodes()[self.node])
+            self._expect_error(AssertionError if mine else PeerFailed, lambda: self.f_fail(X, num_slices=num_slices),
+                               f"f_fail failing in ranks {sorted(failing)}")
+            return
+        got = self.f_fail(X, num_slices=num_slices)
+        self._check_outputs("f_fail", got, wants)
+
+
+def node_index() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+def run(v: Verdict, node: int, sizes, masters, seed: int, count: int) -> list:
+    """The steps, checked; the prefixes of the forks' names in /dev/shm."""
+    steps = random_steps(seed, count)
+    world = NodeWorld(sizes, node, masters)
+    prefixes = world.prefixes
+    per_step: list = []
+    try:
+        world.check_state()
+        for i, step in enumerate(steps):
+            if step.gap_ms:
+                time.sleep(step.gap_ms / 1000)
+            start = len(world.log)
+            try:
+                world.apply(step)
+                world.check_state()
+            except Exception as err:
+                per_step.append((step, world.log[start:]))
+                category = err.category if isinstance(err, ModelMismatch) else f"exception:{type(err).__name__}"
+                failure = Failure(i, step, category, f"{type(err).__name__}: {err}", per_step,
+                                  traceback.format_exc())
+                text = report(seed, world.n, world.master, count, steps[: i + 1], failure,
+                              note=f", node {node} of nodes of {sizes} processes, masters {masters}")
+                v.expect(False, text[-12000:])
+                return prefixes
+            per_step.append((step, world.log[start:]))
+            v.expect(True, "step")
+        v.info["steps"] = len(steps)
+        return prefixes
+    finally:
+        synk.close()
+
+
+def main() -> int:
+    out, sizes, masters, seed, count = sys.argv[1:6]
+    sizes, masters = [int(s) for s in sizes.split(",")], [int(m) for m in masters.split(",")]
+    node = node_index()
+    v = Verdict(out, node)
+    try:
+        prefixes = run(v, node, sizes, masters, int(seed), int(count))
+    except BaseException as err:  # noqa: BLE001 - written into the verdict
+        return 0 if v.write(err) else 1
+    left = sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(p) for p in prefixes))
+    (Path(out) / f"shm.{node}.txt").write_text("\n".join(left))
+    return 0 if v.write() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
