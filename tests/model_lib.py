@@ -591,6 +591,11 @@ class World:
         """What reduce/all_reduce store, of every rank's ``parts`` (:func:`reduce_collective`)."""
         return reduce_collective(parts, op, dtype)
 
+    def _given(self, values):
+        """The values this master passes to a collective that takes values (across nodes
+        only node 0's count: the others may pass None, or anything)."""
+        return values
+
     def _shapes_refused(self, names):
         """What a collective that needs equal shapes raises when ``names`` differ between ranks."""
         return ValueError
@@ -692,7 +697,7 @@ class World:
             return
         passed, held, texts = self._values_arg(names, rng)
         self._say(f"synk.broadcast({text}, " + (texts[0] if single else "[" + ", ".join(texts) + "]") + ")")
-        synk.broadcast(arg, passed[0] if single else passed)
+        synk.broadcast(arg, self._given(passed[0] if single else passed))
         for nm, value in zip(names, held):
             for r in range(self.n):
                 self.set_model(r, nm, value)
@@ -725,7 +730,7 @@ class World:
             batch = self._random_batch(rng, min(len(h) for h in held))
         self._say(f"synk.scatter({text}, " + (texts[0] if single else "[" + ", ".join(texts) + "]")
                   + (f", batch={_show_batch(batch)}" if batch is not None else "") + ")")
-        synk.scatter(arg, passed[0] if single else passed, batch=batch)
+        synk.scatter(arg, self._given(passed[0] if single else passed), batch=batch)
         for nm, value in zip(names, held):
             chosen = select(value, batch)
             for r in range(n):
@@ -861,7 +866,7 @@ class World:
             batch = self._random_batch(rng, min(len(h) for h in held))
         self._say(f"synk.set_value({rank}, {text}, " + (texts[0] if single else "[" + ", ".join(texts) + "]")
                   + (f", batch={_show_batch(batch)}" if batch is not None else "") + ")")
-        synk.set_value(rank, arg, passed[0] if single else passed, batch=batch)
+        synk.set_value(rank, arg, self._given(passed[0] if single else passed), batch=batch)
         for nm, value in zip(names, held):
             self.set_model(rank, nm, select(value, batch))
         for p in passed:
@@ -911,31 +916,33 @@ class World:
             s0 = X.sum(axis=0)
             wants = [s0 * lr, s0, np.where(X > 0, 2.0, 0.5).prod(axis=0), X.max(axis=0), X.min(axis=0), X * lr,
                      X + 1, s0.astype(np.int64), np.concatenate([s0] * 40)]
-            updates = {"acc": m["acc"] + X.sum() * lr, "cnt": m["cnt"] + 1}
+            updates = lambda m: {"acc": m["acc"] + X.sum() * lr, "cnt": m["cnt"] + 1}  # noqa: E731
         elif which == "f_momentum":
             self._say("f_momentum.as_pytensor()")
             got = self.f_momentum.as_pytensor()
-            wants, updates = [], {"prev": m["w"], "w": m["w"] + 1}
+            wants, updates = [], lambda m: {"prev": m["w"], "w": m["w"] + 1}
         elif which == "f_swap":
             self._say("f_swap.as_pytensor()")
             got = self.f_swap.as_pytensor()
-            wants, updates = [m["B"] * np.float32(1)], {"B": m["C"], "C": m["B"]}
+            wants, updates = [m["B"] * np.float32(1)], lambda m: {"B": m["C"], "C": m["B"]}
         else:
-            if m["w"].shape != m["prev"].shape:
+            if any(self.model[mm]["w"].shape != self.model[mm]["prev"].shape for mm in self.masters):
                 self._say("# f_fast.as_pytensor skipped: w and prev differ in shape")
                 return
             self._say("f_fast.as_pytensor()")
             got = self.f_fast.as_pytensor()
             wants = [m["w"] * 1.0]
-            updates = {"prev": m["w"] * 2.0, "w": m["w"] + m["prev"], "B": m["C"], "C": m["B"] * np.float32(2)}
+            updates = lambda m: {"prev": m["w"] * 2.0, "w": m["w"] + m["prev"], "B": m["C"],  # noqa: E731
+                                 "C": m["B"] * np.float32(2)}
         if not isinstance(got, list) or len(got) != len(wants):
             raise ModelMismatch("return", f"{which}.as_pytensor(): expected a list of {len(wants)}, got {got!r}"[:500])
         for i, (g, want) in enumerate(zip(got, wants)):
             want = np.asarray(want)
             if not same(want, g):
                 raise ModelMismatch("return", f"{which}.as_pytensor() output {i}: {_describe_diff(want, g)}")
-        for nm, value in updates.items():
-            self.set_model(self.master, nm, value)
+        for mm in self.masters:  # (across nodes every node's master runs it on its own copies)
+            for nm, value in updates(self.model[mm]).items():
+                self.set_model(mm, nm, value)
 
     def do_misuse(self, rng) -> None:
         """A call the library must refuse at the public edge, changing nothing."""

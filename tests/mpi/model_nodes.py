@@ -16,8 +16,8 @@ takes values uses node 0's (a ``broadcast`` without values, node 0's master's co
 ``reduce(in_place=True)`` and a plain ``set_value`` reach every node's master; a call on
 no rows anywhere raises ``ValueError`` on every node; a per-process ``batch_s`` list has
 one entry per process of the node; after ``close()`` and ``fork()`` each node's
-processes start from their own master's values. ``as_pytensor`` (the master alone,
-nothing across nodes) is left out.
+processes start from their own master's values; ``as_pytensor`` runs in every node's
+master on its own copies.
 
 Each node writes ``verdict.<node>.json``: ok, the steps run, and on a failure the
 report of ``model_lib.report`` (the seed, the steps, what differed).
@@ -191,6 +191,23 @@ class NodeWorld(World):
             return ValueError
         return PeerFailed
 
+    def _given(self, values):
+        """Node 0's values count; every other node passes None every other time, else its
+        values negated (ignored all the same, docs/nodes.rst)."""
+        if self.node == 0:
+            return values
+        self._others_given = getattr(self, "_others_given", 0) + 1
+        if self._others_given % 2:
+            return None
+        if isinstance(values, (list, tuple)):
+            return [self._given_one(v) for v in values]
+        return self._given_one(values)
+
+    @staticmethod
+    def _given_one(value):
+        a = np.asarray(getattr(value, "data", value))
+        return -a if a.dtype.kind in "fi" else a
+
     def _values_refused(self, exc_type):
         return exc_type if self.node == 0 else PeerFailed
 
@@ -199,9 +216,6 @@ class NodeWorld(World):
             o = self.offsets[self.node]
             return batch_s[o:o + self.sizes[self.node]]
         return batch_s
-
-    def do_as_pytensor(self, rng) -> None:
-        self._say("# as_pytensor: the master alone, left out across nodes")
 
     def do_call_fail(self, rng) -> None:
         """A call whose graph raises in some processes: rows marked in the inputs every node
