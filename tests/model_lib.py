@@ -1484,13 +1484,14 @@ class Failure:
         return (self.step.kind, self.category)
 
 
-def run_steps(n: int, steps: list, fork_fn, master: int = 0, deadline=None) -> Failure | None:
+def run_steps(n: int, steps: list, fork_fn, master: int = 0, deadline=None, make=None) -> Failure | None:
     """Run ``steps`` on a fresh fork of ``n`` processes, checking after every one;
-    the first failure, or None (also when ``deadline`` passes). Closes the fork."""
+    the first failure, or None (also when ``deadline`` passes). Closes the fork.
+    ``make()``: the world instead of ``World(n, fork_fn, master)`` (across nodes)."""
     world = None
     per_step: list = []
     try:
-        world = World(n, fork_fn, master)
+        world = World(n, fork_fn, master) if make is None else make()
         world.check_state()
         for i, step in enumerate(steps):
             if deadline is not None and time.monotonic() > deadline:

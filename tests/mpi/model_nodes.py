@@ -28,8 +28,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +38,8 @@ sys.path.insert(0, str(HERE.parent))  # tests/: model_lib and conftest's MODE
 from common import Verdict  # noqa: E402  (puts this checkout's synkhronos first)
 
 import synkhronos as synk  # noqa: E402
-from model_lib import (_UFUNCS, FAIL_MARK, Failure, ModelMismatch, World, combine, random_steps,  # noqa: E402
-                       report, select, val)
+from model_lib import (_UFUNCS, FAIL_MARK, World, combine, random_steps, report, run_steps,  # noqa: E402
+                       select, val)
 from synkhronos._batching import split  # noqa: E402
 from synkhronos.errors import PeerFailed  # noqa: E402
 
@@ -264,35 +262,23 @@ def node_index() -> int:
 
 
 def run(v: Verdict, node: int, sizes, masters, seed: int, count: int) -> list:
-    """The steps, checked; the prefixes of the forks' names in /dev/shm."""
+    """The steps, checked (``model_lib.run_steps``); the prefixes of the forks' names in /dev/shm."""
     steps = random_steps(seed, count)
-    world = NodeWorld(sizes, node, masters)
-    prefixes = world.prefixes
-    per_step: list = []
-    try:
-        world.check_state()
-        for i, step in enumerate(steps):
-            if step.gap_ms:
-                time.sleep(step.gap_ms / 1000)
-            start = len(world.log)
-            try:
-                world.apply(step)
-                world.check_state()
-            except Exception as err:
-                per_step.append((step, world.log[start:]))
-                category = err.category if isinstance(err, ModelMismatch) else f"exception:{type(err).__name__}"
-                failure = Failure(i, step, category, f"{type(err).__name__}: {err}", per_step,
-                                  traceback.format_exc())
-                text = report(seed, world.n, world.master, count, steps[: i + 1], failure,
-                              note=f", node {node} of nodes of {sizes} processes, masters {masters}")
-                v.expect(False, text[-12000:])
-                return prefixes
-            per_step.append((step, world.log[start:]))
-            v.expect(True, "step")
-        v.info["steps"] = len(steps)
+    worlds: list = []
+
+    def make():
+        worlds.append(NodeWorld(sizes, node, masters))
+        return worlds[0]
+    failure = run_steps(sum(sizes), steps, None, make=make)
+    prefixes = worlds[0].prefixes if worlds else []
+    if failure is not None:
+        text = report(seed, sum(sizes), worlds[0].master if worlds else -1, count, steps[: failure.index + 1],
+                      failure, note=f", node {node} of nodes of {sizes} processes, masters {masters}")
+        v.expect(False, text[-12000:])
         return prefixes
-    finally:
-        synk.close()
+    v.expect(True, f"{count} steps")
+    v.info["steps"] = len(steps)
+    return prefixes
 
 
 def main() -> int:
