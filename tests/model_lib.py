@@ -1314,15 +1314,20 @@ class World:
         self._check_outputs("f_sliced", got, self._reduced(outs_all, weights, out_ops))
 
     def do_call_fail(self, rng) -> None:
-        """A call whose graph raises in some processes only."""
+        """A call whose graph raises in some processes only: a marked row in the rows of
+        some ranks (across nodes every node passes the same rows: a marked row fails the
+        process of every node that holds it)."""
         n = self.n
         rows = int(rng.choice([n, n + 1, 2 * n, 3 * n + 1]))
         seed = int(rng.integers(2**31 - 1))
         X = val("float64", (rows, 2), seed, exact=True)
-        failing = [r for r in range(n) if rng.random() < 0.35]
-        for r in failing:
-            lo, hi = split(rows, n, r)
-            X[int(rng.integers(lo, hi)), int(rng.integers(2))] = FAIL_MARK
+        spans = self._rows_of(rows)
+        marked = []
+        for r in [r for r in range(n) if rng.random() < self._fail_chance()]:
+            lo, hi, _ = spans[r]
+            marked.append(int(rng.integers(lo, hi)))
+            X[marked[-1], int(rng.integers(2))] = FAIL_MARK
+        failing = [r for r, (lo, hi, _) in enumerate(spans) if any(lo <= i < hi for i in marked)]
         num_slices = int(rng.choice([1, 1, 2, 3]))
         self._say(f"f_fail(val('float64', ({rows}, 2), {seed}, exact=True) with {FAIL_MARK} in the rows of "
                   f"ranks {failing}" + (f", num_slices={num_slices}" if num_slices != 1 else "") + ")"
@@ -1332,11 +1337,19 @@ class World:
                                  lambda xs, r: [m[r]["acc"] + xs.sum(), m[r]["cnt"] + 1],
                                  ["sum"], ["acc", "cnt"], failing=set(failing))
         if failing:
-            self._expect_error(AssertionError, lambda: self.f_fail(X, num_slices=num_slices),
+            self._expect_error(self._failed_call_raises(failing), lambda: self.f_fail(X, num_slices=num_slices),
                                f"f_fail failing in ranks {failing}")
             return
         got = self.f_fail(X, num_slices=num_slices)
         self._check_outputs("f_fail", got, wants)
+
+    def _fail_chance(self) -> float:
+        """How likely each rank is to get a marked row in ``do_call_fail``."""
+        return 0.35
+
+    def _failed_call_raises(self, failing):
+        """What a call whose graph raised in ranks ``failing`` raises here."""
+        return AssertionError
 
     # -- synk.data -------------------------------------------------------
 

@@ -176,10 +176,11 @@ def test_an_identity_element_changes_no_bit(dtype, op):
                     "through a complex product")
     fold = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
     e = np.full(5, identity(op, dtype), dtype=dtype)
-    if np.dtype(dtype).kind in "fc":
+    if np.dtype(dtype).kind == "c":
+        x = np.array([complex(-0.0, 0.0), complex(0.0, -0.0), complex(-2.5, 1.0), complex(-0.0, -0.0),
+                      complex(np.inf, 0.0)], dtype=dtype)
+    elif np.dtype(dtype).kind == "f":
         x = np.array([-0.0, 0.0, -2.5, 3.0, np.inf], dtype=dtype)
-        if np.dtype(dtype).kind == "c":
-            x = x + np.array([0.0, -0.0, 1.0, -0.0, 0.0]) * 1j
     else:
         info = np.iinfo(dtype)
         x = np.array([0, 1, info.min, info.max, 7], dtype=dtype)

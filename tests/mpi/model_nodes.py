@@ -38,8 +38,8 @@ sys.path.insert(0, str(HERE.parent))  # tests/: model_lib and conftest's MODE
 from common import Verdict  # noqa: E402  (puts this checkout's synkhronos first)
 
 import synkhronos as synk  # noqa: E402
-from model_lib import (_UFUNCS, FAIL_MARK, World, combine, random_steps, report, run_steps,  # noqa: E402
-                       select, val)
+from model_lib import (_UFUNCS, World, combine, random_steps, report, run_steps,  # noqa: E402
+                       select)
 from synkhronos._batching import split  # noqa: E402
 from synkhronos.errors import PeerFailed  # noqa: E402
 
@@ -90,6 +90,8 @@ class NodeWorld(World):
     def __init__(self, sizes, node: int, masters):
         self.sizes, self.node, self.local_masters = list(sizes), node, list(masters)
         self.prefixes: list = []  # each fork's names in /dev/shm
+        self.dropped = [0] * len(sizes)  # rows each node leaves out of this step's call (_RowsGuard)
+        self._others_given = 0  # (_given: None every other time)
         self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         super().__init__(sum(sizes), self._fork, self.offsets[node] + masters[node])
         self.root = self.offsets[0] + masters[0]
@@ -118,29 +120,18 @@ class NodeWorld(World):
         except _NoRows:
             pass
 
-    def _call_model(self, chosen, num_slices, outs_fn, upd_fn, out_ops, upd_names, failing=()):
-        """As on one node, each node on its own rows (``chosen`` without the first
-        ``dropped[k]`` on node k). A process without rows adds nothing to the reduced
-        outputs and applies no updates, a node without rows too (its master's op-None
-        outputs are those of no rows); no rows on any node raised already (_RowsGuard)."""
-        per_rank, weights, own = [], {}, None
+    def _rows_of(self, n_rows):
+        """Per global rank: its rows of its node's inputs (``n_rows`` without the first
+        ``dropped[k]`` on node k, split among the node's processes), and whether it has
+        any: a process without rows adds nothing and applies no updates, a node without
+        rows too (no rows on any node raised already, _RowsGuard)."""
+        out = []
         for k, ranks in enumerate(self._nodes()):
-            rows = chosen[self.dropped[k]:]
-            for j, r in enumerate(ranks):
-                lo, hi = split(len(rows), self.sizes[k], j)
-                if hi == lo:
-                    per_rank.append(None)
-                    if r == self.master and None in out_ops:
-                        own = outs_fn(rows[:0], r, only={i for i, op in enumerate(out_ops) if op is None})
-                    continue
-                outs, upds = self._run_rank(rows[lo:hi], num_slices, lambda x, r=r: outs_fn(x, r),
-                                            lambda x, r=r: upd_fn(x, r), out_ops, upd_names)
-                weights[r] = float(hi - lo)
-                per_rank.append(outs)
-                if r not in failing:
-                    for nm, u in zip(upd_names, upds):
-                        self.set_model(r, nm, u)
-        return self._reduced(per_rank, weights, out_ops, own)
+            d = self.dropped[k]
+            for j in range(len(ranks)):
+                lo, hi = split(n_rows - d, self.sizes[k], j)
+                out.append((lo + d, hi + d, hi > lo))
+        return out
 
     def _reduced(self, per_rank, weights, out_ops, own=None) -> list:
         """Each node's present processes combined in rank order, then the nodes in node
@@ -194,7 +185,7 @@ class NodeWorld(World):
         values negated (ignored all the same, docs/nodes.rst)."""
         if self.node == 0:
             return values
-        self._others_given = getattr(self, "_others_given", 0) + 1
+        self._others_given += 1
         if self._others_given % 2:
             return None
         if isinstance(values, (list, tuple)):
@@ -215,43 +206,12 @@ class NodeWorld(World):
             return batch_s[o:o + self.sizes[self.node]]
         return batch_s
 
-    def do_call_fail(self, rng) -> None:
-        """A call whose graph raises in some processes: rows marked in the inputs every node
-        passes (so in the processes of every node that hold them). A node whose processes
-        all ran raises PeerFailed naming the others' ranks; theirs applied the updates."""
-        n = self.n
-        rows = int(rng.choice([n, n + 1, 2 * n, 3 * n + 1]))
-        seed = int(rng.integers(2**31 - 1))
-        X = val("float64", (rows, 2), seed, exact=True)
-        marked = set()
-        for k, ranks in enumerate(self._nodes()):
-            for j in range(len(ranks)):
-                if rng.random() < 0.35 / len(self.sizes):
-                    lo, hi = split(rows, self.sizes[k], j)
-                    i = int(rng.integers(lo, hi))
-                    X[i, int(rng.integers(2))] = FAIL_MARK
-                    marked.add(i)
-        failing = set()
-        for k, ranks in enumerate(self._nodes()):
-            for j, r in enumerate(ranks):
-                lo, hi = split(rows, self.sizes[k], j)
-                if any(lo <= i < hi for i in marked):
-                    failing.add(r)
-        num_slices = int(rng.choice([1, 1, 2, 3]))
-        self._say(f"f_fail(val('float64', ({rows}, 2), {seed}, exact=True) with {FAIL_MARK} in rows "
-                  f"{sorted(marked)} (ranks {sorted(failing)})" + (f", num_slices={num_slices}" if num_slices != 1
-                                                                   else ""))
-        m = self.model
-        wants = self._call_model(X.copy(), num_slices, lambda xs, r: [xs.sum(axis=0)],
-                                 lambda xs, r: [m[r]["acc"] + xs.sum(), m[r]["cnt"] + 1],
-                                 ["sum"], ["acc", "cnt"], failing=failing)
-        if failing:
-            mine = failing & set(self._nodes()[self.node])
-            self._expect_error(AssertionError if mine else PeerFailed, lambda: self.f_fail(X, num_slices=num_slices),
-                               f"f_fail failing in ranks {sorted(failing)}")
-            return
-        got = self.f_fail(X, num_slices=num_slices)
-        self._check_outputs("f_fail", got, wants)
+    def _fail_chance(self) -> float:
+        return 0.35 / len(self.sizes)  # (each marked row fails a process on every node)
+
+    def _failed_call_raises(self, failing):
+        """A node whose own processes all ran hears of the others' failure: PeerFailed."""
+        return AssertionError if set(failing) & set(self._nodes()[self.node]) else PeerFailed
 
 
 def node_index() -> int:

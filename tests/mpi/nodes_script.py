@@ -1358,7 +1358,6 @@ def scenario_diverge_planned(v, node, node_sizes):
     v.info["cases"] = len(cases) + 1
 
 
-#: The scenarios that take (verdict, node, node sizes), by name.
 def scenario_avg_uneven(v, node, node_sizes):
     """An ``avg`` all_reduce too large for the header on nodes of different sizes (each
     node's part scaled by its share of the processes before MPI's sum): 0-d float32 and
@@ -1387,6 +1386,7 @@ def scenario_avg_uneven(v, node, node_sizes):
         v.info.setdefault("digests", []).append(zlib.crc32(b"".join(s.get_value().tobytes() for s in shared)))
 
 
+#: The scenarios that take (verdict, node, node sizes), by name.
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
