@@ -450,8 +450,13 @@ class World:
     def all_names(self) -> list:
         return list(self.vars)
 
+    def taking_part(self) -> list:
+        """The ranks that take part in collectives and calls now (across nodes: not those
+        of a node that has joined)."""
+        return list(range(self.n))
+
     def shapes(self, name) -> list:
-        return [self.model[r][name].shape for r in range(self.n)]
+        return [self.model[r][name].shape for r in self.taking_part()]
 
     def equal_shapes(self, name) -> bool:
         return len(set(self.shapes(name))) == 1
@@ -477,7 +482,7 @@ class World:
         the master's own copies; the kept returned arrays unchanged."""
         names = self.all_names()
         vars_ = [self.vars[nm].var for nm in names]
-        for r in range(self.n):
+        for r in self.taking_part():
             got = synk.get_value(r, vars_)
             if not isinstance(got, tuple) or len(got) != len(names):
                 raise ModelMismatch("state", f"get_value({r}, [{len(names)} variables]) returned {type(got)}")
@@ -587,9 +592,10 @@ class World:
             return small, small.astype(v.dtype)
         return value, value
 
-    def _reduce_collective(self, parts, op: str, dtype) -> np.ndarray:
-        """What reduce/all_reduce store, of every rank's ``parts`` (:func:`reduce_collective`)."""
-        return reduce_collective(parts, op, dtype)
+    def _reduce_collective(self, parts: dict, op: str, dtype) -> np.ndarray:
+        """What reduce/all_reduce store, of ``parts`` (rank: value, of every rank taking
+        part, in rank order; :func:`reduce_collective`)."""
+        return reduce_collective(list(parts.values()), op, dtype)
 
     def _given(self, values):
         """The values this master passes to a collective that takes values (across nodes
@@ -686,7 +692,7 @@ class World:
             self._say(f"synk.broadcast({text})")
             synk.broadcast(arg)
             for nm in names:
-                for r in range(self.n):
+                for r in self.taking_part():
                     self.model[r][nm] = self.model[self.root][nm].copy()
             return
         if rng.random() < 0.05 and self._lossy(names, rng) is not None:
@@ -699,7 +705,7 @@ class World:
         self._say(f"synk.broadcast({text}, " + (texts[0] if single else "[" + ", ".join(texts) + "]") + ")")
         synk.broadcast(arg, self._given(passed[0] if single else passed))
         for nm, value in zip(names, held):
-            for r in range(self.n):
+            for r in self.taking_part():
                 self.set_model(r, nm, value)
         for p in passed:
             _scribble(p)
@@ -767,7 +773,7 @@ class World:
         got = synk.gather(arg, nd_up=nd_up)
         wants = []
         for nm in names:
-            parts = [self.model[r][nm] for r in range(self.n)]
+            parts = [self.model[r][nm] for r in self.taking_part()]
             wants.append(np.stack(parts) if nd_up else np.concatenate(parts, axis=0))
         self._check_results(f"gather({text}, nd_up={nd_up})", got, wants, single)
 
@@ -780,9 +786,10 @@ class World:
             return
         self._cap_growth(names, rng)
         got = synk.all_gather(arg)
-        wants = [np.concatenate([self.model[r][nm] for r in range(self.n)], axis=0) for nm in names]
+        part = self.taking_part()
+        wants = [np.concatenate([self.model[r][nm] for r in part], axis=0) for nm in names]
         for nm, want in zip(names, wants):
-            for r in range(self.n):
+            for r in part:
                 self.model[r][nm] = want.copy()
         self._check_results(f"all_gather({text})", got, wants, single)
 
@@ -790,7 +797,8 @@ class World:
         """Broadcast new values (usual sizes) to those of ``names`` whose all_gather would
         pass ALL_GATHER_CAP bytes (drawing from ``rng`` once either way; logged as a step)."""
         sub = np.random.default_rng(int(rng.integers(2**63 - 1)))
-        big = [nm for nm in names if sum(self.model[r][nm].nbytes for r in range(self.n)) > ALL_GATHER_CAP]
+        part = self.taking_part()
+        big = [nm for nm in names if sum(self.model[r][nm].nbytes for r in part) > ALL_GATHER_CAP]
         if not big:
             return
         made = [self.new_value(nm, sub) for nm in big]
@@ -798,7 +806,7 @@ class World:
                   "  # smaller values: this all_gather would pass ALL_GATHER_CAP")
         synk.broadcast([self._v(nm) for nm in big], [value for value, _ in made])
         for nm, (value, _) in zip(big, made):
-            for r in range(self.n):
+            for r in part:
                 self.set_model(r, nm, value)
 
     def _reduce_op(self, names, rng) -> tuple:
@@ -817,13 +825,14 @@ class World:
                                "reduce of shapes that differ")
             return
         got = synk.reduce(arg, op=given, in_place=in_place)
-        wants = [self._reduce_collective([self.model[r][nm] for r in range(self.n)], op, self.vars[nm].dtype)
+        part = self.taking_part()
+        wants = [self._reduce_collective({r: self.model[r][nm] for r in part}, op, self.vars[nm].dtype)
                  for nm in names]
         if in_place:
             if got is not None:
                 raise ModelMismatch("return", f"reduce(in_place=True) returned {type(got).__name__}, not None")
             for nm, want in zip(names, wants):
-                for m in self.masters:  # (every node's master, across nodes)
+                for m in (m for m in self.masters if m in part):  # (every node's master, across nodes)
                     self.model[m][nm] = want.copy()
         else:
             # every result is an ndarray (0-d values too), in the variable's dtype
@@ -845,13 +854,14 @@ class World:
         got = synk.all_reduce(arg, op=given)
         if got is not None:
             raise ModelMismatch("return", f"all_reduce returned {type(got).__name__}, not None")
+        part = self.taking_part()
         for nm in names:
-            want = self._reduce_collective([self.model[r][nm] for r in range(self.n)], op, self.vars[nm].dtype)
-            for r in range(self.n):
+            want = self._reduce_collective({r: self.model[r][nm] for r in part}, op, self.vars[nm].dtype)
+            for r in part:
                 self.model[r][nm] = want.copy()
 
-    def do_set_value(self, rng) -> None:
-        rank = int(rng.integers(self.n))
+    def do_set_value(self, rng, rank=None) -> None:
+        rank = int(rng.integers(self.n)) if rank is None else rank
         names = self.pick_vars(rng)
         arg, text, single = self._arg(names, rng=rng)
         if rng.random() < 0.04 and self._lossy(names, rng) is not None:
@@ -872,8 +882,8 @@ class World:
         for p in passed:
             _scribble(p)
 
-    def do_get_value(self, rng) -> None:
-        rank = int(rng.integers(self.n))
+    def do_get_value(self, rng, rank=None) -> None:
+        rank = int(rng.integers(self.n)) if rank is None else rank
         names = self.pick_vars(rng)
         arg, text, single = self._arg(names, rng=rng)
         self._say(f"synk.get_value({rank}, {text})")

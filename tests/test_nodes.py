@@ -247,7 +247,8 @@ def test_random_divergence(tmp_path, n, sizes, seed):
 def test_model_across_nodes(tmp_path, n, sizes, masters, steps, seed):
     """tests/test_model.py's model-based random test across nodes (tests/mpi/model_nodes.py):
     every node draws the same random steps (calls with every option, every collective,
-    set_value/get_value of global ranks, synk.data, late functions, a new fork, misuse)
+    set_value/get_value of global ranks, synk.data, late functions, a new fork, misuse,
+    synk.join() of some nodes while the others step without them)
     and checks after each one every process's copy of every variable on every node and
     every returned value, bit for bit, against a model of the hierarchy docs/nodes.rst
     describes (each node's rows split among its processes, reductions by node then among

@@ -17,7 +17,9 @@ takes values uses node 0's (a ``broadcast`` without values, node 0's master's co
 no rows anywhere raises ``ValueError`` on every node; a per-process ``batch_s`` list has
 one entry per process of the node; after ``close()`` and ``fork()`` each node's
 processes start from their own master's values; ``as_pytensor`` runs in every node's
-master on its own copies.
+master on its own copies. A ``join`` step (:meth:`NodeWorld.do_join`): some nodes call
+``synk.join()``, the others make a few calls and collectives without them (no rows, their
+variables left out, ValueError where a collective needs them), then join too.
 
 Each node writes ``verdict.<node>.json``: ok, the steps run, and on a failure the
 report of ``model_lib.report`` (the seed, the steps, what differed).
@@ -38,10 +40,17 @@ sys.path.insert(0, str(HERE.parent))  # tests/: model_lib and conftest's MODE
 from common import Verdict  # noqa: E402  (puts this checkout's synkhronos first)
 
 import synkhronos as synk  # noqa: E402
-from model_lib import (_UFUNCS, World, combine, random_steps, report, run_steps,  # noqa: E402
-                       select)
+from model_lib import (_UFUNCS, KINDS, ModelMismatch, Step, World, combine, random_steps,  # noqa: E402
+                       report, run_steps, select)
 from synkhronos._batching import split  # noqa: E402
 from synkhronos.errors import PeerFailed  # noqa: E402
+
+
+#: The steps the nodes that have not joined make while others have (see NodeWorld.do_join).
+JOINED_KINDS = ["call_main", "call_main", "call_bc", "all_reduce", "all_reduce", "reduce", "gather",
+                "all_gather", "broadcast", "set_value", "get_value", "get_shapes"]
+#: How often a join step is drawn across nodes (beside model_lib.KINDS' weights).
+JOIN_WEIGHT = 3
 
 
 class _NoRows(Exception):
@@ -77,6 +86,8 @@ class _RowsGuard:
             args, kwargs = ((mine,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, x=mine))
         subset = kwargs.get("output_subset")
         reduced = any(self._ops[i] is not None for i in (range(len(self._ops)) if subset is None else subset))
+        if count is not None and world.joined:  # (rows on the nodes taking part only)
+            count = sum(max(count - world.dropped[k], 0) for k in range(len(world.sizes)) if k not in world.joined)
         if count == 0 and reduced:
             world._expect_error(ValueError, lambda: self._fn(*args, **kwargs), "a call on no rows on any node")
             world._say("  # ValueError on every node: no node passed any rows")
@@ -91,6 +102,7 @@ class NodeWorld(World):
         self.sizes, self.node, self.local_masters = list(sizes), node, list(masters)
         self.prefixes: list = []  # each fork's names in /dev/shm
         self.dropped = [0] * len(sizes)  # rows each node leaves out of this step's call (_RowsGuard)
+        self.joined: set = set()  # the nodes that have joined (synk.join()), during a join step
         self._others_given = 0  # (_given: None every other time)
         self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         super().__init__(sum(sizes), self._fork, self.offsets[node] + masters[node])
@@ -105,8 +117,84 @@ class NodeWorld(World):
         """Per node, its processes' global ranks."""
         return [list(range(o, o + s)) for o, s in zip(self.offsets, self.sizes)]
 
+    def node_of(self, rank: int) -> int:
+        return next(k for k, ranks in enumerate(self._nodes()) if rank in ranks)
+
     def master_of(self, rank: int) -> int:
-        return next(self.masters[k] for k, ranks in enumerate(self._nodes()) if rank in ranks)
+        return self.masters[self.node_of(rank)]
+
+    def taking_part(self) -> list:
+        return [r for k, ranks in enumerate(self._nodes()) if k not in self.joined for r in ranks]
+
+    # -- synk.join() -------------------------------------------------------
+
+    def do_join(self, rng) -> None:
+        """Some nodes join (``synk.join()``); the others make 0-3 steps of the kinds that
+        JOINED_KINDS lists, then join too. Meanwhile the joined nodes' processes have no
+        rows and their variables take no part (docs/nodes.rst): each step's model leaves
+        them out, and the steps that cannot leave them out raise ValueError on every node
+        taking part. Then every node's join() returns the same node (the smallest of those
+        that joined at the last exchange), and the joined nodes take the others' model (through mpi4py's COMM_WORLD,
+        the test's own channel: the model is the test's), with their own values unchanged."""
+        k = len(self.sizes)
+        if k < 2:
+            return
+        first = sorted(int(i) for i in rng.choice(k, size=int(rng.integers(1, k)), replace=False))
+        rest = [i for i in range(k) if i not in first]
+        pool = [kd for kd in JOINED_KINDS if kd != "all_gather" or 0 not in first]  # (its _cap_growth broadcasts)
+        kinds = [str(rng.choice(pool)) for _ in range(int(rng.integers(0, 4)))]
+        seeds = [int(x) for x in rng.integers(0, 2**31 - 1, size=len(kinds))]
+        self._say(f"# nodes {first} join; then nodes {rest} make {kinds} and join")
+        if self.node not in first:
+            self.joined = set(first)
+            try:
+                for kind, seed in zip(kinds, seeds):
+                    self.apply(Step(kind, seed))
+                    self.check_state()
+            finally:
+                self.joined = set()
+        last = synk.join()
+        self._say(f"synk.join()  # returned {last}")
+        from mpi4py import MPI  # (initialised by synk.fork under mpirun)
+
+        lasts = MPI.COMM_WORLD.allgather(last)
+        # the node that joined last, the smallest of those that joined at the same exchange:
+        # the first of the others, or (no exchange between, as without steps) node 0
+        expected = {0, rest[0]} if kinds else {0}
+        if len(set(lasts)) != 1 or lasts[0] not in expected:
+            raise ModelMismatch("return", f"join() returned {lasts} on the nodes; expected the same "
+                                          f"node of {sorted(expected)} everywhere")
+        self.model = MPI.COMM_WORLD.bcast(self.model if self.node == rest[0] else None, root=rest[0])
+
+    def do_broadcast(self, rng) -> None:
+        if 0 not in self.joined:
+            return super().do_broadcast(rng)
+        names = self.pick_vars(rng)
+        self._say(f"synk.broadcast([{', '.join(names)}])  # ValueError: node 0 has joined")
+        self._expect_error(ValueError, lambda: synk.broadcast([self._v(nm) for nm in names]),
+                           "broadcast while node 0 has joined")
+
+    def do_set_value(self, rng, rank=None) -> None:
+        if not self.joined:
+            return super().do_set_value(rng)
+        rank = int(rng.integers(self.n))
+        if 0 not in self.joined and self.node_of(rank) not in self.joined:
+            return super().do_set_value(rng, rank)
+        nm = self.pick_vars(rng)[0]
+        self._say(f"synk.set_value({rank}, {nm}, <its value>)  # ValueError: a joined node")
+        self._expect_error(ValueError, lambda: synk.set_value(rank, self._v(nm), self.model[self.master][nm]),
+                           f"set_value of rank {rank} while nodes {sorted(self.joined)} have joined")
+
+    def do_get_value(self, rng, rank=None) -> None:
+        if not self.joined:
+            return super().do_get_value(rng)
+        rank = int(rng.integers(self.n))
+        if self.node_of(rank) not in self.joined:
+            return super().do_get_value(rng, rank)
+        nm = self.pick_vars(rng)[0]
+        self._say(f"synk.get_value({rank}, {nm})  # ValueError: its node has joined")
+        self._expect_error(ValueError, lambda: synk.get_value(rank, self._v(nm)),
+                           f"get_value of rank {rank} while nodes {sorted(self.joined)} have joined")
 
     def _build_functions(self) -> None:
         super()._build_functions()
@@ -128,6 +216,9 @@ class NodeWorld(World):
         out = []
         for k, ranks in enumerate(self._nodes()):
             d = self.dropped[k]
+            if k in self.joined:  # (a node that has joined: no rows, no updates)
+                out += [(0, 0, False)] * len(ranks)
+                continue
             for j in range(len(ranks)):
                 lo, hi = split(n_rows - d, self.sizes[k], j)
                 out.append((lo + d, hi + d, hi > lo))
@@ -155,11 +246,11 @@ class NodeWorld(World):
             results.append(combine(parts, op, node_weights))
         return results
 
-    def _reduce_collective(self, parts, op: str, dtype) -> np.ndarray:
-        """Hierarchical: each node's processes in rank order, then the nodes; an avg is
-        each node's average weighted by its process count, rounded into integers once."""
+    def _reduce_collective(self, parts: dict, op: str, dtype) -> np.ndarray:
+        """Hierarchical: each node's processes in rank order, then the nodes taking part;
+        an avg is each node's average weighted by its process count, rounded into integers once."""
         dtype = np.dtype(dtype)
-        groups = [[np.asarray(parts[r]) for r in ranks] for ranks in self._nodes()]
+        groups = [[np.asarray(parts[r]) for r in ranks] for ranks in self._nodes() if ranks[0] in parts]
         if op != "avg":
             folded = [functools.reduce(_UFUNCS[op], g) for g in groups]
             return np.asarray(functools.reduce(_UFUNCS[op], folded)).astype(dtype)
@@ -175,7 +266,7 @@ class NodeWorld(World):
         the nodes differ; PeerFailed where another node's processes differ and this node's not."""
         def differs(ranks):
             return any(len({self.model[r][nm].shape for r in ranks}) > 1 for nm in names)
-        nodes = self._nodes()
+        nodes = [ranks if k not in self.joined else [] for k, ranks in enumerate(self._nodes())]
         if differs(nodes[self.node]) or not any(differs(ranks) for ranks in nodes):
             return ValueError
         return PeerFailed
@@ -223,7 +314,7 @@ def node_index() -> int:
 
 def run(v: Verdict, node: int, sizes, masters, seed: int, count: int) -> list:
     """The steps, checked (``model_lib.run_steps``); the prefixes of the forks' names in /dev/shm."""
-    steps = random_steps(seed, count)
+    steps = random_steps(seed, count, dict(KINDS, join=JOIN_WEIGHT) if len(sizes) > 1 else None)
     worlds: list = []
 
     def make():
