@@ -10,11 +10,12 @@ the script's prefix, and no process of it may remain.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 
 import pytest
 
-from mv.runner import run
+from mv.runner import HERE, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,6 +44,21 @@ def test_sync_server_gets_match_and_early_finish(n):
     """Every i-th get of every worker equals the sum of every add issued before it (so they
     all match); the last worker shuts down at half time and the others go on without it."""
     passed(run(["sync", n]), "sync", n)
+
+
+@pytest.mark.parametrize("n, sync, seed", [(2, 0, 5101), (3, 1, 5102),
+                                           pytest.param(4, 0, 5103, marks=pytest.mark.slow),
+                                           pytest.param(4, 1, 5104, marks=pytest.mark.slow)],
+                         ids=["two-async", "three-sync", "four-async", "four-sync"])
+def test_tables_against_a_model(n, sync, seed):
+    """tests/mv/model_tables.py: random tables (sizes of 1, fewer values or rows than
+    workers, many stripes; float32 and float64; the master's init value), random adds of
+    every worker (whole or by rows, repeated and out of order, data of any form, sync or
+    not) and reads (whole, rows, out=), each compared bit for bit with a numpy model: a
+    sync server's every get, an async server's between two barriers. SYNK_MODEL_SEED
+    replaces the seed."""
+    seed = int(os.environ.get("SYNK_MODEL_SEED", seed))
+    passed(run([seed, 300, sync, n], script=HERE / "model_tables.py"), "model", n)
 
 
 def test_concurrent_adds_lose_nothing():

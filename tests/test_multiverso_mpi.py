@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from mv.runner import MPIRUN, run
+from mv.runner import HERE, MPIRUN, run
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -55,6 +55,20 @@ def failed(r):
     assert r.rc != 0, f"a failed job exited with status 0:\n{r.output[-3000:]}"
     assert "[runner: killed" not in r.output, f"the job hung:\n{r.output[-3000:]}"
     assert r.stragglers == [], f"processes left: {r.stragglers}"
+
+
+@pytest.mark.parametrize("n, sync, seed, tcp", [(3, 0, 5201, False), (2, 1, 5202, False),
+                                                pytest.param(3, 1, 5203, True, marks=pytest.mark.slow)],
+                         ids=["three-async", "two-sync", "three-sync-tcp"])
+def test_tables_against_a_model_under_mpirun(n, sync, seed, tcp):
+    """tests/mv/model_tables.py under mpirun (tables split across the ranks, one-sided
+    operations): random tables, adds and reads against a numpy model, bit for bit (see
+    test_multiverso.py's test_tables_against_a_model); over TCP with the RDMA one-sided
+    component in make test-slow. SYNK_MODEL_SEED replaces the seed."""
+    seed = int(os.environ.get("SYNK_MODEL_SEED", seed))
+    r = run([seed, 300, sync, 0], mpi=n, timeout=150, script=HERE / "model_tables.py",
+            env=TCP if tcp else None, osc="rdma" if tcp else "^ucx")
+    passed(r, "model", n)
 
 
 def test_rank_raises_under_mpirun():
