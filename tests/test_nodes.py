@@ -276,6 +276,19 @@ def test_avg_on_nodes_of_different_sizes(tmp_path):
 
 
 @needs_mpi
+def test_reductions_fold_in_node_order_with_numpys_nan(tmp_path):
+    """np 4, nodes of one process: reductions too large for the header (all_reduce and
+    reduce of float32 and float64 variables with every op, a call's max, min and sum
+    outputs) of values whose sum depends on the order, a NaN on node 1: numpy's fold in
+    node order, bit for bit, the same on every node. (MPI's own reductions folded in
+    another order, and their MAX and MIN dropped the NaN: a number, without an error.)"""
+    rc, output, verdicts = mpirun(tmp_path, 4, "nodes_script.py", "fold_order", "1")
+    assert_all_ok(rc, output, verdicts, 4)
+    assert len({v["digest"] for v in verdicts.values()}) == 1, {r: v["digest"] for r, v in verdicts.items()}
+    _no_shm_left(tmp_path, 4)
+
+
+@needs_mpi
 def test_bad_broadcast_value_on_node_zero(tmp_path):
     """A value of the wrong ndim given to broadcast() on node 0 (None elsewhere): node 0
     raises it, node 1 PeerFailed naming it within seconds (it waited for ever), in the

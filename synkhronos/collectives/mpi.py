@@ -12,8 +12,9 @@ Every collective first agrees, in one small non-blocking all-gather, on what eac
 contributes (dtypes and shapes, weights, failure flags): a node that flagged ``failed=True``
 makes every node raise :class:`PeerFailed` before anything is combined, and different layouts
 are the same ``ValueError`` on every node. Then the arrays move with buffer-based non-blocking
-MPI calls (``Iallreduce``, ``Ireduce``, ``Ibcast``, ``Igatherv``, ``Iallgatherv``), never
-pickled; a node with nothing to add sends the identity element of the op. Dtypes and values
+MPI calls (``Isend``/``Irecv``, ``Ialltoallv``, ``Ibcast``, ``Igatherv``, ``Iallgatherv``), never
+pickled; reductions fold in node order with numpy's ufuncs (:func:`.mpi_wire.fold_reduce`, never
+MPI's own reduction ops); a node with nothing to add sends the identity element of the op. Dtypes and values
 follow :mod:`.ops` as on every other path: ``avg`` of integers or booleans is float64,
 ``sum``/``max`` of booleans is a logical or.
 
@@ -55,10 +56,10 @@ from .base import Communicator
 from . import mpi_wire
 from .mpi_plans import CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, RING_NODES, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
-                       Head, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, gather_in_pieces, inline_reduce,
-                       left_reason, no_failure, payload_fits, pieces, plannable_layout, read_equal, read_meta,
-                       reduce_plan, ring_all_reduce, spans, step_text, steps_differ)
+                       POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
+                       Head, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, fold_reduce, gather_in_pieces,
+                       inline_reduce, left_reason, no_failure, payload_fits, pieces, plannable_layout, read_equal,
+                       read_meta, reduce_plan, step_text, steps_differ)
 from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
@@ -535,8 +536,8 @@ class MpiCommunicator(Communicator):
                                   in_place if fit is None else fit, gets, metas)
         reqs, jobs, keep, ring = self.started(what, start)
         self.wait(reqs, what, keep)
-        if ring[0]:  # (an all-reduce's arrays that MPI reduces: the ring, see mpi_wire.ring_all_reduce)
-            ring_all_reduce(self, (self._MPI, self._comm), ring[0], ring[1], ring[2], keep, what)
+        if ring[0]:  # (the arrays MPI's bytes carry, folded in node order: see mpi_wire.fold_reduce)
+            fold_reduce(self, (self._MPI, self._comm), ring[0], ring[1], ring[2], keep, what, root)
         if not gets:
             return None  # (below: with ``into``, the results are in it already, or copied there)
         return finish_reduce(into, layout, jobs, op, present, weights, post, True) if into is not None \
@@ -557,9 +558,7 @@ class MpiCommunicator(Communicator):
 
     def _start_reduce(self, arrays, layout, op, pre, root, in_place, gets, metas):
         """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep, ring)``;
-        an all-reduce's arrays MPI reduces go in ``ring`` (sends, receives, folds) for the ring."""
-        MPI = self._MPI
-        mpi_op = {name: getattr(MPI, name) for name in ("SUM", "PROD", "MAX", "MIN")}
+        the arrays MPI's bytes carry go in ``ring`` (sends, receives, folds) for mpi_wire.fold_reduce."""
         ring: tuple = ([], [], [])
         reqs: list = []
         keep: list = [ring]
@@ -591,15 +590,10 @@ class MpiCommunicator(Communicator):
                 recv = np.empty(shape, dtype=work) if gets else None
             flat_send = send.reshape(-1)  # views: both are contiguous
             flat_recv = None if recv is None else recv.reshape(-1)
-            on_ring = root is None and self.size == RING_NODES  # (the ring must not read what it writes)
-            if on_ring:
-                ring[0].append(flat_send.copy() if np.may_share_memory(flat_send, flat_recv) else flat_send)
-                ring[1].append(flat_recv)
-                ring[2].append(RING_FOLDS[name])
-            for lo, hi in () if on_ring else spans(count, work.itemsize):
-                out = None if flat_recv is None else flat_recv[lo:hi]
-                reqs.append(self._comm.Iallreduce(flat_send[lo:hi], out, mpi_op[name]) if root is None
-                            else self._comm.Ireduce(flat_send[lo:hi], out, mpi_op[name], root))
+            # (the ring must not read what it writes)
+            ring[0].append(flat_send.copy() if np.may_share_memory(flat_send, flat_recv) else flat_send)
+            ring[1].append(flat_recv)
+            ring[2].append(RING_FOLDS[name])
             jobs.append(("mpi", recv))
             keep += [send, recv, flat_send, flat_recv]  # (what MPI reads and writes: the flat views too)
         return reqs, jobs, keep, ring

@@ -19,8 +19,8 @@ import numpy as np
 
 from .._arrays import packed_views, round_up
 from .base import CommPlan
-from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_FOLDS, RING_NODES, WHAT_CODES,
-                       fill_slot, payload_at, plannable_layout, reduce_plan, ring_all_reduce, spans)
+from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_FOLDS, WHAT_CODES,
+                       fill_slot, fold_reduce, payload_at, plannable_layout, reduce_plan)
 from .ops import REDUCE_OPS, Reducer
 
 __all__ = ["CallPlan", "LargePlan", "StepPlan"]
@@ -173,12 +173,12 @@ class StepPlan(_SlotPlan):
 class LargePlan(StepPlan):
     """A kept all-reduce among node masters of nodes of one process whose values do not
     travel in the header: the header exchange as :class:`StepPlan` makes it (with the
-    full path's header, its values left out), then, as the full path, the ring of
-    :func:`.mpi_wire.ring_all_reduce` on 2 nodes (node order, bit for bit
-    :func:`.ops.combine`; Open MPI's binomial ``Iallreduce`` below 4 ranks made a 64 MiB
-    step 1.0-1.6x a blocking ``Allreduce``, the ring 0.3-0.9x) and ``Iallreduce`` on more,
-    from the values straight into ``outs`` (spare arrays the engine gives and then swaps
-    in): no copy. Only for dtypes MPI reduces in their own bytes (so the full path's
+    full path's header, its values left out), then, as the full path,
+    :func:`.mpi_wire.fold_reduce` (node order, bit for bit :func:`.ops.combine`: the ring
+    on 2 nodes, where Open MPI's binomial ``Iallreduce`` below 4 ranks made a 64 MiB step
+    1.0-1.6x a blocking ``Allreduce`` and the ring 0.3-0.9x; segments folded on their own
+    nodes on more), from the values straight into ``outs`` (spare arrays the engine gives
+    and then swaps in): no copy. Only for dtypes MPI reduces in their own bytes (so the full path's
     reduction and this one agree on what a value is).
     """
 
@@ -217,33 +217,13 @@ class LargePlan(StepPlan):
             for v, o in zip(values, outs):
                 np.copyto(o, v)
             return True
-        if comm.size == RING_NODES:  # (folded as the full path folds: by reduce_plan's MPI op)
-            folds = [RING_FOLDS[reduce_plan(dtype, self.op)[1]] for dtype, _ in self.layout]
-            ring_all_reduce(comm, (self.MPI, self.mpi_comm), [v.reshape(-1) for v in values],
-                            [o.reshape(-1) for o in outs], folds, (values, outs))
-        else:
-            self._iallreduce(values, outs)
+        folds = [RING_FOLDS[reduce_plan(dtype, self.op)[1]] for dtype, _ in self.layout]  # (as the full path)
+        fold_reduce(comm, (self.MPI, self.mpi_comm), [v.reshape(-1) for v in values], [o.reshape(-1) for o in outs],
+                    folds, [values, outs])
         if self.op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)
             for o in outs:
                 o *= o.dtype.type(1.0 / comm.size)
         return True
-
-    def _iallreduce(self, values, outs) -> None:
-        """Open MPI's ``Iallreduce`` of each array (in pieces) from the value into ``outs``."""
-        comm, mpi_comm = self.comm, self.mpi_comm
-        mpi_op = getattr(self.MPI, MPI_OPS[self.op])
-
-        def start():
-            reqs = []
-            for v, o in zip(values, outs):
-                send, recv = v.reshape(-1), o.reshape(-1)
-                if v.dtype.kind == "b":
-                    send, recv = send.view(np.uint8), recv.view(np.uint8)
-                for lo, hi in spans(send.size, send.itemsize):
-                    reqs.append(mpi_comm.Iallreduce(send[lo:hi], recv[lo:hi], mpi_op))
-            return reqs
-
-        comm.wait(comm.started("all_reduce", start), "all_reduce", (values, outs))
 
 
 class CallPlan(_SlotPlan):

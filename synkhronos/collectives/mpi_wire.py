@@ -349,9 +349,10 @@ def steps_differ(heads) -> bool:
     return len({h.number for h in active}) > 1 or len({h.mark for h in active if h.mark != FAILED}) > 1
 
 
-#: Nodes among which an all-reduce goes by :func:`ring_all_reduce` (else Open MPI's
-#: ``Iallreduce``): with 2 the ring folds in node order, bit for bit :func:`.ops.combine`;
-#: with 3 its order differs, and a weighted integer avg rounded differently (seen).
+#: Nodes among which an all-reduce goes by :func:`ring_all_reduce` (else by
+#: :func:`ordered_reduce`): with 2 the ring folds in node order, bit for bit
+#: :func:`.ops.combine`; with 3 its order differs, and a weighted integer avg rounded
+#: differently (seen).
 RING_NODES = 2
 
 #: MPI op name (reduce_plan's) -> the ufunc a ring folds with, on the work dtype (booleans
@@ -395,6 +396,68 @@ def ring_all_reduce(comm, lines, sends, recvs, folds, keep, what: str = "all_red
     for s in range(n - 1):  # all-gather: pass the folded segments on
         k, out = (r - s - 1) % n, (r - s) % n
         _ring_step(comm, lines, [seg(recvs, i, out) for i in count], [seg(recvs, i, k) for i in count], keep, what)
+
+
+def fold_reduce(comm, lines, sends, recvs, folds, keep, what: str = "all_reduce", root=None) -> None:
+    """Every reduction MPI's bytes carry: the ring (:func:`ring_all_reduce`) for an
+    all-reduce on 2 nodes, else :func:`ordered_reduce`; both fold in node order, with
+    numpy's ufuncs, as :func:`.ops.combine` does. (MPI's own ``Iallreduce`` and ``Ireduce``
+    were used on 3 nodes or more and for a reduce to a root: Open MPI folds from 4 ranks
+    on in another order, and its MAX and MIN dropped a NaN that numpy's keep: a float
+    ``max`` across 3 nodes returned a number where every other path returns NaN.)"""
+    if root is None and comm.size == RING_NODES:
+        ring_all_reduce(comm, lines, sends, recvs, folds, keep, what)
+    else:
+        ordered_reduce(comm, lines, sends, recvs, folds, keep, what, root)
+
+
+def ordered_reduce(comm, lines, sends, recvs, folds, keep, what: str = "all_reduce", root=None) -> None:
+    """Reduce the flat arrays ``sends`` (of one dtype and size per array on every node)
+    with ``folds`` (a ufunc per array) in node order into the flat ``recvs``, on every
+    node (``root`` None) or on node ``root`` (the others' ``recvs`` may be None): each
+    node receives its segment of every array from every node (``Ialltoallv``), folds
+    the segments in node order (``fold(acc, next, out=acc)``, bit for bit
+    :func:`.ops.combine`), and the folded segments are all-gathered (``Iallgatherv``;
+    ``Igatherv`` to ``root``). Each node sends and receives ``2 (n - 1) / n`` of the
+    bytes, as in a ring, in pieces of at most PIECE_BYTES, every step through
+    ``comm.started`` and ``comm.wait`` as the ring's."""
+    MPI, mpi_comm = lines
+    n, r = comm.size, comm.rank
+    jobs = []  # per piece: (fold, its sends, its recvs or None, segment bounds, every node's segment)
+    for send, recv, fold in zip(sends, recvs, folds):
+        for lo, hi in spans(send.size, send.itemsize):
+            bounds = [(hi - lo) * k // n for k in range(n + 1)]
+            parts = np.empty((n, bounds[r + 1] - bounds[r]), dtype=send.dtype)
+            jobs.append((fold, send[lo:hi], None if recv is None else recv[lo:hi], bounds, parts))
+    keep.append(jobs)  # (mpi4py keeps none of the buffers it is given)
+
+    def layout(bounds, size):  # byte counts and displacements of the segments
+        return [(bounds[k + 1] - bounds[k]) * size for k in range(n)], [b * size for b in bounds[:n]]
+
+    def exchange():
+        reqs = []
+        for _, send, _, bounds, parts in jobs:
+            size, row = send.itemsize, parts.shape[1] * send.itemsize
+            spec = (layout(bounds, size), [row] * n, [k * row for k in range(n)])
+            reqs.append(mpi_comm.Ialltoallv([send.view(np.uint8), spec[0], MPI.BYTE],
+                                            [parts.view(np.uint8), (spec[1], spec[2]), MPI.BYTE]))
+        return reqs
+
+    comm.wait(comm.started(what, exchange), what, keep)
+    for fold, _, _, _, parts in jobs:
+        acc = parts[0]
+        for k in range(1, n):
+            fold(acc, parts[k], out=acc)
+
+    def gather():
+        reqs = []
+        for _, send, recv, bounds, parts in jobs:
+            mine = [parts[0].view(np.uint8), MPI.BYTE]
+            into = None if recv is None else [recv.view(np.uint8), layout(bounds, send.itemsize), MPI.BYTE]
+            reqs.append(mpi_comm.Iallgatherv(mine, into) if root is None else mpi_comm.Igatherv(mine, into, root))
+        return reqs
+
+    comm.wait(comm.started(what, gather), what, keep)
 
 
 def _ring_step(comm, lines, sends, recvs, keep, what) -> None:

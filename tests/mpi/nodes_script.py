@@ -63,6 +63,7 @@ Every node master reports ``plan_steps``: the steps its kept MPI plans made.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -1386,13 +1387,53 @@ def scenario_avg_uneven(v, node, node_sizes):
         v.info.setdefault("digests", []).append(zlib.crc32(b"".join(s.get_value().tobytes() for s in shared)))
 
 
+def scenario_fold_order(v, node, node_sizes):
+    """Nodes of one process each: reductions too large for the header, of values whose sum
+    depends on the order (magnitudes from 1e-8 to 1e8) with a NaN on node 1, against numpy's
+    fold in node order, bit for bit: ``all_reduce`` of float32 and float64 variables with
+    every op, ``reduce(in_place=False)``, and a call's max, min and sum outputs, the same on
+    every node. (MPI's own reductions folded in another order from 4 nodes on, and their
+    MAX and MIN dropped the NaN: a number where every other path gives NaN.)"""
+    n = len(node_sizes)
+    assert set(node_sizes) == {1}, "nodes of one process each"
+    ufuncs = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+    rng = np.random.default_rng(11)  # the same draws on every node
+    x = pt.matrix("x", dtype="float64")
+    f = synk.function([x], [(x.max(axis=0), "max"), (x.min(axis=0), "min"), (x.sum(axis=0), "sum")],
+                      mode=MODE, name="f")
+    shared = [pytensor.shared(np.zeros(100, dtype=dt), name=f"s{dt.__name__}") for dt in (np.float64, np.float32)]
+    synk.function([], [(s.sum(), "sum") for s in shared], mode=MODE, name="g")  # (the workers hold them)
+    synk.distribute()
+    for rep in range(3):
+        parts = [(rng.standard_normal(100) * 10.0 ** rng.integers(-8, 9, size=100)) for _ in range(n)]
+        parts[1][[3, 50]] = np.nan
+        got = f(parts[node][None])  # (one row per node: each node's result is its row)
+        for i, (op, out) in enumerate(zip(["max", "min", "sum"], got)):
+            want = functools.reduce(ufuncs[op], parts)
+            v.expect(out.tobytes() == want.tobytes(), f"rep {rep}: call output {i} ({op}): {out[:6]} != {want[:6]}")
+        for op in ("sum", "avg", "prod", "max", "min"):
+            for s in shared:
+                mine = [p.astype(s.dtype) for p in parts]
+                s.set_value(mine[node])
+                want = functools.reduce(ufuncs.get(op, np.add), mine)
+                if op == "avg":  # (equal weights: the sum times the reciprocal of the count)
+                    want = (want * np.dtype(s.dtype).type(1.0 / n)).astype(s.dtype)
+                res = synk.reduce(s, op=op, in_place=False)
+                v.expect(res.tobytes() == want.tobytes(), f"rep {rep}: reduce {op} {s.name}: {res[:6]} != {want[:6]}")
+                s.set_value(mine[node])
+                synk.all_reduce(s, op=op)
+                res = s.get_value()
+                v.expect(res.tobytes() == want.tobytes(), f"rep {rep}: all_reduce {op} {s.name}: {res[:6]} != {want[:6]}")
+    v.info["digest"] = zlib.crc32(b"".join(s.get_value().tobytes() for s in shared))
+
+
 #: The scenarios that take (verdict, node, node sizes), by name.
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
-             "refork": scenario_refork, "avg_uneven": scenario_avg_uneven,
+             "refork": scenario_refork, "avg_uneven": scenario_avg_uneven, "fold_order": scenario_fold_order,
              "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned}
 
 
