@@ -242,8 +242,9 @@ def test_random_divergence(tmp_path, n, sizes, seed):
     (2, "1,2", "0,1", 150, 4101),
     pytest.param(2, "2,2", "1,0", 600, 4102, marks=pytest.mark.long),
     pytest.param(3, "2,1,2", "1,0,0", 500, 4103, marks=pytest.mark.long),
-    pytest.param(2, "1,1", "0,0", 600, 4104, marks=pytest.mark.long)],
-    ids=["mixed", "two-two", "three", "ones"])
+    pytest.param(2, "1,1", "0,0", 600, 4104, marks=pytest.mark.long),
+    pytest.param(4, "1,1,1,1", "0,0,0,0", 400, 4105, marks=pytest.mark.long)],
+    ids=["mixed", "two-two", "three", "ones", "four"])
 def test_model_across_nodes(tmp_path, n, sizes, masters, steps, seed):
     """tests/test_model.py's model-based random test across nodes (tests/mpi/model_nodes.py):
     every node draws the same random steps (calls with every option, every collective,

@@ -48,7 +48,7 @@ from synkhronos.errors import PeerFailed  # noqa: E402
 
 #: The steps the nodes that have not joined make while others have (see NodeWorld.do_join).
 JOINED_KINDS = ["call_main", "call_main", "call_bc", "all_reduce", "all_reduce", "reduce", "gather",
-                "all_gather", "broadcast", "set_value", "get_value", "get_shapes"]
+                "all_gather", "broadcast", "scatter", "set_value", "get_value", "get_shapes"]
 #: How often a join step is drawn across nodes (beside model_lib.KINDS' weights).
 JOIN_WEIGHT = 3
 
@@ -173,6 +173,15 @@ class NodeWorld(World):
         self._say(f"synk.broadcast([{', '.join(names)}])  # ValueError: node 0 has joined")
         self._expect_error(ValueError, lambda: synk.broadcast([self._v(nm) for nm in names]),
                            "broadcast while node 0 has joined")
+
+    def do_scatter(self, rng) -> None:
+        if not self.joined:
+            return super().do_scatter(rng)
+        names = self.pick_vars(rng, need_ndim=1)
+        values = [np.concatenate([self.model[r][nm] for r in range(self.n)]) for nm in names]
+        self._say(f"synk.scatter([{', '.join(names)}], <values>)  # ValueError: nodes have joined")
+        self._expect_error(ValueError, lambda: synk.scatter([self._v(nm) for nm in names], values),
+                           f"scatter while nodes {sorted(self.joined)} have joined")
 
     def do_set_value(self, rng, rank=None) -> None:
         if not self.joined:
