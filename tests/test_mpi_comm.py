@@ -119,7 +119,7 @@ def test_every_collective_against_numpy(tmp_path, n):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.long)])
 def test_every_collective_in_pieces(tmp_path, n):
     """The same job with every transfer over 4,099 bytes split into pieces, as a
     message over 2 GiB is (MPI 3.1 counts in C ints): reductions piece by piece

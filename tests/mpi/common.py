@@ -79,9 +79,20 @@ def expected_reduce(parts, op, weights=None):
         if w.sum() <= 0:
             w = np.ones(len(parts))
         work = np.float64 if dtype.kind in "biu" else dtype
-        shape = (-1,) + (1,) * (stack.ndim - 1)
-        acc = (stack.astype(np.complex128 if dtype.kind == "c" else np.float64)
-               * w.reshape(shape)).sum(axis=0) / w.sum()
+        # the documented combination (ops.combine), written out: equal weights sum in order,
+        # then times the reciprocal of the count; unequal ones add each part times its share
+        # of the total, in order (an integer avg rounds what that gives: another formula of
+        # the same mean rounds some .5 the other way, as at 4 nodes)
+        wide = np.complex128 if dtype.kind == "c" else np.float64
+        if np.all(w == w[0]):
+            acc = stack[0].astype(wide)
+            for part in stack[1:]:
+                acc = acc + part.astype(wide)
+            return np.asarray(acc * (1.0 / len(parts))).astype(work)
+        frac = w / w.sum()
+        acc = stack[0].astype(wide) * frac[0]
+        for part, f in zip(stack[1:], frac[1:]):
+            acc = acc + part.astype(wide) * f
         return np.asarray(acc).astype(work)
     if dtype.kind == "b":
         fn = np.any if op in ("sum", "max") else np.all
