@@ -14,8 +14,8 @@ makes every node raise :class:`PeerFailed` before anything is combined, and diff
 are the same ``ValueError`` on every node. Then the arrays move with buffer-based non-blocking
 MPI calls (``Isend``/``Irecv``, ``Ialltoallv``, ``Ibcast``, ``Igatherv``, ``Iallgatherv``), never
 pickled; reductions fold in node order with numpy's ufuncs (:func:`.mpi_wire.fold_reduce`, never
-MPI's own reduction ops); a node with nothing to add sends the identity element of the op. Dtypes and values
-follow :mod:`.ops` as on every other path: ``avg`` of integers or booleans is float64,
+MPI's own reduction ops); a node with nothing to add sends the identity element of the op. Dtypes
+and values follow :mod:`.ops` as on every other path: ``avg`` of integers or booleans is float64,
 ``sum``/``max`` of booleans is a logical or.
 
 No call ever blocks inside MPI: every wait is a loop of ``Test()`` with
@@ -534,10 +534,10 @@ class MpiCommunicator(Communicator):
         fit = fit_into(into, layout, op)
         start = functools.partial(self._start_reduce, contrib, layout, op, pre, root,
                                   in_place if fit is None else fit, gets, metas)
-        reqs, jobs, keep, ring = self.started(what, start)
+        reqs, jobs, keep, folded = self.started(what, start)
         self.wait(reqs, what, keep)
-        if ring[0]:  # (the arrays MPI's bytes carry, folded in node order: see mpi_wire.fold_reduce)
-            fold_reduce(self, (self._MPI, self._comm), ring[0], ring[1], ring[2], keep, what, root)
+        if folded[0]:  # (the arrays MPI's bytes carry, folded in node order: see mpi_wire.fold_reduce)
+            fold_reduce(self, (self._MPI, self._comm), folded[0], folded[1], folded[2], keep, what, root)
         if not gets:
             return None  # (below: with ``into``, the results are in it already, or copied there)
         return finish_reduce(into, layout, jobs, op, present, weights, post, True) if into is not None \
@@ -557,11 +557,11 @@ class MpiCommunicator(Communicator):
         return buf
 
     def _start_reduce(self, arrays, layout, op, pre, root, in_place, gets, metas):
-        """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep, ring)``;
-        the arrays MPI's bytes carry go in ``ring`` (sends, receives, folds) for mpi_wire.fold_reduce."""
-        ring: tuple = ([], [], [])
+        """Post the reduction of every array of ``layout``: ``(requests, jobs, buffers to keep, folded)``;
+        the arrays MPI's bytes carry go in ``folded`` (sends, receives, folds) for mpi_wire.fold_reduce."""
+        folded: tuple = ([], [], [])
         reqs: list = []
-        keep: list = [ring]
+        keep: list = [folded]
         jobs = []
         for i, (dtype, shape) in enumerate(layout):
             plan = reduce_plan(dtype, op)
@@ -591,12 +591,12 @@ class MpiCommunicator(Communicator):
             flat_send = send.reshape(-1)  # views: both are contiguous
             flat_recv = None if recv is None else recv.reshape(-1)
             # (the ring must not read what it writes)
-            ring[0].append(flat_send.copy() if np.may_share_memory(flat_send, flat_recv) else flat_send)
-            ring[1].append(flat_recv)
-            ring[2].append(RING_FOLDS[name])
+            folded[0].append(flat_send.copy() if np.may_share_memory(flat_send, flat_recv) else flat_send)
+            folded[1].append(flat_recv)
+            folded[2].append(RING_FOLDS[name])
             jobs.append(("mpi", recv))
             keep += [send, recv, flat_send, flat_recv]  # (what MPI reads and writes: the flat views too)
-        return reqs, jobs, keep, ring
+        return reqs, jobs, keep, folded
 
     def _start_gather(self, mine, metas, i, root, reqs, keep):
         """Post the gather of every node's array ``i`` as bytes; the result is a

@@ -355,8 +355,8 @@ def steps_differ(heads) -> bool:
 #: differently (seen).
 RING_NODES = 2
 
-#: MPI op name (reduce_plan's) -> the ufunc a ring folds with, on the work dtype (booleans
-#: travel as uint8: MAX an or, MIN an and).
+#: MPI op name (reduce_plan's) -> the ufunc a reduction among nodes folds with
+#: (:func:`fold_reduce`), on the work dtype (booleans travel as uint8: MAX an or, MIN an and).
 RING_FOLDS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum}
 
 
@@ -437,10 +437,10 @@ def ordered_reduce(comm, lines, sends, recvs, folds, keep, what: str = "all_redu
     def exchange():
         reqs = []
         for _, send, _, bounds, parts in jobs:
-            size, row = send.itemsize, parts.shape[1] * send.itemsize
-            spec = (layout(bounds, size), [row] * n, [k * row for k in range(n)])
-            reqs.append(mpi_comm.Ialltoallv([send.view(np.uint8), spec[0], MPI.BYTE],
-                                            [parts.view(np.uint8), (spec[1], spec[2]), MPI.BYTE]))
+            row = parts.shape[1] * send.itemsize  # (this node's segment, from each node)
+            received = ([row] * n, [k * row for k in range(n)])
+            reqs.append(mpi_comm.Ialltoallv([send.view(np.uint8), layout(bounds, send.itemsize), MPI.BYTE],
+                                            [parts.view(np.uint8), received, MPI.BYTE]))
         return reqs
 
     comm.wait(comm.started(what, exchange), what, keep)
