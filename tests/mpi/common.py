@@ -70,6 +70,16 @@ def result_dtype(dtype, op) -> np.dtype:
     return np.dtype(np.float64) if op == "avg" and dtype.kind in "biu" else dtype
 
 
+def model_lib():
+    """tests/model_lib.py (numpy's recipes of the documented combinations), imported when
+    first needed: it imports PyTensor and the tests' conftest."""
+    if str(HERE.parent) not in sys.path:
+        sys.path.insert(0, str(HERE.parent))
+    import model_lib as lib
+
+    return lib
+
+
 def expected_reduce(parts, op, weights=None):
     """numpy's answer for ``op`` over the present ``parts`` (weights for avg)."""
     stack = np.stack(parts)
@@ -78,22 +88,11 @@ def expected_reduce(parts, op, weights=None):
         w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
         if w.sum() <= 0:
             w = np.ones(len(parts))
-        work = np.float64 if dtype.kind in "biu" else dtype
-        # the documented combination (ops.combine), written out: equal weights sum in order,
-        # then times the reciprocal of the count; unequal ones add each part times its share
-        # of the total, in order (an integer avg rounds what that gives: another formula of
-        # the same mean rounds some .5 the other way, as at 4 nodes)
-        wide = np.complex128 if dtype.kind == "c" else np.float64
-        if np.all(w == w[0]):
-            acc = stack[0].astype(wide)
-            for part in stack[1:]:
-                acc = acc + part.astype(wide)
-            return np.asarray(acc * (1.0 / len(parts))).astype(work)
-        frac = w / w.sum()
-        acc = stack[0].astype(wide) * frac[0]
-        for part, f in zip(stack[1:], frac[1:]):
-            acc = acc + part.astype(wide) * f
-        return np.asarray(acc).astype(work)
+        # the documented combination, as tests/model_lib.py writes it out (equal weights: the
+        # sum in order times the reciprocal of the count; unequal: each part times its share of
+        # the total, in order): an integer avg rounds what that gives (another formula of the
+        # same mean rounded some .5 the other way at 4 nodes)
+        return model_lib().combine(parts, "avg", w)
     if dtype.kind == "b":
         fn = np.any if op in ("sum", "max") else np.all
         return np.asarray(fn(stack, axis=0))

@@ -134,8 +134,9 @@ class NodeWorld(World):
         rows and their variables take no part (docs/nodes.rst): each step's model leaves
         them out, and the steps that cannot leave them out raise ValueError on every node
         taking part. Then every node's join() returns the same node (the smallest of those
-        that joined at the last exchange), and the joined nodes take the others' model (through mpi4py's COMM_WORLD,
-        the test's own channel: the model is the test's), with their own values unchanged."""
+        that joined at the last exchange), and the joined nodes take the others' model
+        (through mpi4py's COMM_WORLD, the test's own channel: the model is the test's), with
+        their own values unchanged."""
         k = len(self.sizes)
         if k < 2:
             return

@@ -63,7 +63,6 @@ Every node master reports ``plan_steps``: the steps its kept MPI plans made.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
@@ -73,7 +72,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import Verdict
+from common import Verdict, model_lib
 
 import pytensor
 import pytensor.tensor as pt
@@ -1396,7 +1395,7 @@ def scenario_fold_order(v, node, node_sizes):
     MAX and MIN dropped the NaN: a number where every other path gives NaN.)"""
     n = len(node_sizes)
     assert set(node_sizes) == {1}, "nodes of one process each"
-    ufuncs = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+    lib = model_lib()
     rng = np.random.default_rng(11)  # the same draws on every node
     x = pt.matrix("x", dtype="float64")
     f = synk.function([x], [(x.max(axis=0), "max"), (x.min(axis=0), "min"), (x.sum(axis=0), "sum")],
@@ -1409,15 +1408,13 @@ def scenario_fold_order(v, node, node_sizes):
         parts[1][[3, 50]] = np.nan
         got = f(parts[node][None])  # (one row per node: each node's result is its row)
         for i, (op, out) in enumerate(zip(["max", "min", "sum"], got)):
-            want = functools.reduce(ufuncs[op], parts)
+            want = lib.combine(parts, op)
             v.expect(out.tobytes() == want.tobytes(), f"rep {rep}: call output {i} ({op}): {out[:6]} != {want[:6]}")
         for op in ("sum", "avg", "prod", "max", "min"):
             for s in shared:
                 mine = [p.astype(s.dtype) for p in parts]
                 s.set_value(mine[node])
-                want = functools.reduce(ufuncs.get(op, np.add), mine)
-                if op == "avg":  # (equal weights: the sum times the reciprocal of the count)
-                    want = (want * np.dtype(s.dtype).type(1.0 / n)).astype(s.dtype)
+                want = lib.reduce_collective(mine, op, s.dtype)
                 res = synk.reduce(s, op=op, in_place=False)
                 v.expect(res.tobytes() == want.tobytes(), f"rep {rep}: reduce {op} {s.name}: {res[:6]} != {want[:6]}")
                 s.set_value(mine[node])
