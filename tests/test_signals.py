@@ -403,8 +403,7 @@ def test_close_from_a_signal_handler_during_a_call(fork):
 
 
 def test_ctrl_c_during_close_still_cleans_up(fork):
-    fork(3, timeout=0.3)
-    f, _ = _stalling("blocked", seconds=30.0)
+    f, _ = _timed_out_soon(fork, 3, 0.3, "blocked")  # (the distribute under a roomy timeout)
     with pytest.raises(synk.SynkTimeoutError):
         f(np.ones(6))
     pids = list(runtime.running_session().watch.pids.values())
