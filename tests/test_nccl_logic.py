@@ -526,6 +526,41 @@ def test_reduce_in_place_writes_only_roots_arrays_and_equals_combine(world, fake
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_float_max_and_min_keep_nan_as_the_cpu_path(world, fake_cupy, n, dtype):
+    """NCCL's float max and min are fmaxf/fminf, which drop a NaN (the stand-in does the
+    same); the CPU path's are numpy's maximum/minimum, which keep it. Random NaN (and
+    infinities) on random ranks, every route (new buffers, in place, a reduce to a root,
+    a rank with nothing to add): NaN exactly where numpy's combination has it, and the
+    same bits elsewhere."""
+    comms = world(n)
+    rng = np.random.default_rng([n, len(dtype)])
+    for case in range(12):
+        shape = [(5, 4), (), (1,), (33,)][case % 4]
+        vals = _random_values(rng, n, dtype, shape)
+        for v in vals:  # NaN, infinities, or nothing special, per rank
+            flat = v.reshape(-1)
+            for special in (np.nan, np.inf, -np.inf):
+                flat[rng.random(flat.size) < rng.choice([0.0, 0.2, 1.0], p=[0.4, 0.4, 0.2]) / 3] = special
+        absent = {int(rng.integers(n))} if case % 3 == 2 else set()
+        op = ["max", "min"][case % 2]
+        want = combine([vals[r].copy() for r in range(n) if r not in absent], op)
+        root = int(rng.integers(n))
+        for route in ("new", "in_place", "reduce", "reduce_in_place"):
+            mine = {r: None if r in absent else [fake_cupy.asarray(vals[r])] for r in range(n)}
+            if route.startswith("reduce"):
+                got = run(n, lambda r: comms[r].reduce(mine[r], op, root, in_place=route.endswith("place")))
+                outs = {root: got[root]}
+            else:
+                outs = run(n, lambda r: comms[r].all_reduce(mine[r], op, in_place=route == "in_place"))
+            for r, out in outs.items():
+                out = host(out[0])
+                where = f"{dtype} {op} case {case} {route} rank {r}"
+                assert_array_equal(np.isnan(out), np.isnan(want), err_msg=where)
+                assert_array_equal(out, want, err_msg=where)
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_in_place_refusals_return_new_arrays_and_leave_the_inputs(world, fake_cupy, n):
     comms = world(n)
     vals = values(n, dtype=np.float32)

@@ -285,22 +285,28 @@ class NcclCommunicator(Communicator):
             pre, post = avg_factors([metas[r][1] for r in present], metas[self.rank][1])
         gets_result = root is None or self.rank == root
         direct = self._direct(arrays, writable if gets_result else None, layout, plans, pre)
-        bufs = self._ready(lambda: self._buffers(arrays, op, layout, plans, pre, gets_result, direct))
+        bufs = self._ready(lambda: self._nan_masks(self._buffers(arrays, op, layout, plans, pre, gets_result, direct),
+                                                   op, layout, plans, gets_result))
         if any(direct):  # JAX's readers and writers of these buffers (its own stream) are done
             self._cp.cuda.runtime.deviceSynchronize()
+        self._mark_nan(bufs, layout, plans)
         ptr = self._stream.ptr
         with self._stream:
             self._nccl.groupStart()  # one launch for every array of this op (NCCL's group)
             try:
-                for (send, recv, _, _), (_, dtype_name, op_name, _, per), (_, shape) in zip(bufs, plans, layout):
+                for (send, recv, _, _, nan), (_, dtype_name, op_name, _, per), (_, shape) in zip(bufs, plans, layout):
                     count = math.prod(shape) * per
                     if count == 0:
                         continue
-                    if root is None:
-                        self._comm.allReduce(send, recv, count, self._const(dtype_name), self._const(op_name), ptr)
-                    else:
-                        self._comm.reduce(send, recv, count, self._const(dtype_name), self._const(op_name), root,
-                                          ptr)
+                    calls = [(send, recv, dtype_name, op_name)]
+                    if nan is not None:  # (NCCL's float max and min drop NaN: the mask of NaN, or-ed, beside)
+                        calls.append((nan[0].data.ptr, nan[1].data.ptr, "NCCL_UINT8", "NCCL_MAX"))
+                    for at, into, dtype_name, op_name in calls:
+                        if root is None:
+                            self._comm.allReduce(at, into, count, self._const(dtype_name), self._const(op_name), ptr)
+                        else:
+                            self._comm.reduce(at, into, count, self._const(dtype_name), self._const(op_name), root,
+                                              ptr)
             finally:
                 self._nccl.groupEnd()
             out = None
@@ -349,19 +355,52 @@ class NcclCommunicator(Communicator):
                 bufs.append((send.data.ptr, recv.data.ptr, recv, send))  # (send kept alive)
         return bufs
 
-    @staticmethod
-    def _result(array, buf, plan, shape, post, direct):
+    def _nan_masks(self, bufs, op, layout, plans, gets_result) -> list:
+        """``bufs`` (:meth:`_buffers`'), each with a fifth entry: for a float max or min,
+        ``(send, receive)`` uint8 masks of the array's NaN (the receive mask the send one
+        where this rank gets no result; filled by :meth:`_mark_nan`), else None. NCCL's
+        float max and min are ``fmaxf``/``fminf`` (NVIDIA/nccl, src/device/reduce_kernel.h),
+        which return the other operand of a NaN; the CPU path's are numpy's
+        ``maximum``/``minimum``, which return NaN: the masks, or-ed by NCCL's MAX in the
+        same group, say where the result is NaN (:meth:`_result`). One rank: none (its
+        values are the result)."""
+        cp = self._cp
+        out = []
+        with self._stream:
+            for (at, into, recv, send), (work, *_), (_, shape) in zip(bufs, plans, layout):
+                nan = None
+                if op in ("max", "min") and work.kind == "f" and math.prod(shape) and self.size > 1:
+                    mask = cp.empty(shape, dtype=np.uint8)
+                    nan = (mask, cp.empty(shape, dtype=np.uint8) if gets_result else mask)
+                out.append((at, into, recv, send, nan))
+        return out
+
+    def _mark_nan(self, bufs, layout, plans) -> None:
+        """Fill the send masks of :meth:`_nan_masks` from the values NCCL is about to send,
+        on the stream, before NCCL may write an array reduced in place."""
+        cp = self._cp
+        with self._stream:
+            for (at, _, recv, send, nan), (work, *_), (_, shape) in zip(bufs, plans, layout):
+                if nan is not None:
+                    cp.isnan(cupy_at(at, work, shape, send if send is not None else recv), out=nan[0].view(np.bool_))
+
+    def _result(self, array, buf, plan, shape, post, direct):
         """An array's result: the array itself when reduced in place (scaled there by
-        ``post`` through a view of its memory), else the receive buffer in the result dtype."""
+        ``post`` through a view of its memory), else the receive buffer in the result
+        dtype; NaN where any rank's value was NaN (a float max or min: :meth:`_nan_masks`)."""
         work, result = plan[0], plan[3]
-        recv = buf[2]
+        recv, nan = buf[2], buf[4]
         if direct:
+            view = cupy_at(buf[1], work, shape, array) if post != 1.0 or nan is not None else None
             if post != 1.0:
-                view = cupy_at(buf[1], work, shape, array)
                 view *= work.type(post)
+            if nan is not None:
+                self._cp.copyto(view, work.type("nan"), where=nan[1].view(np.bool_))
             return array
         if post != 1.0:
             recv *= recv.dtype.type(post)
+        if nan is not None:
+            self._cp.copyto(recv, work.type("nan"), where=nan[1].view(np.bool_))
         return recv.astype(result, copy=False)
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False, in_place=False):

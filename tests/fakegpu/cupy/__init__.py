@@ -144,8 +144,15 @@ def empty_like(x):
     return ndarray(np.empty_like(_unwrap(x)))
 
 
-def copyto(dst, src):
-    np.copyto(_unwrap(dst), _unwrap(src))
+def copyto(dst, src, where=True):
+    np.copyto(_unwrap(dst), _unwrap(src), where=_unwrap(where))
+
+
+def isnan(x, out=None):
+    if out is None:
+        return ndarray(np.isnan(_unwrap(x)))
+    np.isnan(_unwrap(x), out=_unwrap(out))
+    return out
 
 
 class random:  # noqa: N801 - a namespace, as cupy.random is a module

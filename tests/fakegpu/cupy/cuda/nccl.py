@@ -32,6 +32,9 @@ NCCL_FLOAT64 = NCCL_DOUBLE = 8
 _DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
            6: np.float16, 7: np.float32, 8: np.float64}
 _OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}
+#: NCCL's MAX and MIN of floats are fmaxf/fminf and fmax/fmin (src/device/reduce_kernel.h):
+#: a NaN gives the other operand, where numpy's maximum and minimum give NaN
+_FLOAT_OPS = {2: np.fmax, 3: np.fmin}
 
 _worlds: dict = {}
 _lock = threading.Lock()
@@ -133,8 +136,9 @@ class NcclCommunicator:
         if name == "reduce" and self._rank != root:
             return None
         out = parts[0]
+        fn = _FLOAT_OPS[op] if op in _FLOAT_OPS and out.dtype.kind == "f" else _OPS[op]
         for p in parts[1:]:
-            _OPS[op](out, p, out=out)
+            fn(out, p, out=out)
         return out
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
