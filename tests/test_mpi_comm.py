@@ -147,6 +147,16 @@ def test_messages_over_two_gib(tmp_path):
 
 
 @needs_mpi
+def test_every_collective_with_an_iallgather_header(tmp_path):
+    """The same job with the header exchanged by an ``Iallgather`` each step (the route of
+    an MPI library older than MPI-4, such as Open MPI 4) instead of the persistent
+    all-gather: the same answers."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "comm_ops.py", "--iallgather")
+    assert_all_ok(rc, output, verdicts, 2)
+    assert all(v["checks"] > 500 for v in verdicts.values())
+
+
+@needs_mpi
 def test_every_collective_over_tcp(tmp_path):
     """The same job with MPI's data forced through TCP sockets (no shared memory)."""
     rc, output, verdicts = mpirun(tmp_path, 2, "comm_ops.py",

@@ -8,7 +8,8 @@ one per node, over an mpi4py communicator whose ranks are the node indices. Work
 the node master forks them before MPI is initialised (``mpi4py.rc.initialize = False``, then
 ``MPI.Init_thread`` after the fork), and this module imports mpi4py only when a communicator is made.
 
-Every collective first agrees, in one small non-blocking all-gather, on what each node
+Every collective first agrees, in one small non-blocking all-gather (a persistent one,
+:class:`.mpi_wire.HeaderExchange`, started at each step), on what each node
 contributes (dtypes and shapes, weights, failure flags): a node that flagged ``failed=True``
 makes every node raise :class:`PeerFailed` before anything is combined, and different layouts
 are the same ``ValueError`` on every node. Then the arrays move with buffer-based non-blocking
@@ -57,9 +58,9 @@ from . import mpi_wire
 from .mpi_plans import CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
-                       Head, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, fold_reduce, gather_in_pieces,
-                       inline_reduce, left_reason, no_failure, payload_fits, pieces, plannable_layout, read_equal,
-                       read_meta, reduce_plan, step_text, steps_differ)
+                       Head, HeaderExchange, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, fold_reduce,
+                       gather_in_pieces, inline_reduce, left_reason, no_failure, payload_fits, pieces, plannable_layout,
+                       read_equal, read_meta, reduce_plan, step_text, steps_differ)
 from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
@@ -140,6 +141,8 @@ class MpiCommunicator(Communicator):
             c.Set_errhandler(MPI.ERRORS_RETURN)  # MPI errors become exceptions, never an abort
         self._comm = comm_dup
         self._notices = Notices(ctl_dup, NOTICE_BYTES)
+        #: every step's first exchange: the header slots (mpi_wire.HeaderExchange; collective, made here)
+        self.header = HeaderExchange(MPI, comm_dup, size, state.mpi_leaving)
 
     # -- waiting and failures ----------------------------------------------
 
@@ -161,12 +164,12 @@ class MpiCommunicator(Communicator):
         state.mpi_leaving.append(self._post_header(b"", LEFT))
 
     def _post_header(self, blob: bytes, mark: int, plan=(0, 0, -1), payload=None):
-        """Start the exchange of every node's header slot (see :func:`.mpi_wire.fill_slot`), on new
-        buffers. ``(request, (slot, slots))``: the request and the buffers it uses."""
-        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        fill_slot(slot, self.step[0], blob, mark, plan, payload)
-        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
-        return self._comm.Iallgather([slot, self._MPI.BYTE], [slots, self._MPI.BYTE]), (slot, slots)
+        """Start the exchange of every node's header slot (see :func:`.mpi_wire.fill_slot`):
+        ``(request, (slot, slots))``, the request and the buffers it uses (:attr:`header`'s)."""
+        header = self.header
+        header.send.fill(0)
+        fill_slot(header.send, self.step[0], blob, mark, plan, payload)
+        return header.start(), (header.send, header.recv)
 
     def enter(self, what: str) -> None:
         """Before an exchange of ``what``: raises when this communicator can make no
@@ -375,18 +378,10 @@ class MpiCommunicator(Communicator):
         :class:`Head` and its ``meta`` (``(layout, weight, flag, payload views or
         None)``; pickled into its slot as ``blob``, or in a second, sized round when
         too long)."""
-        slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        fill_slot(slot, self.step[0], blob, mark, plan, payload)
-        slots = np.empty((self.size, HEADER_SLOT), dtype=np.uint8)
-        self._exchange_headers(what, slot, slots)
-        return self._read_headers(what, slots, blob, meta)
-
-    def _exchange_headers(self, what: str, slot, slots) -> None:
-        """Every node's header slot ``slot`` into ``slots`` (one all-gather, waited for)."""
-        BYTE = self._MPI.BYTE
-        req = self._comm.Iallgather([slot, BYTE], [slots, BYTE])
-        self.wait([req], what, (slot, slots), header=True)
+        req, keep = self._post_header(blob, mark, plan, payload)
+        self.wait([req], what, keep, header=True)
         self._exchanges += 1
+        return self._read_headers(what, keep[1], blob, meta)
 
     def _read_headers(self, what: str, slots, blob: bytes, meta):
         """Every node's :class:`Head` and meta from the received ``slots`` (see
@@ -785,6 +780,7 @@ class MpiCommunicator(Communicator):
         if self._leaving is not None and not self._leaving[0].Test():
             state.mpi_leaving.append(self._leaving)  # the others complete it at their next exchange
         self._notices.close()  # its receive cancelled, its sends given a moment, freed
+        self.header.release(state.mpi_leaving)
         try:
             self._comm.Free()
         except Exception:  # noqa: BLE001 - freed or unusable after a failure

@@ -42,28 +42,30 @@ def _blob_with_payload(meta):
 
 class _SlotPlan(CommPlan):
     """What :class:`StepPlan` and :class:`CallPlan` share: the full path's header slot of
-    one exchange, made once (:meth:`_make_slots`), and the exchange itself, compared byte
+    one exchange, made once (:meth:`_make_slots`), and the exchange itself, through the
+    communicator's :class:`.mpi_wire.HeaderExchange` as the full path's, compared byte
     for byte (:meth:`_exchange_slots`)."""
 
     comm: typing.Any  # the MpiCommunicator (set by each plan's __init__)
 
     def _make_slots(self, comm, lines, layout, op: str, blob: bytes, mark: int, payload: bool):
-        """The send slot (head and ``blob`` written once: a run writes its step's number,
-        and its values where ``payload``), the receive slots, and this node's head and blob
-        and every other node's, to compare. Per node, the views of its values in its
-        receive slot (``payload``), else None."""
+        """This plan's slot (head and ``blob`` written once: a run writes its step's number,
+        and its values where ``payload``, then copies it into the header exchange's send
+        slot), the exchange's receive slots, and this node's head and blob and every other
+        node's, to compare. Per node, the views of its values in its receive slot
+        (``payload``), else None."""
         self.MPI, self.mpi_comm = lines
         self.fingerprint = zlib.crc32(blob)
         size, at = comm.size, payload_at(len(blob))
+        self.header = comm.header  # (its buffers live as long as the communicator: so do these views)
         self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
-        self.slots = np.zeros((size, HEADER_SLOT), dtype=np.uint8)
+        self.slots = self.header.recv
         fill_slot(self.slot, 0, blob, mark, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
         self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
         n = HEAD.size + len(blob)
         self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
         self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
-        self.spec = ([self.slot, self.MPI.BYTE], [self.slots, self.MPI.BYTE])
-        self.keep = (self.slot, self.slots)
+        self.keep = (self.header.send, self.slots)
         self.sends: list = packed_views(self.slot, layout, at, 8) if payload else []
         return [packed_views(self.slots[r], layout, at, 8) for r in range(size)] if payload else None
 
@@ -73,7 +75,9 @@ class _SlotPlan(CommPlan):
         comm = self.comm
         for view, v in zip(self.sends, values):
             view[...] = v
-        req = self.mpi_comm.Iallgather(*self.spec)
+        header = self.header
+        header.send[...] = self.slot
+        req = header.start()
         own = self.own.tobytes()  # (meanwhile: MPI only reads the send slot)
         try:  # (the answer is usually there within a few tests: no wait set up for it)
             done = req.Test() or req.Test() or req.Test() or req.Test()

@@ -1,9 +1,12 @@
 """Every collective of MpiCommunicator, against numpy, on every rank (run under mpirun).
 
-    mpirun -np 3 python tests/mpi/comm_ops.py OUT_DIR [--quick] [--piece BYTES]
+    mpirun -np 3 python tests/mpi/comm_ops.py OUT_DIR [--quick] [--piece BYTES] [--iallgather]
 
 With ``--piece``, every MPI transfer over BYTES goes in pieces of at most
-BYTES (the path of messages over 2 GiB, exercised here on small ones).
+BYTES (the path of messages over 2 GiB, exercised here on small ones). With
+``--iallgather``, the header exchange is an ``Iallgather`` per step (the route of
+an MPI library without MPI-4's persistent collectives); the job checks which
+route it took.
 
 Every rank builds every rank's contribution from the same seeds, so each can
 compute numpy's answer on its own and compare. Ops x dtypes x sizes (small,
@@ -129,6 +132,8 @@ def main() -> int:
     from synkhronos.collectives import mpi_wire
     from synkhronos.collectives.mpi import MpiCommunicator, NodeFailedError
 
+    if "--iallgather" in sys.argv:  # the header route of MPI libraries older than MPI-4
+        mpi_wire.PERSISTENT_HEADERS = False
     if "--piece" in sys.argv:
         mpi_wire.PIECE_BYTES = int(sys.argv[sys.argv.index("--piece") + 1])
     from synkhronos.collectives import PeerFailed
@@ -139,6 +144,7 @@ def main() -> int:
     comm = MpiCommunicator(world, master_rank=0)
     v.expect(comm.rank == rank and comm.size == size and comm.master_rank == 0, "rank/size/master_rank")
     v.expect(not comm.device_arrays and not comm.supports_resident, "capability flags")
+    v.expect(comm.header.persistent == ("--iallgather" not in sys.argv), "the header exchange's route")
     seed = 0
     try:
         comm.barrier()
