@@ -138,9 +138,12 @@ def main() -> int:
         mpi_wire.PIECE_BYTES = int(sys.argv[sys.argv.index("--piece") + 1])
     from synkhronos.collectives import PeerFailed
 
+    from synkhronos import _state
+
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     v = Verdict(out, rank)
+    kept_before = len(_state.mpi_leaving)  # (requests MPI may still use, kept for the process's life)
     comm = MpiCommunicator(world, master_rank=0)
     v.expect(comm.rank == rank and comm.size == size and comm.master_rank == 0, "rank/size/master_rank")
     v.expect(not comm.device_arrays and not comm.supports_resident, "capability flags")
@@ -314,6 +317,14 @@ def main() -> int:
             v.expect(False, "a call after close raises")
         except Exception as exc:  # noqa: BLE001
             v.expect("closed" in str(exc), f"call after close: {exc}")
+        v.expect(len(_state.mpi_leaving) == kept_before, "a clean close frees the header exchange's request")
+        for cycle in range(4):  # communicators made and closed again: nothing kept, the same answers
+            again = MpiCommunicator(world, master_rank=0)
+            for step in range(3):
+                got = again.all_reduce([np.full(2, rank + step, dtype=np.int64)], "max")
+                v.expect(close_enough(got[0], np.full(2, size - 1 + step, dtype=np.int64)), f"cycle {cycle}")
+            again.close()
+            v.expect(len(_state.mpi_leaving) == kept_before, f"cycle {cycle}: the header's request freed")
     except BaseException as exc:  # noqa: BLE001 - written down, then a non-zero exit
         return conclude(v, MPI, comm, exc)
     return conclude(v, MPI)
