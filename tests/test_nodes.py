@@ -159,7 +159,7 @@ def test_planned_calls_across_nodes(tmp_path, sizes):
     two combines its processes' outputs as within one fork (they ride the workers' answers)
     and its master makes the same exchange through its own kept plan,
     ``NodeCommunicator._kept_middle``; a node on either path meets the others byte for byte:
-    every result equals numpy's over every node's rows, the same bits on every node; a
+    every result equals numpy's over every node's rows (gathered rows in node order), the same bits on every node; a
     node's share failing inside a planned call (its master's, then a worker's) raises on every
     node (its Assert there, PeerFailed naming it elsewhere) and the next call agrees again; the
     others are late for that step, so node 1 waits in it (its wait's check took its worker's
@@ -173,6 +173,8 @@ def test_planned_calls_across_nodes(tmp_path, sizes):
     # a node of two processes: its kept calls' outputs ride the workers' answers (one per function called)
     for node, size in enumerate(sizes.split(",")):
         assert (verdicts[node]["inline_plans"] >= 10) == (size == "2"), (node, verdicts[node]["inline_plans"])
+        # (gathered outputs too: the node master gathers its processes' parts among the nodes)
+        assert (verdicts[node]["inline_gathers"] >= 1) == (size == "2"), (node, verdicts[node]["inline_gathers"])
     _no_shm_left(tmp_path, 2)
 
 

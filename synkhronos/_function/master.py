@@ -473,12 +473,11 @@ class Function:
     def _inline(self, proc, subset) -> bool:
         """Whether this call's outputs ride back with the workers' answers
         (small, host arrays, one node's processes: see ``Communicator.inline_outputs``)
-        instead of going through a collective. Across nodes a gather's parts keep
-        the full path (the node masters exchange every process's part)."""
+        instead of going through a collective. Across nodes the node master then makes
+        the exchanges among the nodes (:func:`.reduce.finish_among_nodes`)."""
         if subset in self._spilled:
             return False
-        return all(comm.inline_outputs and (op != "gather" or comm.within_fork)
-                   for op, comm, _ in self._local.plan(proc, subset)[1])
+        return all(comm.inline_outputs for _, comm, _ in self._local.plan(proc, subset)[1])
 
     def _rows(self, values, batch) -> tuple:
         """``(n_rows, norm_batch)`` of a call: the rows the scattered inputs give

@@ -210,8 +210,9 @@ def combine_inline(proc, own, ops) -> tuple:
             sets.append(got[0])
             weights.append(got[1])
     results = [None] * len(ops) if outs is None else list(outs)
+    node_parts = proc.size if proc.comm.among_nodes() is not None else None
     return combine_sets(ranks, sets, weights, [(k, op) for k, op in enumerate(ops) if op is not None],
-                         results), spilled, sum(weights)
+                         results, node_parts=node_parts), spilled, sum(weights)
 
 
 def finish_among_nodes(proc, results, weight, groups, n_rows) -> list:
@@ -232,7 +233,11 @@ def finish_among_nodes(proc, results, weight, groups, n_rows) -> list:
             continue
         part = None if results[idx[0]] is None else [results[i] for i in idx]
         try:
-            got = comm.reduce_node_part(part, op, weight, failed=failure is not None)
+            if op == "gather":  # (each output: the list over the node's processes, see combine_sets)
+                got = comm.gather_node_part([[None] * proc.size] * len(idx) if part is None else part,
+                                            failed=failure is not None, join=lambda _, parts: concat(parts))
+            else:
+                got = comm.reduce_node_part(part, op, weight, failed=failure is not None)
         except Exception as err:  # noqa: BLE001 - raised once every group took its part
             failure = failure or err
             continue
@@ -252,17 +257,26 @@ def no_rows_anywhere(reduced) -> None:
                          "values (each node adds its own rows; give at least one node some)")
 
 
-def combine_sets(ranks, sets, weights, reduced, results, reducers=None) -> list:
+def combine_sets(ranks, sets, weights, reduced, results, reducers=None, node_parts=None) -> list:
     """Fill ``results[k]`` for each reduced output ``(k, op)`` (the ``j``-th) from
     ``sets``, the reducible outputs of the contributing ``ranks`` in rank
     order, with their ``weights``: joined (``gather``), a copy of the one part,
     or :func:`combine` of them, which returns new memory for two parts or more.
     ``reducers``, a list with an entry per reduced output, keeps the
-    :class:`~synkhronos.collectives.ops.Reducer` of each from call to call."""
+    :class:`~synkhronos.collectives.ops.Reducer` of each from call to call.
+    ``node_parts``: across nodes, the node's process count; a ``gather`` output is
+    then the list over the node's processes of their parts (None where absent), as
+    the node's own gather gives them, for :func:`finish_among_nodes` to gather among
+    the nodes (views of the replies: read within the call)."""
     for j, (k, op) in enumerate(reduced):
         parts = [arrays[j] for arrays in sets]
         if not parts:
             results[k] = None
+        elif op == "gather" and node_parts is not None:
+            per: list = [None] * node_parts
+            for r, part in zip(ranks, parts):
+                per[r] = part
+            results[k] = per
         elif op == "gather":
             results[k] = concat(parts)
         elif len(parts) == 1:  # what combine() gives for one part, without its bookkeeping

@@ -90,7 +90,8 @@ class Lane:
     replies are ordinary: anything else takes :func:`execute_call` and
     :func:`combine_inline`, which raise the errors."""
 
-    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers", "kept", "total")
+    __slots__ = ("fn", "args", "trust", "weight", "reduced", "casts", "areas", "ranks", "reducers", "kept", "total",
+                 "node_parts")
 
     def __init__(self, proc, call: CallSpec, share: Share):
         spec = proc.functions[call.fid].spec
@@ -108,6 +109,8 @@ class Lane:
         self.areas = [None if r == proc.rank else proc.control.reply_area(r)
                       for r in range(proc.size)] if proc.is_master else None
         self.ranks = list(range(proc.size))
+        # master, across nodes: a gather output is the list of the node's parts (see combine_sets)
+        self.node_parts = proc.size if proc.is_master and proc.comm.among_nodes() is not None else None
         self.reducers: list[Any] = [None] * len(self.reduced)  # master: each output's Reducer, kept
         self.kept = None  # master: what the last combine checked, see _keep
         self.total = 0.0  # master: the weights of the last combine together (what _keep checks stays)
@@ -159,7 +162,7 @@ class Lane:
         self.total = sum(weights)
         if not self.reduced:  # every reply ordinary, nothing to combine
             return list(outs)
-        results = combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers)
+        results = combine_sets(self.ranks, sets, weights, self.reduced, list(outs), self.reducers, self.node_parts)
         self.kept = self._keep(sets, weights, mine)
         return results
 
@@ -175,7 +178,8 @@ class Lane:
         areas = cast(list, self.areas)  # (master-side: the workers' reply areas)
         workers = [(area, arrays, weight) for area, arrays, weight in zip(areas, sets, weights)
                    if area is not None]
-        steps = [(k, j, concat if op == "gather" else self.reducers[j].run)
+        gather = concat if self.node_parts is None else list  # (every process answered: every part is there)
+        steps = [(k, j, gather if op == "gather" else self.reducers[j].run)
                  for j, (k, op) in enumerate(self.reduced)]
         return (workers, [None if arrays is mine else arrays for arrays in sets], areas.index(None),
                 [(a.shape, a.dtype) for a in mine], steps)

@@ -205,6 +205,14 @@ class Communicator(abc.ABC):
         ``avg`` (its contributing processes' together); every node's result."""
         raise NotImplementedError(f"{type(self).__name__} has no nodes to reduce among")
 
+    def gather_node_part(self, parts, failed=False, join=None):
+        """Across nodes, in a node master whose node's arrays were gathered without this
+        communicator (a call's outputs that rode the workers' answers): the exchange
+        among the nodes of :meth:`gather`, with ``parts``, per array, the list over this
+        node's processes of its part (None where absent); per array, the list over every
+        process of every node of its part, or ``join(i, parts)``, in every node master."""
+        raise NotImplementedError(f"{type(self).__name__} has no nodes to gather among")
+
     def nodes_joined(self) -> list:
         """The nodes that had joined (``synk.join()``) at the last exchange among nodes."""
         return []

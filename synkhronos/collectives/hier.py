@@ -316,31 +316,7 @@ class HierarchicalCommunicator(Communicator):
             return local.gather(arrays, lm, failed=failed)
 
         def middle(parts, bad):
-            # the node's parts as two arrays: a pickled layout, then every present part's bytes
-            inter = cast("MpiCommunicator", self._inter)  # (middle runs in the node master)
-            lays, chunks = [], []
-            for per_array in parts or ():
-                lay: list[tuple | None] = []
-                for p in per_array:
-                    if p is None:
-                        lay.append(None)
-                    else:
-                        p = np.asarray(p)
-                        lay.append((p.dtype, p.shape))  # (ascontiguousarray makes 0-d arrays 1-d)
-                        chunks.append(np.ascontiguousarray(p).reshape(-1).view(np.uint8))
-                lays.append(lay)
-            head = np.frombuffer(pickle.dumps(lays, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-            blob = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
-            if root is None or root is MASTERS:
-                got = inter.all_gather([head, blob], failed=bad)
-            else:
-                got = inter.gather([head, blob], root_node, failed=bad)
-            if got is None:
-                return None
-            # a node that has joined (synk.join()) gave nothing: a head saying so, which the
-            # node's processes receive as arrays (an all_gather shares this inside the node)
-            return [a for node in range(self.nodes) for a in
-                    ((got[0][node], got[1][node]) if got[0][node] is not None else (_JOINED_HEAD, _EMPTY))]
+            return self._gather_middle(cast("MpiCommunicator", self._inter), parts, bad, root, root_node)
 
         if root is MASTERS:
             def verdict(packed, bad):
@@ -357,6 +333,35 @@ class HierarchicalCommunicator(Communicator):
             return self._unpack(packed if self._is_master else got, join)
 
         return self._steps(first, middle, share)
+
+    def _gather_middle(self, inter, parts, bad, root, root_node):
+        """Step 2 of a gather, in the node master: the node's ``parts`` (per array, the list
+        over its processes) as two arrays, a pickled layout then every present part's
+        bytes, gathered among the nodes (to every master, or to ``root_node``'s): what
+        :meth:`_unpack` reads, or None where nothing comes."""
+        lays, chunks = [], []
+        for per_array in parts or ():
+            lay: list[tuple | None] = []
+            for p in per_array:
+                if p is None:
+                    lay.append(None)
+                else:
+                    p = np.asarray(p)
+                    lay.append((p.dtype, p.shape))  # (ascontiguousarray makes 0-d arrays 1-d)
+                    chunks.append(np.ascontiguousarray(p).reshape(-1).view(np.uint8))
+            lays.append(lay)
+        head = np.frombuffer(pickle.dumps(lays, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        blob = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
+        if root is None or root is MASTERS:
+            got = inter.all_gather([head, blob], failed=bad)
+        else:
+            got = inter.gather([head, blob], root_node, failed=bad)
+        if got is None:
+            return None
+        # a node that has joined (synk.join()) gave nothing: a head saying so, which the
+        # node's processes receive as arrays (an all_gather shares this inside the node)
+        return [a for node in range(self.nodes) for a in
+                ((got[0][node], got[1][node]) if got[0][node] is not None else (_JOINED_HEAD, _EMPTY))]
 
     def _unpack(self, packed, join):
         per_node: list[tuple[list, np.ndarray]] = []
@@ -530,6 +535,17 @@ class NodeCommunicator(HierarchicalCommunicator):
             raise ValueError("reduce_node_part: only the master of a node reduces among the nodes")
         bad = self._reason(PeerFailed(failed))[:200] if isinstance(failed, list) else failed
         return self._among_masters(inter, part, op, weight if op == "avg" and part is not None else 1.0, bad)
+
+    def gather_node_part(self, parts, failed=False, join=None):
+        """The exchange among nodes of a gather of this node's ``parts`` (see
+        :meth:`.base.Communicator.gather_node_part`), exactly as :meth:`gather` makes it once
+        the node's processes gathered (the same two arrays, the same all-gather). ``failed``:
+        False, a reason, or the local ranks that failed (named as :meth:`gather` names them)."""
+        inter = self._inter
+        if inter is None:
+            raise ValueError("gather_node_part: only the master of a node gathers among the nodes")
+        bad = self._reason(PeerFailed(failed))[:200] if isinstance(failed, list) else failed
+        return self._unpack(self._gather_middle(inter, parts, bad, MASTERS, None), join)
 
     def nodes_joined(self) -> list:
         return [] if self._inter is None else self._inter.joined

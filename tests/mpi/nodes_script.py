@@ -1239,13 +1239,23 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
         for op in ("sum", "max", "min", "prod") + (("avg",) if dtype != "int64" else ()):
             out = {"sum": x.sum(axis=0), "max": x.max(axis=0), "min": x.min(axis=0), "prod": x.prod(axis=0),
                    "avg": x.mean(axis=0)}[op]
-            cases.append((dtype, (op,), synk.function([x], (Assert("row too large")(out, ok), op), mode=MODE)))
+            cases.append((dtype, (op,), synk.function([x], (Assert("row too large")(out, ok), op), mode=MODE),
+                          lambda d, op=op: [want_of[op](d)]))
     x2 = pt.dmatrix("x2")
     cases.append(("float64", ("sum", "sum"), synk.function([x2], [(x2.sum(axis=0), "sum"), ((x2 ** 2).sum(), "sum")],
-                                                            mode=MODE)))
+                                                            mode=MODE), lambda d: [d.sum(0), (d ** 2).sum()]))
     x3 = pt.dmatrix("x3")  # three groups of outputs: three exchanges, each its own plan
     cases.append(("float64", ("sum", "max", "avg"), synk.function(
-        [x3], [(x3.sum(axis=0), "sum"), (x3.max(axis=0), "max"), (x3.mean(), "avg")], mode=MODE)))
+        [x3], [(x3.sum(axis=0), "sum"), (x3.max(axis=0), "max"), (x3.mean(), "avg")], mode=MODE),
+        lambda d: [d.sum(0), d.max(0), d.mean()]))
+    # gathered rows (every process's, node-major: the rows in order), beside a sum or alone
+    x4 = pt.dmatrix("x4")
+    cases.append(("float64", ("sum", "gather"), synk.function(
+        [x4], [(x4.sum(axis=0), "sum"), (Assert("row too large")(x4 * 2, pt.all(x4 < 100)), "gather")], mode=MODE),
+        lambda d: [d.sum(0), d * 2]))
+    x5 = pt.matrix("x5", dtype="int64")
+    cases.append(("int64", ("gather",), synk.function(
+        [x5], (Assert("row too large")(x5 + 1, pt.all(x5 < 100)), "gather"), mode=MODE), lambda d: [d + 1]))
     inter = synk._state.current().proc.comm.inter
     fails = {int(count * 0.4), int(count * 0.8)}
     case, rows, width, planned, digests = cases[0], [2] * n, 3, 0, []
@@ -1255,7 +1265,7 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
         if rng.random() < 0.15:  # new rows: equal on every node, or not
             width = int(rng.integers(1, 5))
             rows = [int(rng.integers(1, 5))] * n if rng.random() < 0.5 else [int(r) for r in rng.integers(1, 5, n)]
-        dtype, ops, f = case
+        dtype, ops, f, want = case
         datas = [rng.choice(np.array([-2, -1, 1, 2]), size=(rows[k], width)).astype(dtype) for k in range(n)]
         data = np.concatenate(datas)
         where = f"step {step}: {ops} of {dtype}, rows {rows}, width {width}"
@@ -1276,8 +1286,8 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
             return
         planned += inter.plan_steps > before
         got = got if isinstance(got, list) else [got]
-        wants = [want_of[ops[0]](data)] if len(ops) == 1 else [data.sum(0), (data ** 2).sum()] \
-            if len(ops) == 2 else [data.sum(0), data.max(0), data.mean()]
+        wants = want(data)
+        v.expect(len(got) == len(wants), f"{where}: {len(got)} results")
         for g, w in zip(got, wants):
             g = np.asarray(g)
             tight = np.dtype(dtype).kind == "i" or (dtype == "float64" and "avg" not in ops)
@@ -1287,7 +1297,10 @@ def scenario_planned_calls(v, node, node_sizes, seed, count=160):
     v.info["planned_calls"] = planned
     v.info["digests"] = digests
     # the kept calls whose outputs rode the workers' answers (a node of several processes)
-    v.info["inline_plans"] = sum(p.lane is not None and p.among_nodes for _, _, f in cases for p in f._planned.values())
+    v.info["inline_plans"] = sum(p.lane is not None and p.among_nodes for _, _, f, _ in cases for p in f._planned.values())
+    # of them, the kept calls with a gather output (their parts gathered among the nodes by the master)
+    v.info["inline_gathers"] = sum(p.lane is not None and p.among_nodes for _, ops, f, _ in cases if "gather" in ops
+                                   for p in f._planned.values())
 
 
 def scenario_diverge_planned(v, node, node_sizes):
