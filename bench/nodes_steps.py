@@ -1,5 +1,6 @@
 """Small and large steps across nodes: a 4-byte all_reduce, a 64 MiB all_reduce and
-a small call, under ``mpirun -np 2`` on this machine (2 nodes of 1 process each),
+a small call (with a ``sum`` output, and with a ``sum`` and a ``gather`` output), under
+``mpirun -np 2`` on this machine (2 nodes of 1 process each),
 beside mpi4py's own calls on the same bytes in the same job (the floors).
 
     python bench/nodes_steps.py [--rounds 3] [--against OTHER_TREE] [--np 2] [--processes 1] [--profile]
@@ -36,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
-MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "call 8 rows", "mpi4py Allreduce 4 B",
+MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "call 8 rows", "call 8 rows, sum + gather", "mpi4py Allreduce 4 B",
             "mpi4py Allreduce 64 MiB", "mpi4py Iallgather 512 B + Test", "mpi4py Iallreduce 64 MiB + Test",
             "mpi4py Iallreduce 64 MiB + Test + copy", "mpi4py Iallreduce 64 MiB + Test, shared pages")
 #: Per measure, the measure it is compared with in the printed ratio (synk against MPI's own).
@@ -109,12 +110,13 @@ def node(out: str, profile: bool = False, processes: int = 1) -> None:
     large = pytensor.shared(np.ones(16 << 20, dtype=np.float32), name="large")
     x = pt.dmatrix("x")
     f = synk.function([x], (x.sum(axis=0), "sum"), name="f")
+    fg = synk.function([x], [(x.sum(axis=0), "sum"), (x * 2, "gather")], name="fg")
     synk.function([], [(small.sum(), "sum"), (large.sum(), "sum")], name="h")
     synk.distribute()
     rows = np.ones((8, 4))
     steps = {"all_reduce 4 B": (lambda: synk.all_reduce(small, "max"), 2000),
              "all_reduce 64 MiB": (lambda: synk.all_reduce(large, "max"), 10),
-             "call 8 rows": (lambda: f(rows), 2000)}
+             "call 8 rows": (lambda: f(rows), 2000), "call 8 rows, sum + gather": (lambda: fg(rows), 1000)}
     raw, raw_comm = mpi_steps(np)
     steps.update(raw)
     got = {name: timed(step, n) for name, (step, n) in steps.items()}
