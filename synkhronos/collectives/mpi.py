@@ -65,6 +65,27 @@ from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
 
+class _Parts:
+    """The parts over nodes of one gathered array (see :meth:`MpiCommunicator._start_gather`):
+    ``parts[r]``, node ``r``'s, read where it was received (None where absent), once the
+    gather completed."""
+
+    __slots__ = ("lays", "sizes", "displs", "recv")
+
+    def __init__(self, lays, sizes, displs, recv):
+        self.lays, self.sizes, self.displs, self.recv = lays, sizes, displs, recv
+
+    def __getitem__(self, r):
+        lay = self.lays[r]
+        if lay is None:
+            return None
+        dtype, shape = lay
+        if self.sizes[r] == 0:
+            return np.empty(shape, dtype=dtype)
+        at = self.displs[r]
+        return cast(np.ndarray, self.recv)[at:at + self.sizes[r]].view(dtype).reshape(shape)
+
+
 class MpiCommunicator(Communicator):
     """Collectives over MPI among node masters, one per node.
 
@@ -612,19 +633,7 @@ class MpiCommunicator(Communicator):
                 reqs.append(self._comm.Iallgatherv([send, MPI.BYTE], spec))
             else:
                 reqs.append(self._comm.Igatherv([send, MPI.BYTE], spec, root))
-
-        class Parts:
-            def __getitem__(_, r):
-                lay = lays[r]
-                if lay is None:
-                    return None
-                dtype, shape = lay
-                if sizes[r] == 0:
-                    return np.empty(shape, dtype=dtype)
-                got = cast(np.ndarray, recv)  # (read where the parts were received)
-                return got[displs[r]:displs[r] + sizes[r]].view(dtype).reshape(shape)
-
-        return Parts()
+        return _Parts(lays, sizes, displs, recv)
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every node's arrays (None: nothing to add); the result on
