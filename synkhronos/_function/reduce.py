@@ -210,9 +210,15 @@ def combine_inline(proc, own, ops) -> tuple:
             sets.append(got[0])
             weights.append(got[1])
     results = [None] * len(ops) if outs is None else list(outs)
-    node_parts = proc.size if proc.comm.among_nodes() is not None else None
     return combine_sets(ranks, sets, weights, [(k, op) for k, op in enumerate(ops) if op is not None],
-                         results, node_parts=node_parts), spilled, sum(weights)
+                         results, node_parts=node_parts(proc)), spilled, sum(weights)
+
+
+def node_parts(proc) -> int | None:
+    """In the master of a node across nodes, its node's process count: an inline call's
+    ``gather`` output is then kept as the list of its processes' parts (see
+    :func:`combine_sets`), for :func:`finish_among_nodes`; None elsewhere."""
+    return proc.size if proc.is_master and proc.comm.among_nodes() is not None else None
 
 
 def finish_among_nodes(proc, results, weight, groups, n_rows) -> list:

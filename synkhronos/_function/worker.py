@@ -15,7 +15,7 @@ from .._state import interruptible
 from ..collectives.ops import result_dtype
 from .._protocol.data_refs import attach
 from ..errors import PeerFailed, as_interrupt, own_share_failed
-from .reduce import combine_sets, no_rows_anywhere, reduce_outputs, reply_inline
+from .reduce import combine_sets, no_rows_anywhere, node_parts, reduce_outputs, reply_inline
 from .spec import CallSpec
 
 __all__ = []
@@ -110,7 +110,7 @@ class Lane:
                       for r in range(proc.size)] if proc.is_master else None
         self.ranks = list(range(proc.size))
         # master, across nodes: a gather output is the list of the node's parts (see combine_sets)
-        self.node_parts = proc.size if proc.is_master and proc.comm.among_nodes() is not None else None
+        self.node_parts = node_parts(proc)
         self.reducers: list[Any] = [None] * len(self.reduced)  # master: each output's Reducer, kept
         self.kept = None  # master: what the last combine checked, see _keep
         self.total = 0.0  # master: the weights of the last combine together (what _keep checks stays)

@@ -364,12 +364,14 @@ class NcclCommunicator(Communicator):
         ``maximum``/``minimum``, which return NaN: the masks, or-ed by NCCL's MAX in the
         same group, say where the result is NaN (:meth:`_result`). One rank: none (its
         values are the result)."""
+        if op not in ("max", "min") or self.size == 1:  # (every other reduction: nothing to add)
+            return [(*buf, None) for buf in bufs]
         cp = self._cp
         out = []
         with self._stream:
             for (at, into, recv, send), (work, *_), (_, shape) in zip(bufs, plans, layout):
                 nan = None
-                if op in ("max", "min") and work.kind == "f" and math.prod(shape) and self.size > 1:
+                if work.kind == "f" and math.prod(shape):
                     mask = cp.empty(shape, dtype=np.uint8)
                     nan = (mask, cp.empty(shape, dtype=np.uint8) if gets_result else mask)
                 out.append((at, into, recv, send, nan))
@@ -378,11 +380,13 @@ class NcclCommunicator(Communicator):
     def _mark_nan(self, bufs, layout, plans) -> None:
         """Fill the send masks of :meth:`_nan_masks` from the values NCCL is about to send,
         on the stream, before NCCL may write an array reduced in place."""
+        masked = [(buf, plan[0], shape) for buf, plan, (_, shape) in zip(bufs, plans, layout) if buf[4] is not None]
+        if not masked:
+            return
         cp = self._cp
         with self._stream:
-            for (at, _, recv, send, nan), (work, *_), (_, shape) in zip(bufs, plans, layout):
-                if nan is not None:
-                    cp.isnan(cupy_at(at, work, shape, send if send is not None else recv), out=nan[0].view(np.bool_))
+            for (at, _, recv, send, nan), work, shape in masked:
+                cp.isnan(cupy_at(at, work, shape, send if send is not None else recv), out=nan[0].view(np.bool_))
 
     def _result(self, array, buf, plan, shape, post, direct):
         """An array's result: the array itself when reduced in place (scaled there by

@@ -129,6 +129,7 @@ def main() -> int:
     out = sys.argv[1]
     quick = "--quick" in sys.argv
     MPI = init_mpi()
+    from synkhronos import _state
     from synkhronos.collectives import mpi_wire
     from synkhronos.collectives.mpi import MpiCommunicator, NodeFailedError
 
@@ -137,8 +138,6 @@ def main() -> int:
     if "--piece" in sys.argv:
         mpi_wire.PIECE_BYTES = int(sys.argv[sys.argv.index("--piece") + 1])
     from synkhronos.collectives import PeerFailed
-
-    from synkhronos import _state
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
