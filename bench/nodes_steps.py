@@ -1,11 +1,12 @@
-"""Small and large steps across nodes: a 4-byte all_reduce, a 64 MiB all_reduce and
-a small call (with a ``sum`` output, and with a ``sum`` and a ``gather`` output), under
+"""Small and large steps across nodes: a 4-byte all_reduce, a 64 MiB all_reduce, a
+4-byte broadcast and a small call (with a ``sum`` output, and with a ``sum`` and a
+``gather`` output), under
 ``mpirun -np 2`` on this machine (2 nodes of 1 process each),
 beside mpi4py's own calls on the same bytes in the same job (the floors).
 
     python bench/nodes_steps.py [--rounds 3] [--against OTHER_TREE] [--np 2] [--processes 1] [--profile] [--fastest]
 
-The mpi4py rows: blocking ``Allreduce`` of 4 B and 64 MiB; ``Iallgather`` of a
+The mpi4py rows: blocking ``Allreduce`` of 4 B and 64 MiB, ``Bcast`` of 4 B; ``Iallgather`` of a
 512-byte slot then a Python ``Test`` loop (the floor of a step that never blocks
 inside MPI and carries a header); ``Iallreduce`` of 64 MiB into another buffer
 then a ``Test`` loop, without and with a 64 MiB copy back, and without on shared
@@ -38,11 +39,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
-MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "call 8 rows", "call 8 rows, sum + gather", "mpi4py Allreduce 4 B",
-            "mpi4py Allreduce 64 MiB", "mpi4py Iallgather 512 B + Test", "mpi4py Iallreduce 64 MiB + Test",
+MEASURES = ("all_reduce 4 B", "all_reduce 64 MiB", "broadcast 4 B", "call 8 rows", "call 8 rows, sum + gather",
+            "mpi4py Allreduce 4 B", "mpi4py Allreduce 64 MiB", "mpi4py Bcast 4 B", "mpi4py Iallgather 512 B + Test",
+            "mpi4py Iallreduce 64 MiB + Test",
             "mpi4py Iallreduce 64 MiB + Test + copy", "mpi4py Iallreduce 64 MiB + Test, shared pages")
 #: Per measure, the measure it is compared with in the printed ratio (synk against MPI's own).
 AGAINST = {"all_reduce 4 B": "mpi4py Allreduce 4 B", "all_reduce 64 MiB": "mpi4py Allreduce 64 MiB",
+           "broadcast 4 B": "mpi4py Bcast 4 B",
            "mpi4py Iallgather 512 B + Test": "mpi4py Allreduce 4 B",
            "mpi4py Iallreduce 64 MiB + Test": "mpi4py Allreduce 64 MiB",
            "mpi4py Iallreduce 64 MiB + Test + copy": "mpi4py Allreduce 64 MiB",
@@ -78,6 +81,7 @@ def mpi_steps(np):
 
     return {"mpi4py Allreduce 4 B": (lambda: comm.Allreduce(small, small_out, MPI.MAX), 20000),
             "mpi4py Allreduce 64 MiB": (lambda: comm.Allreduce(large, large_out, MPI.MAX), 10),
+            "mpi4py Bcast 4 B": (lambda: comm.Bcast(small_out, root=0), 20000),
             "mpi4py Iallgather 512 B + Test": (
                 lambda: test_loop(comm.Iallgather([slot, MPI.BYTE], [slots, MPI.BYTE])), 20000),
             "mpi4py Iallreduce 64 MiB + Test": (iallreduce(False), 10),
@@ -118,6 +122,7 @@ def node(out: str, profile: bool = False, processes: int = 1, fastest: bool = Fa
     rows = np.ones((8, 4))
     steps = {"all_reduce 4 B": (lambda: synk.all_reduce(small, "max"), 2000),
              "all_reduce 64 MiB": (lambda: synk.all_reduce(large, "max"), 10),
+             "broadcast 4 B": (lambda: synk.broadcast(small), 2000),
              "call 8 rows": (lambda: f(rows), 2000), "call 8 rows, sum + gather": (lambda: fg(rows), 1000)}
     raw, raw_comm = mpi_steps(np)
     steps.update(raw)

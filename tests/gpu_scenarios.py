@@ -541,7 +541,7 @@ def planned(n: int) -> dict:
         for m in vs:
             _same(_peek(vs[m].container.storage[0]), model[m], f"step {step} ({kind}) {m}")
     facts["async_host_copy_goes_stale"] = _async_host_copy_goes_stale(s)
-    facts["plans"] = sum(type(p).__name__ == "_CommAllReducePlan" for p in s.kept.plans.values())
+    facts["plans"] = sum(type(p).__name__ == "_CommPlan" for p in s.kept.plans.values())
     facts.pop("last", None)
     assert facts["in_place"] > 0 and facts["plan_runs"] > 0, facts
     synk.close()

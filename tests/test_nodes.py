@@ -206,6 +206,22 @@ def test_divergence_on_a_node_masters_direct_plan(tmp_path, sizes):
 
 
 @needs_mpi
+def test_divergence_on_kept_broadcast_and_reduce(tmp_path):
+    """Nodes of one process keep plans of a small broadcast (node 0's values in its header)
+    and reduce (an all-reduce among node masters): node 0 changes the variable's shape (every
+    node gets it), node 1 its own copy's (it gets node 0's), node 1 skips the step,
+    broadcasts another variable, all-reduces instead, reduces with another op, in place, or
+    a value of another shape (StepMismatchError or ValueError on both), a node joins (node
+    0's steps go on over its own values; node 1's broadcast from node 0 raises ValueError):
+    every value is node 0's, or every node's combined, and the next steps agree."""
+    rc, output, verdicts = mpirun(tmp_path, 2, "nodes_script.py", "diverge_kept", "1,1")
+    assert_all_ok(rc, output, verdicts, 2)
+    assert all(v["cases"] == 10 for v in verdicts.values())
+    _planned_somewhere(verdicts, "1,1")
+    _no_shm_left(tmp_path, 2)
+
+
+@needs_mpi
 def test_one_process_node_failure_reaches_the_others(tmp_path):
     """Node 1 forks one process and its rows fail inside a call (sum, gather and max
     outputs): node 0 raises PeerFailed naming node 1 (it returned a result of its own

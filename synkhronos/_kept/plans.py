@@ -266,16 +266,16 @@ class _ReadPlan(_Plan):
         return got
 
 
-class _CommAllReducePlan:
-    """A kept all_reduce of a fork of one process, run by the communicator's
+class _CommPlan:
+    """A kept all_reduce or broadcast of a fork of one process, run by the communicator's
     :class:`~synkhronos.collectives.base.CommPlan` (see above)."""
 
-    __slots__ = ("s", "vars_", "sids", "storages", "layout", "cplan", "spare", "others")
+    __slots__ = ("s", "kind", "vars_", "sids", "storages", "layout", "cplan", "spare", "receive", "others")
 
-    def __init__(self, s, vars_, sids, layout, cplan, spare):
-        self.s, self.vars_, self.sids, self.layout = s, list(vars_), list(sids), layout
+    def __init__(self, s, kind, vars_, sids, layout, cplan, spare, receive):
+        self.s, self.kind, self.vars_, self.sids, self.layout = s, kind, list(vars_), list(sids), layout
         self.storages = [v.container.storage for v in vars_]  # (a Container keeps its own for life)
-        self.cplan, self.spare = cplan, spare
+        self.cplan, self.spare, self.receive = cplan, spare, receive
         self.others: tuple = (-1, [])  # (len(proc.shareds), the other variables' storage lists)
 
     def run(self) -> bool:
@@ -292,14 +292,23 @@ class _CommAllReducePlan:
                 if type(value) is not np.ndarray or value.dtype is not dtype or value.shape != shape:
                     return False
             outs = [self.spare(sid, value) for sid, value in zip(self.sids, values)]
-        return s.step_alone("all_reduce", self._step, values, outs)
+        elif self.kind == "broadcast":  # (root's values as new arrays, where the step went the long way)
+            outs = [None] * len(values)
+        return s.step_alone(self.kind, self._step, values, outs)
 
     def _step(self, values, outs) -> bool:
         done = self.cplan.run(values, outs)
-        if done and outs is not None:
+        if not done or outs is None:
+            return done
+        if self.cplan.out_of_place:
             for storage, out in zip(self.storages, outs):
                 storage[0] = out
-            self.s.kept.moved()  # variables hold other arrays (the validity rule)
+        elif not any(out is not None for out in outs):
+            return done
+        else:
+            for sid, out in zip(self.sids, outs):
+                self.receive(sid, out)
+        self.s.kept.moved()  # variables hold other arrays (the validity rule)
         return done
 
     def _held_elsewhere(self, values, shareds) -> bool:
@@ -327,22 +336,43 @@ class _CommAllReducePlan:
         return False
 
 
-def keep_comm_plan(s, plan_key, vars_, sids, op, comm, step, spare) -> None:
-    """After a full-path all_reduce in a fork of one process: keep ``comm``'s plan of
-    it under ``plan_key`` (``Communicator.plan``; none: nothing kept), unless an
-    inline plan holds that key. ``step``: its step key and words across nodes;
-    ``spare(sid, value)``: an array for an out-of-place plan's result."""
+class _CommReducePlan(_CommPlan):
+    """A kept reduce of a fork of one process across nodes, run by the communicator's
+    all-reduce plan among the node masters (the result on every node master, as the
+    full path's) into new arrays: the results, which the caller stores when in place."""
+
+    __slots__ = ()
+
+    def run(self):
+        """The results (new arrays, one per variable), or None when the full path must run."""
+        s = self.s
+        if len(s.distributed) != len(s.proc.functions) or not s.idle():
+            return None
+        values = [storage[0] for storage in self.storages]
+        outs = [np.empty(shape, dtype) for dtype, shape in self.layout]
+        return outs if s.step_alone("reduce", self.cplan.run, values, outs) else None
+
+
+def keep_comm_plan(s, plan_key, kind, vars_, sids, op, comm, step, spare, receive=None) -> None:
+    """After a full-path all_reduce, broadcast or reduce (``kind``) in a fork of one process:
+    keep ``comm``'s plan of it under ``plan_key`` (``Communicator.plan``; none: nothing
+    kept), unless an inline plan holds that key. ``step``: its step key and words across
+    nodes; ``spare(sid, value)``: an array for an out-of-place plan's result; ``receive(sid,
+    value)``: a broadcast's, places ``value`` (new memory) as variable ``sid``'s. A reduce
+    (across nodes only: its result on every node master) runs an all-reduce plan among
+    the node masters."""
     plans = s.kept.plans
     have = plans.get(plan_key)
-    if have is not None and type(have) is not _CommAllReducePlan:
+    if have is not None and type(have) not in (_CommPlan, _CommReducePlan):
         return
     values = [v.container.storage[0] for v in vars_]
     layout = tuple((getattr(a, "dtype", None), getattr(a, "shape", None)) for a in values)
-    cplan = comm.plan("all_reduce", layout, op, step)
+    cplan = comm.plan("all_reduce" if kind == "reduce" else kind, layout, op, step)
     if cplan is None:
         plans.pop(plan_key, None)
         return
-    plans.keep(plan_key, _CommAllReducePlan(s, vars_, sids, layout, cplan, spare))
+    plans.keep(plan_key, (_CommReducePlan if kind == "reduce" else _CommPlan)(
+        s, kind, vars_, sids, layout, cplan, spare, receive))
 
 
 class _NodeAllReducePlan(_Plan):

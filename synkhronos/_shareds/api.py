@@ -23,7 +23,7 @@ from .._protocol.distribute import distribute
 from .._kept.records import Resolved
 from .._kept.plans import keep_comm_plan, keep_node_plan, planned, planned_gather, planned_reduce, resolve_key
 from ..world import world
-from .homes import assign, spare_home
+from .homes import assign, receive_into, spare_home
 from .host import CollectiveSpec, send, wire_of
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
@@ -169,8 +169,15 @@ def _broadcast(shared_vars, values, nccl) -> None:
         # (a bad value raises here; the step still reaches the others: see nodes.stepped)
         for var, val in zip(vars_, _values_for(vars_, values, "broadcast", single)):
             var.set_value(val)
-    send(s, CollectiveSpec("broadcast", sids, cpu=cpu),
-          plan_key=None if values is not None else ("broadcast", resolve_key(shared_vars), None, nccl))
+    spec = CollectiveSpec("broadcast", sids, cpu=cpu)
+    plan_key = None if values is not None else ("broadcast", resolve_key(shared_vars), None, nccl)
+    send(s, spec, plan_key=plan_key)
+    proc = s.proc
+    if plan_key is not None and plan_key[1] is not None and proc.size == 1:  # a fork of one process
+        # (across nodes, the communicator's own plan; none elsewhere)
+        keep_comm_plan(s, plan_key, "broadcast", vars_, sids, None, proc.device.comm_for(proc, cpu),
+                       _step_of(proc, spec), spare=lambda sid, value: spare_home(proc, sid, value),
+                       receive=lambda sid, value: receive_into(proc, sid, proc.shareds[sid], value))
 
 
 @nodes.stepped("scatter")
@@ -315,8 +322,14 @@ def _reduce(shared_vars, op, in_place, nccl):
     name, cpu = parse_op(op)
     cpu = not _check_nccl(nccl) or cpu
     s, vars_, sids, single = _resolve(shared_vars)
-    res = send(s, CollectiveSpec("reduce", sids, op=name, in_place=bool(in_place), cpu=cpu),
-                plan_key=("reduce", resolve_key(shared_vars), (op, bool(in_place)), nccl))
+    spec = CollectiveSpec("reduce", sids, op=name, in_place=bool(in_place), cpu=cpu)
+    plan_key = ("reduce", resolve_key(shared_vars), (op, bool(in_place)), nccl)
+    res = send(s, spec, plan_key=plan_key)
+    proc = s.proc
+    if plan_key[1] is not None and proc.size == 1 and proc.comm.among_nodes() is not None \
+            and not proc.device.keeps_values_on_device:  # a node of one process across nodes
+        keep_comm_plan(s, plan_key, "reduce", vars_, sids, name, proc.comm, _step_of(proc, spec),
+                       spare=lambda sid, value: spare_home(proc, sid, value))
     return None if in_place else _ret(res, single)
 
 
@@ -361,8 +374,8 @@ def _all_reduce(shared_vars, op, nccl) -> None:
     if plan_key[1] is None:
         return
     if proc.size == 1:  # a fork of one process: the communicator's own plan
-        keep_comm_plan(s, plan_key, vars_, sids, name, proc.device.comm_for(proc, cpu), _step_of(proc, spec),
-                       spare=lambda sid, value: spare_home(proc, sid, value))
+        keep_comm_plan(s, plan_key, "all_reduce", vars_, sids, name, proc.device.comm_for(proc, cpu),
+                       _step_of(proc, spec), spare=lambda sid, value: spare_home(proc, sid, value))
     elif proc.comm.among_nodes() is not None and not proc.device.keeps_values_on_device:
         # a node of several processes across nodes: the node master's direct plan
         keep_node_plan(s, plan_key, vars_, sids, name, proc.comm, _step_of(proc, spec))

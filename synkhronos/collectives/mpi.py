@@ -55,7 +55,7 @@ from .._procs.launch import Notices, mpi as _mpi
 from .._procs.waits import wait_until
 from .base import Communicator
 from . import mpi_wire
-from .mpi_plans import CallPlan, LargePlan, StepPlan
+from .mpi_plans import BroadcastPlan, CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
                        Head, HeaderExchange, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, fold_reduce,
@@ -257,11 +257,11 @@ class MpiCommunicator(Communicator):
         if self._notices is not None:
             self._notices.send((self.rank, reason), lambda v: (v[0], v[1][:NOTICE_BYTES // 2] + " ..."))
 
-    def plan_step(self, mark: int, words) -> int:
+    def plan_step(self, mark: int, words, what: str = "all_reduce") -> int:
         """A kept plan's step (see :mod:`.mpi_plans`): numbered first (:meth:`begin_marked`),
         then entered (:meth:`enter`, which raises when no step can be made); its number."""
         self.begin_marked(mark, words)
-        self.enter("all_reduce")
+        self.enter(what)
         return self.step[0]
 
     def plan_exchanged(self, equal: bool) -> None:
@@ -272,11 +272,13 @@ class MpiCommunicator(Communicator):
         if equal and self.joined:
             self.joined = []
 
-    def settle_slots(self, what: str, values, slots, blob: bytes, op: str) -> None:
-        """A kept plan's exchange found slots that differ from this node's (see
+    def settle_slots(self, what: str, values, slots, blob: bytes, op: str | None, root=None):
+        """A kept plan's exchange found slots that differ from the plan's (see
         :mod:`.mpi_plans`): read them as the full path does (a node that joined, left,
-        failed, is in another step or holds another layout), then reduce into ``values``
-        in place, or raise, as the full path would."""
+        failed, is in another step or holds another layout), then do what the full path
+        would, or raise as it would: reduce into ``values`` in place (``op``), or, for a
+        broadcast from node ``root`` (``op`` None), return node ``root``'s values (new
+        arrays; its own ``values`` on that node)."""
         heads, metas = self._read_headers_long(what, slots, blob)
         try:
             self._same_step(what, heads)
@@ -285,9 +287,13 @@ class MpiCommunicator(Communicator):
             self._failed = f"this step failed on every node at an earlier exchange ({type(err).__name__})" \
                 if self.begun else None
             raise
+        pairs = [(m[0], m[1]) for m in metas]
+        if op is None:  # (_broadcast_rest copies a payload out of the slots)
+            return self._broadcast_rest(values if self.rank == root else None, pairs, root, payload=metas[root][3])
         # the payload views are of the plan's kept slots: copied before the slots are used again
         payloads = [None if m[3] is None else [np.array(p) for p in m[3]] for m in metas]
-        self._reduce_rest(what, list(values), [(m[0], m[1]) for m in metas], payloads, op, None, in_place=True)
+        self._reduce_rest(what, list(values), pairs, payloads, op, None, in_place=True)
+        return None
 
     def started(self, what: str, start):
         """``start()`` (buffers and MPI calls); a local error there abandons the
@@ -504,7 +510,7 @@ class MpiCommunicator(Communicator):
                 elif what in ("all_gather", "gather"):
                     self._gather_rest(what, None, pairs, root, None)
                 elif what == "broadcast":
-                    self._broadcast_rest(None, pairs, root)
+                    self._broadcast_rest(None, pairs, root, payload=metas[root][3])
                 elif what == "close":
                     self.ended = f"nodes {active} closed (synk.close()) while node {self.rank} waited in join()"
                     raise SynkError(f"join(): {self.ended}, without joining; every node calls "
@@ -713,11 +719,13 @@ class MpiCommunicator(Communicator):
             raise ValueError(f"broadcast: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         is_root = self.rank == root
         arrays_ = [np.asarray(a) for a in arrays] if is_root and arrays is not None else None
-        metas = self._agree("broadcast", arrays_, 1.0, failed, root=root)
-        return self._broadcast_rest(arrays_, metas, root, receive, what)
+        # (root's values travel in its header where they fit: one exchange, as a kept plan's)
+        metas, payloads = self._agree("broadcast", arrays_, 1.0, failed, inline=True, root=root)
+        return self._broadcast_rest(arrays_, metas, root, receive, what, payloads[root])
 
-    def _broadcast_rest(self, arrays_, metas, root, receive=None, what="broadcast"):
-        """A broadcast once every node's header is known."""
+    def _broadcast_rest(self, arrays_, metas, root, receive=None, what="broadcast", payload=None):
+        """A broadcast once every node's header is known; ``payload``: root's values, views of
+        its received header slot, where they travelled there."""
         is_root = self.rank == root
         layout = metas[root][0]
         if layout is None:
@@ -725,6 +733,9 @@ class MpiCommunicator(Communicator):
                 raise ValueError(f"{what}: root node {root} has joined (synk.join()): it has no "
                                  "values to send")
             raise ValueError(f"{what}: root node {root} gave no arrays")
+        if payload is not None:  # (copied: the slots serve the next exchange)
+            out = arrays_ if is_root else [np.array(p, copy=True) for p in payload]
+            return out if is_root or receive is None else [receive(i, a) for i, a in enumerate(out)]
         MPI = self._MPI
         sizes = [math.prod(s) * np.dtype(d).itemsize for d, s in layout]
 
@@ -759,6 +770,8 @@ class MpiCommunicator(Communicator):
         lines = (self._MPI, self._comm)
         if kind == "reduce":
             return CallPlan.make(self, lines, layout, op, weight)
+        if kind == "broadcast":  # (from the master node, as every synk.broadcast across nodes)
+            return None if step is None else BroadcastPlan.make(self, lines, layout, step, self.master_rank)
         lay = None if kind != "all_reduce" or op not in MPI_OPS or step is None else plannable_layout(layout, op)
         return None if lay is None else StepPlan.make(self, lines, lay, op, step, weight) or LargePlan.make(
             self, lines, lay, op, step, weight)

@@ -1,4 +1,4 @@
-"""The MPI communicator's kept all-reduce plans among node masters of nodes of one process.
+"""The MPI communicator's kept all-reduce and broadcast plans among node masters of nodes of one process.
 
 :meth:`.mpi.MpiCommunicator.plan` makes them after a full-path all-reduce (see
 :meth:`.base.Communicator.plan`). A plan reaches its communicator only through
@@ -23,7 +23,7 @@ from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_
                        fill_slot, fold_reduce, payload_at, plannable_layout, reduce_plan)
 from .ops import REDUCE_OPS, Reducer
 
-__all__ = ["CallPlan", "LargePlan", "StepPlan"]
+__all__ = ["BroadcastPlan", "CallPlan", "LargePlan", "StepPlan"]
 
 #: The step number's place in a header slot (see mpi_wire.HEAD: an int64 after the blob's length).
 _NUMBER = 8
@@ -48,30 +48,43 @@ class _SlotPlan(CommPlan):
 
     comm: typing.Any  # the MpiCommunicator (set by each plan's __init__)
 
-    def _make_slots(self, comm, lines, layout, op: str, blob: bytes, mark: int, payload: bool):
+    def _make_slots(self, comm, lines, layout, op: str | None, blob: bytes, mark: int, payload: bool,
+                    plan=None, others=None):
         """This plan's slot (head and ``blob`` written once: a run writes its step's number,
         and its values where ``payload``, then copies it into the header exchange's send
         slot), the exchange's receive slots, and this node's head and blob and every other
-        node's, to compare. Per node, the views of its values in its receive slot
-        (``payload``), else None."""
+        node's, to compare: the same as this node's, or, for the nodes of ``others``
+        (``(ranks, blob)``: a broadcast's root, or its other nodes), their own head with
+        that blob. ``plan``: the head's what, op and root (default: an all_reduce by
+        ``op``). Per node, the views of its values in its receive slot (``payload``), else None."""
         self.MPI, self.mpi_comm = lines
         self.fingerprint = zlib.crc32(blob)
         size, at = comm.size, payload_at(len(blob))
         self.header = comm.header  # (its buffers live as long as the communicator: so do these views)
         self.slot = np.zeros(HEADER_SLOT, dtype=np.uint8)
         self.slots = self.header.recv
-        fill_slot(self.slot, 0, blob, mark, (WHAT_CODES["all_reduce"], OP_CODES[op], -1))
+        plan = (WHAT_CODES["all_reduce"], OP_CODES[op], -1) if plan is None else plan
+        fill_slot(self.slot, 0, blob, mark, plan)
         self.number = self.slot[_NUMBER:_NUMBER + 8].view("<i8")
         n = HEAD.size + len(blob)
         self.own = self.slot[:n]  # this node's head and blob; every other node's, to compare
-        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank]
+        ranks: list = []
+        self.model = None  # (others: their head and blob; the number written per run, self.model_number)
+        if others is not None:
+            ranks, other_blob = others
+            model = np.zeros(HEADER_SLOT, dtype=np.uint8)
+            fill_slot(model, 0, other_blob, mark, plan)
+            self.model, self.model_number = model[:HEAD.size + len(other_blob)], model[_NUMBER:_NUMBER + 8].view("<i8")
+        self.heads = [self.slots[r, :n] for r in range(size) if r != comm.rank and r not in ranks]
+        self.others = [] if self.model is None else [self.slots[r, :len(self.model)] for r in ranks]
         self.keep = (self.header.send, self.slots)
         self.sends: list = packed_views(self.slot, layout, at, 8) if payload else []
         return [packed_views(self.slots[r], layout, at, 8) for r in range(size)] if payload else None
 
     def _exchange_slots(self, values) -> bool:
         """Exchange the header slots (the step's number written, ``values`` written here
-        where they travel there): whether every node's head and blob is this node's."""
+        where they travel there): whether every node's head and blob is the one this node
+        expects (its own, or its model's for the nodes of ``others``)."""
         comm = self.comm
         for view, v in zip(self.sends, values):
             view[...] = v
@@ -89,6 +102,13 @@ class _SlotPlan(CommPlan):
             if head.tobytes() != own:
                 comm.plan_exchanged(False)
                 return False
+        if self.model is not None:
+            self.model_number[0] = self.number[0]
+            model = self.model.tobytes()
+            for head in self.others:
+                if head.tobytes() != model:
+                    comm.plan_exchanged(False)
+                    return False
         comm.plan_exchanged(True)
         return True
 
@@ -143,16 +163,27 @@ class StepPlan(_SlotPlan):
         return 2, reducer, parts
 
     def run(self, values, outs=None) -> bool:
+        """The all-reduce into ``values`` in place, or into ``outs`` (arrays of the layout,
+        not the values: a ``synk.reduce``'s results, the values left as they are)."""
         comm = self.comm
-        if comm.pre_begun or len(values) != self.count:
+        if comm.pre_begun or len(values) != self.count or (outs is not None and len(outs) != self.count):
             return False
+        into = values if outs is None else outs
+        # (a dtype equal to the plan's but another object: unpickled, or of another byte order's name)
         for v, (dtype, shape) in zip(values, self.layout):
-            if type(v) is not np.ndarray or v.dtype is not dtype or v.shape != shape or not v.flags.writeable:
+            if type(v) is not np.ndarray or (v.dtype is not dtype and v.dtype != dtype) or v.shape != shape:
+                return False
+        for v, (dtype, shape) in zip(into, self.layout):
+            if type(v) is not np.ndarray or (v.dtype is not dtype and v.dtype != dtype) or v.shape != shape \
+                    or not v.flags.writeable:
                 return False
         if not self._exchange(values):
-            self._read_long(values)
+            if outs is not None:  # (the long way reduces in place: into copies of the values)
+                for v, out in zip(values, outs):
+                    np.copyto(out, v)
+            self._read_long(into)
             return True
-        for value, (how, fn, parts) in zip(values, self.folds):
+        for value, (how, fn, parts) in zip(into, self.folds):
             if how == 1:
                 acc = fn(parts[0], parts[1], out=value)
                 for x in parts[2:]:
@@ -286,4 +317,66 @@ class CallPlan(_SlotPlan):
         got = [np.array(v, copy=True) for v in values]  # (the full path reads the slots long: into copies)
         comm.settle_slots("all_reduce", got, self.slots, self.blob, self.op)
         outs[:] = got
+        return True
+
+
+class BroadcastPlan(_SlotPlan):
+    """A kept broadcast from node ``root`` among node masters of nodes of one process,
+    of values that travel in the header slot: the full path's header of this node,
+    made once (root's carries its layout and, per run, its values; every other node's
+    says it gives none), and the one exchange. Each :meth:`run` numbers the step
+    first, makes the exchange and compares every node's head and blob with the full
+    path's of that node, byte for byte: all equal, every other node copies root's
+    values into its own in place; any difference reads the slots as the full path
+    reads them and then goes on (root's values, new arrays, into ``outs``) or raises,
+    as the full path would. So a node on the full path (which sends root's values in
+    its header where they fit) and nodes on their plans meet in the same step.
+    """
+
+    @classmethod
+    def make(cls, comm, lines, layout, step, root: int):
+        """The plan, or None where root's values would not travel in the header slot."""
+        lay = []
+        for dtype, shape in layout:
+            if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(shape, tuple):
+                return None
+            lay.append((dtype, tuple(int(d) for d in shape)))
+        blob = _blob_with_payload((lay, 1.0, False, True))  # (root's meta as the full path's _agree makes it)
+        return None if blob is None else cls(comm, lines, lay, step, root, blob)
+
+    def __init__(self, comm, lines, layout, step, root: int, blob: bytes):
+        self.comm, self.layout, self.root = comm, layout, root
+        self.key, self.words = step
+        self.mark = comm.mark_of(self.key)
+        self.is_root = comm.rank == root
+        self.needs_exclusive = not self.is_root  # (the other nodes write root's values into theirs)
+        none = pickle.dumps((None, 1.0, False, False), protocol=pickle.HIGHEST_PROTOCOL)
+        self.blob = blob if self.is_root else none
+        ranks = [r for r in range(comm.size) if r != root] if self.is_root else [root]
+        self._make_slots(comm, lines, layout, None, self.blob, self.mark, self.is_root,
+                         plan=(WHAT_CODES["broadcast"], OP_CODES[None], root),
+                         others=(ranks, none if self.is_root else blob))
+        self.received = packed_views(self.slots[root], layout, payload_at(len(blob)), 8)  # (root's values)
+        self.count = len(layout)
+
+    def run(self, values, outs=None) -> bool:
+        """Root's values into ``values`` (in place; root: sends its own), or, after slots
+        that differ, into ``outs`` (a list: root's values as new arrays, for the engine to
+        place); False, nothing sent, when the values left the plan."""
+        comm = self.comm
+        if comm.pre_begun or len(values) != self.count or outs is None or len(outs) != self.count:
+            return False
+        for v, (dtype, shape) in zip(values, self.layout):
+            if type(v) is not np.ndarray or (v.dtype is not dtype and v.dtype != dtype) or v.shape != shape \
+                    or not (self.is_root or v.flags.writeable):  # (an equal dtype: a value received unpickled)
+                return False
+        self.number[0] = comm.plan_step(self.mark, self.words, "broadcast")  # numbered before anything can fail
+        if self._exchange_slots(values):
+            if not self.is_root:
+                for v, got in zip(values, self.received):
+                    np.copyto(v, got)
+            return True
+        got = comm.settle_slots("broadcast", values, self.slots, self.blob, None, self.root)
+        if not self.is_root:
+            outs[:] = got
         return True

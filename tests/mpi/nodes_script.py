@@ -57,6 +57,11 @@ forks 2, node 2 forks 1 again ...). Each node master writes its verdict
   sizes, 0-d variables among others: close to numpy's mean over the processes.
 - ``diverge_node_planned``: ``diverge_planned``'s divergences where the other nodes'
   masters are on their direct plans.
+- ``diverge_kept``: nodes of one process keep plans of a broadcast and a reduce; node 0
+  changes the variable's shape, node 1 its own copy's, node 1 skips the step, broadcasts
+  another variable, all-reduces instead, reduces with another op, in place, or a value of
+  another shape, a node joins: every node gets node 0's values or every node's combined,
+  or raises the same error, and the next steps agree.
 
 Every node master reports ``plan_steps``: the steps its kept MPI plans made.
 """
@@ -1438,13 +1443,107 @@ def scenario_fold_order(v, node, node_sizes):
 
 
 #: The scenarios that take (verdict, node, node sizes), by name.
+def scenario_diverge_kept(v, node, node_sizes):
+    """Broadcasts and reduces on the nodes' kept plans (``diverge_kept``, see the module's
+    docstring): node 0 changes a variable's shape, node 1 changes its own copy's, node 1
+    skips the step, broadcasts another variable, all-reduces instead, reduces with another
+    op, in place where the others are not, or a value of another shape; node 1 joins
+    while node 0 broadcasts and reduces, node 0 joins while node 1 broadcasts. Every node
+    gets node 0's values (a broadcast) or every node's combined in node order (a reduce),
+    or raises the same error, and the next steps agree."""
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.zeros(3), name="w")
+    u = pytensor.shared(np.zeros(2, dtype=np.int32), name="u")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode=MODE, name="f")
+    synk.function([], (w.sum() + u.sum(), "sum"), mode=MODE, name="h")
+    synk.distribute()
+    data, per_node = all_rows(node_sizes)
+    mine, total, s = per_node[node], sum(node_sizes), synk._state.current()
+    inter, alone, n = s.proc.comm.inter, node_sizes[node] == 1, len(node_sizes)
+    v.expect(all(size == 1 for size in node_sizes), "diverge_kept: nodes of one process")
+
+    def planned(what, call, want, planned=True):  # call()'s result is want (on this node's plan, where it keeps one)
+        before = inter.plan_steps
+        got = call()
+        v.expect(got.shape == want.shape and np.array_equal(got, want), f"{what}: {got} != {want}")
+        v.expect(not (planned and alone) or inter.plan_steps == before + 1, f"{what}: not on the plan")
+
+    def bcast(want, planned_=True):
+        planned("broadcast", lambda: synk.broadcast(w) or w.get_value(), want, planned_)
+
+    def reduce(want, planned_=True):  # every node's w summed, on every node master; w as it was
+        mine_ = w.get_value()
+        planned("reduce", lambda: synk.reduce(w, "sum", in_place=False), want, planned_)
+        v.expect(np.array_equal(w.get_value(), mine_), "reduce: the value changed")
+
+    def own(value):  # node k holds value + 100 k
+        w.set_value(value + 100.0 * node)
+
+    def keep(t):  # both plans kept (a full-path step each), then steps on them
+        want = np.arange(3.0) * (t + 1)
+        for k in range(3):
+            own(want)
+            reduce(sum(want + 100.0 * j for j in range(n)), planned_=k > 0)
+            bcast(want, planned_=k > 0)
+        return want
+
+    cases = [  # (name, what node 0 does, what node 1 does, what both raise: None for nothing)
+        ("node 0's new shape", lambda want: (own(np.arange(5.0)), bcast(np.arange(5.0), False)),
+         lambda want: bcast(np.arange(5.0)), None),
+        ("node 1's own shape", lambda want: bcast(want),
+         lambda want: (w.set_value(np.ones(4)), bcast(want, False)), None),
+        ("a step skipped", lambda want: synk.broadcast(w), lambda want: f(mine), "StepMismatchError"),
+        ("another variable", lambda want: synk.broadcast(w), lambda want: synk.broadcast(u), "StepMismatchError"),
+        ("an all_reduce", lambda want: synk.broadcast(w), lambda want: synk.all_reduce(w, "sum"),
+         "StepMismatchError"),
+        ("another op", lambda want: synk.reduce(w, "sum", in_place=False),
+         lambda want: synk.reduce(w, "max", in_place=False), "StepMismatchError"),
+        ("in place", lambda want: synk.reduce(w, "sum", in_place=False), lambda want: synk.reduce(w, "sum"),
+         "StepMismatchError"),
+        ("a reduce of another shape", lambda want: synk.reduce(w, "sum", in_place=False),
+         lambda want: (w.set_value(np.ones(4)), synk.reduce(w, "sum", in_place=False)), "ValueError"),
+    ]
+    for t, (name, first, other, error) in enumerate(cases):
+        want = keep(t)
+        step = first if node == 0 else other
+        if error is None:
+            _step_ok(v, name, lambda: (step(want), 0.0)[1], 0.0)
+        else:
+            text = raises_soon(v, lambda: step(want), name)
+            v.expect(text.startswith(error), f"{name}: {text}")
+        _step_ok(v, f"the call after {name}", lambda: f(mine), data.sum(0))
+        own(np.arange(3.0) - t)
+        bcast(np.arange(3.0) - t, False)
+    for joins in (1, 0):  # a node joins while the other broadcasts from node 0 (and reduces)
+        want = keep(len(cases) + joins)
+        if node == joins:
+            synk.join()
+        elif joins == 1:  # node 0's own values, on its plans: the reduce is over node 0's alone
+            for t in range(3):
+                w.set_value(want * t)
+                reduce(want * t)
+                bcast(want * t)
+            synk.join()
+        else:
+            text = raises_soon(v, lambda: synk.broadcast(w), "broadcast from a node that joined")
+            v.expect(text.startswith("ValueError") and "joined" in text, f"root joined: {text}")
+            synk.join()
+        own(np.arange(3.0) + joins)
+        bcast(np.arange(3.0) + joins, False)
+        w.set_value(np.ones(3))
+        _step_ok(v, f"all_reduce after node {joins} joined", lambda: synk.all_reduce(w, "sum") or w.get_value(),
+                 np.full(3, float(total)))
+    v.info["cases"] = len(cases) + 2
+
+
 SCENARIOS = {"kill": scenario_kill, "diverge": scenario_diverge, "bad_broadcast": scenario_bad_broadcast,
              "timeout": scenario_timeout, "alone": scenario_alone_raises, "busy": scenario_busy_after_kill,
              "uneven": scenario_uneven, "join_close": scenario_join_close, "leave": scenario_leave,
              "caught": scenario_caught, "joined_collectives": scenario_joined_collectives,
              "timeout_usable": scenario_timeout_usable, "close_in_join": scenario_close_in_join,
              "refork": scenario_refork, "avg_uneven": scenario_avg_uneven, "fold_order": scenario_fold_order,
-             "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned}
+             "diverge_planned": scenario_diverge_planned, "diverge_node_planned": scenario_diverge_planned,
+             "diverge_kept": scenario_diverge_kept}
 
 
 def main() -> int:
