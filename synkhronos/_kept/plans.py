@@ -35,15 +35,19 @@ path runs the command. A worker's inline gather or reduce moves its values
 into their homes first (once; again after an update moved them), so that
 they can be published.
 
-A communicator's own plan: in a fork of one process (a node of one
-process across nodes, one GPU), an all_reduce that went through by the full
-path asks the communicator for a :class:`~synkhronos.collectives.base.CommPlan`
-(:func:`keep_comm_plan`): what the collective does, agreed once among the
-processes it reaches (the other nodes, NCCL's ranks). The next all_reduce of
-the same argument runs it, with no command (there are no workers), while the
-fork is idle with nothing to distribute; the plan itself checks that the
-values still have its layout (else the full path runs, and plans again), and
-each run carries its fingerprint, which every process compares.
+A communicator's own plan: in a fork of one process (a node of one process
+across nodes, one GPU), an all_reduce (across nodes also a broadcast or a
+reduce) that went through by the full path asks the communicator for a
+:class:`~synkhronos.collectives.base.CommPlan` (:func:`keep_comm_plan`): what
+the collective does, agreed once among the processes it reaches (the other
+nodes, NCCL's ranks). The next one of the same argument runs it, with no
+command (there are no workers), while the fork is idle with nothing to
+distribute; the plan itself checks that the values still have its layout
+(else the full path runs, and plans again), and each run carries its
+fingerprint, which every process compares. A broadcast's plan writes node 0's
+values into this node's in place, or hands them over as new arrays where the
+step went the long way (another node on the full path with another layout);
+a reduce's is the all_reduce's exchange among node masters, into new arrays.
 
 The master's half: ``_shareds.api.broadcast`` and ``.all_reduce`` try
 :func:`planned` first, ``.gather`` :func:`planned_gather`, ``.reduce``
