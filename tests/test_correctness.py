@@ -209,6 +209,47 @@ def test_outputs_that_are_not_row_wise_are_refused_with_num_slices(forked):
     assert f(value)[1] == value.sum()
 
 
+def test_a_value_the_rows_do_not_change_is_exact_with_num_slices(fork):
+    """An update or an ``avg`` output that every slice computes alike (a float32 step
+    counter, a shared value) is that value with any ``num_slices``, in every process, as
+    PyTensor gives it; the slices' row weights, rounded, need not add up to 1 (a counter
+    ``t + 1`` came back 1 ulp off, differently per process, and drifted over calls)."""
+    fork(2)
+    x = pt.fmatrix("x")
+    t = pytensor.shared(np.float32(0.5), name="t")
+    w = pytensor.shared(np.array([0.1, 0.3, 0.7, 1.0, 3.0, 1e-3], np.float32), name="w")
+    f = synk.function([x], [(x.sum(), "sum"), (w * 1, "avg"), (x.mean(axis=0) * 0 + t, "avg")],
+                      updates=[(t, t + np.float32(1))], mode=MODE)
+    value = np.ones((13, 2), np.float32)  # 7 and 6 rows: slices of 2 and 1 rows
+    whole = f(value)  # (the processes' avg, weighted 7/13 and 6/13, may round: alike with slices)
+    want_t = np.float32(1.5)
+    for k in (2, 3, 4, 7):
+        for _ in range(20):
+            got = f(value, num_slices=k)
+            want_t += np.float32(1)
+        assert got[1].tobytes() == whole[1].tobytes(), (k, got[1], whole[1])
+        for r in range(2):
+            assert synk.get_value(r, t).tobytes() == np.float32(want_t).tobytes(), (k, r, synk.get_value(r, t))
+
+
+def test_all_gather_refused_changes_no_variable(fork):
+    """A list all_gather whose second variable's shapes do not join along axis 0 raises a
+    ValueError naming it, in every process, and leaves the first variable as it was
+    (it used to be joined already)."""
+    fork(2)
+    a = pytensor.shared(np.array([1.0, 2.0]), name="a")
+    e = pytensor.shared(np.zeros((1, 2)), name="e")
+    use(a, e)
+    synk.set_value(1, e, np.zeros((1, 3)))
+    with pytest.raises(ValueError, match=r"all_gather: shared variable 'e' has shapes \[\(1, 2\), \(1, 3\)\]"):
+        synk.all_gather([a, e])
+    for r in range(2):
+        assert_array_equal(synk.get_value(r, a), [1.0, 2.0])
+    synk.set_value(1, e, np.ones((1, 2)))
+    synk.all_gather([a, e])  # and the next one joins
+    assert_array_equal(synk.get_value(1, e), [[0.0, 0.0], [1.0, 1.0]])
+
+
 # ---------------------------------------------------------------------------
 # 4. a variable listed twice
 

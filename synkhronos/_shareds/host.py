@@ -212,11 +212,10 @@ def _run_host(proc, spec: CollectiveSpec):
                            join=lambda i, parts: join([p for p in parts if p is not None], spec.nd_up, vars_[i]))
     elif kind == "all_gather":
         got = comm.all_gather(resident(proc, spec.sids, vars_))  # read in place, not via the slot
-        out = []
-        for v, parts in zip(vars_, got):
-            joined = np.concatenate([p for p in parts if p is not None], axis=0)
+        # every variable joined before any is set: a refusal (the same in every process) changes none
+        out = [_joined(v, parts) for v, parts in zip(vars_, got)]
+        for v, joined in zip(vars_, out):
             assign(v, joined)
-            out.append(joined)
         # the caller's arrays are new memory, never the variables' own values
         return [np.array(a, copy=True) for a in out] if proc.is_master else None
     elif kind == "reduce":
@@ -245,6 +244,17 @@ def _run_host(proc, spec: CollectiveSpec):
     else:
         raise ValueError(f"unknown collective {kind!r}")
     return None
+
+
+def _joined(var, parts) -> np.ndarray:
+    """An all_gather's value of ``var``: every process's part (None: absent) joined along axis 0."""
+    present = [p for p in parts if p is not None]
+    try:
+        return np.concatenate(present, axis=0)
+    except ValueError as err:
+        raise ValueError(f"all_gather: shared variable {var.name or var!r} has shapes "
+                         f"{[p.shape for p in present]} in the processes (in rank order), which do not "
+                         f"join along axis 0 ({err}); no variable was changed") from None
 
 
 def _host_scatter(proc, spec: CollectiveSpec, vars_) -> None:
