@@ -514,6 +514,9 @@ class JaxValueAndGrad(Op):
 
         inner = render_for_xla(FunctionGraph(self.inner_inputs, [self.inner_output], clone=True))
         wrt = self.wrt
+        # PyTensor's symbolic gradient (PyMC's own), for the points where autodiff is not finite
+        symbolic = render_for_xla(FunctionGraph(self.inner_inputs, self._symbolic_grads(), clone=True)) \
+            if wrt else inner  # (without wrt: never called)
 
         def value_and_grads(*args):
             def value(*chosen):
@@ -525,9 +528,23 @@ class JaxValueAndGrad(Op):
             if not wrt:
                 return (value(),)
             val, grads = jax.value_and_grad(value, argnums=tuple(range(len(wrt))))(*[args[i] for i in wrt])
-            return (val, *grads)
+            # autodiff through a switch differentiates the branch not taken too: 0 * inf is NaN
+            # there (a normal log-cdf's tail in ExGaussian, truncation, censoring, OrderedProbit)
+            # where the symbolic gradient is finite; XLA's conditional runs that one only then
+            finite = jax.numpy.all(jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(g)) for g in grads]))
+
+            def exact():
+                return tuple(jax.numpy.asarray(s, g.dtype).reshape(g.shape)
+                             for s, g in zip(symbolic(*args), grads))
+
+            return (val, *jax.lax.cond(finite, lambda: tuple(grads), exact))
 
         return value_and_grads
+
+    def _symbolic_grads(self) -> list:
+        """The inner graph's symbolic gradient with respect to ``wrt`` (PyTensor's, as PyMC's own)."""
+        wrt = [self.inner_inputs[i] for i in self.wrt]
+        return cast(list, pytensor.grad(self.inner_output, wrt, disconnected_inputs="ignore"))
 
     def perform(self, node, inputs, outputs):
         if self._jitted is None:

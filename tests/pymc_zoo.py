@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pymc as pm
+import pytensor.tensor as pt
 
 ZOO: dict = {}
 REFUSED: dict = {}
@@ -332,6 +333,31 @@ def row_mean_in_the_likelihood(rng, n):
         x = pm.Data("x", _x(rng, n))
         b = pm.Normal("b", 0, 1)
         pm.Normal("y", b * (x - x.mean()), 1, observed=rng.standard_normal(n))
+    return m
+
+
+@_refused("observed variable 'y' couples its rows: its value depends on the number of rows, or on their positions")
+def trend_over_row_positions_gated_by_data(rng, n):
+    """Row positions (``pt.arange`` over the rows) as a value: each share would count from 0.
+    Hidden from a numeric check by a gate that is 0 when the model is built."""
+    with pm.Model() as m:
+        yd = pm.Data("yd", 0.01 * np.arange(n) + rng.standard_normal(n))
+        use_trend = pm.Data("use_trend", 0.0)
+        a = pm.Normal("a", 0, 1)
+        b = pm.Normal("b", 0.01, 0.01)
+        pm.Normal("y", a + use_trend * b * pt.arange(yd.shape[0]), 1, observed=yd)
+    return m
+
+
+@_refused("observed variable 'y' couples its rows: its value depends on the number of rows, or on their positions")
+def trend_over_row_positions_gated_by_a_discrete(rng, n):
+    """The same gated by a discrete free variable whose initial point is 0."""
+    with pm.Model() as m:
+        yd = pm.Data("yd", 0.01 * np.arange(n) + rng.standard_normal(n))
+        on = pm.Bernoulli("on", 0.1)
+        a = pm.Normal("a", 0, 1)
+        b = pm.Normal("b", 0.01, 0.01)
+        pm.Normal("y", a + on * b * pt.arange(yd.shape[0]).astype("float64"), 1, observed=yd)
     return m
 
 

@@ -54,7 +54,7 @@ class Coupling(ValueError):
 @dataclasses.dataclass(frozen=True)
 class _Rows:
     axis: int | None = None      # the axis along the rows, or None
-    count: bool = False          # the value depends on the number of rows
+    count: bool = False          # the value depends on the number of rows, or on their positions as values
     index: bool = False          # the value is the rows' own positions (an arange over them)
     coupled: str | None = None   # why the value mixes rows, if it does
     shape_of: int | None = None  # the value is a shape vector whose entry shape_of is the count
@@ -83,7 +83,8 @@ def split_rows(outputs, replace, n_rows, guard=None, strict=True) -> list:
     done = []
     for out in outputs:
         rows = walk.rows.get(out, _NONE)
-        why = rows.coupled or ("its value depends on the number of rows" if rows.count else None) or \
+        counted = "its value depends on the number of rows, or on their positions (an arange over them as a value)"
+        why = rows.coupled or (counted if rows.count else None) or \
             ("it does not read the per-row data (every process would add the whole)" if rows.axis is None
              else f"its rows end up along axis {rows.axis}, not 0" if rows.axis != 0 else None)
         if why and strict:
@@ -182,7 +183,10 @@ def _rule(node, ins) -> list:
 
 
 def _counted(ins) -> bool:
-    return any(r.count for r in ins)
+    """Whether a value made of ``ins`` depends on which rows a process holds: on their number,
+    or on their positions used as a value (an arange over the rows restarts at 0 in each
+    process's share; only as an index, or copied, are they the rows' own)."""
+    return any(r.count or r.index for r in ins)
 
 
 def _elemwise(node, ins) -> list:
@@ -218,7 +222,7 @@ def _reduce(node, ins) -> list:
     if r.axis is not None and r.axis in axes:
         raise Coupling(f"{node.op} reduces over the rows")
     axis = None if r.axis is None else r.axis - sum(a < r.axis for a in axes)
-    return [_Rows(axis=axis, count=r.count)] * len(node.outputs)
+    return [_Rows(axis=axis, count=_counted(ins[:1]))] * len(node.outputs)
 
 
 def _along_axis(node, ins) -> list:
@@ -228,7 +232,7 @@ def _along_axis(node, ins) -> list:
     axes = None if axis is None else {a % ndim for a in (axis if isinstance(axis, (tuple, list)) else (axis,))}
     if r.axis is not None and (axes is None or r.axis in axes):
         raise Coupling(f"{node.op} runs along the rows")
-    return [r] * len(node.outputs)
+    return [dataclasses.replace(r, count=_counted(ins[:1]), index=False)] * len(node.outputs)
 
 
 def _op_axis(node, position):
@@ -283,7 +287,7 @@ def _subtensor(node, ins) -> list:
     if r.axis < len(idx) and idx[r.axis] != slice(None, None, None):
         raise Coupling(f"{node.op} indexes along the rows")
     dropped = sum(1 for i in idx[:r.axis] if not isinstance(i, slice))
-    return [dataclasses.replace(r, axis=r.axis - dropped, index=False)]
+    return [dataclasses.replace(r, axis=r.axis - dropped, count=_counted(ins[:1]), index=False)]
 
 
 def _advanced(node, ins) -> list:
@@ -302,10 +306,10 @@ def _advanced(node, ins) -> list:
         if at is None or not idx[at].index:
             raise Coupling(f"{node.op} indexes along the rows")
     if not row_axes:
-        return [_Rows(axis=x.axis, count=x.count)] if x.axis is None or not arrays else _unknown(node)
+        return [_Rows(axis=x.axis, count=_counted([x]))] if x.axis is None or not arrays else _unknown(node)
     if not arrays or min(arrays) != 0 or arrays != list(range(len(arrays))):
         return _unknown(node)
-    return [_Rows(axis=row_axes.pop(), count=x.count)]
+    return [_Rows(axis=row_axes.pop(), count=_counted([x]))]
 
 
 def _shape_entry(node, axis) -> _Rows:
@@ -331,8 +335,8 @@ def _unknown(node):
 
 def _dot(node, ins) -> list:
     x, y = ins
-    if x.count or y.count:
-        raise Coupling(f"{node.op} of the number of rows")
+    if _counted(ins):
+        raise Coupling(f"{node.op} of the number of rows (or of their positions)")
     xn, yn = node.inputs[0].type.ndim, node.inputs[1].type.ndim
     if x.axis is not None and (xn < 2 or x.axis != 0):
         raise Coupling(f"{node.op} sums over the rows")
@@ -350,8 +354,8 @@ def _blockwise(node, ins) -> list:
     sig_in, sig_out = node.op.inputs_sig, node.op.outputs_sig
     axes = set()
     for v, r, core in zip(node.inputs, ins, sig_in):
-        if r.count:
-            raise Coupling(f"{node.op} of the number of rows")
+        if _counted([r]):
+            raise Coupling(f"{node.op} of the number of rows (or of their positions)")
         if r.axis is None:
             continue
         batch = v.type.ndim - len(core)
@@ -384,7 +388,8 @@ def _reshape(node, ins) -> list:
         return [r]
     if r.axis != 0 or not (_first_entry_is_count(node.inputs[1]) or _keeps_first_axis(node)):
         raise Coupling(f"{node.op} reshapes the rows")
-    return [_Rows(axis=0, count=r.count, index=r.index and node.inputs[0].type.ndim == 1)]
+    keeps = r.index and node.inputs[0].type.ndim == 1  # (a vector of positions stays one)
+    return [_Rows(axis=0, count=r.count or (r.index and not keeps), index=keeps)]
 
 
 def _keeps_first_axis(node) -> bool:
