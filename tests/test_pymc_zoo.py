@@ -269,6 +269,25 @@ def test_jax_mode_gradient_finite_where_pymcs_is():
     """, timeout=600)
 
 
+def test_float32_model_is_not_refused(zoo_fork):
+    """A model built with ``floatX="float32"``: the numeric check compares its float32 sums to
+    their own rounding (about 2e-4), not to float64's 1e-8, which refused every such model as
+    coupling its rows (found by a hunt); its density is PyMC's to float32's precision."""
+    import pytensor
+
+    rng = np.random.default_rng(5)
+    g, x = rng.integers(0, 4, ROWS), rng.standard_normal(ROWS).astype("float32")
+    with pytensor.config.change_flags(floatX="float32"):
+        with pm.Model() as model:
+            gi, xd = pm.Data("g", g), pm.Data("x", x)
+            a, b = pm.Normal("a", 0, 1, shape=4), pm.Normal("b", 0, 1)
+            pm.Poisson("y", pm.math.exp(a[gi] + b * xd), observed=rng.poisson(2, ROWS))
+        dp = _spm().data_parallel(model, mode=MODE)
+        point = {"a": np.full(4, 0.3, "float32"), "b": np.array(0.1, "float32")}
+        np.testing.assert_allclose(dp.compile_logp()(point), model.compile_logp()(point), rtol=1e-6)
+        np.testing.assert_allclose(dp.compile_dlogp()(point), model.compile_dlogp()(point), rtol=1e-4)
+
+
 def test_parts_of_the_data_computed_once_follow_set_data(zoo_fork):
     """Poisson's ``gammaln(y + 1)`` reads only the data: computed once into shared memory, and
     again, with the rows, after every pm.set_data of per-row data (its one validity rule)."""
