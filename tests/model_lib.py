@@ -16,7 +16,8 @@ The documented meaning, and where it comes from:
 * updates are applied locally in each process (DESIGN.md); with
   ``num_slices`` > 1 each slice is computed from the original values and the
   slices' update values are combined with the update's op (``avg`` weighted by
-  the slices' rows) and cast into the variable's dtype, integers rounded
+  the slices' rows; the ``avg`` of slices that all hold the same bits is that
+  value, in avg's dtype) and cast into the variable's dtype, integers rounded
   (docs/tutorial.rst, "What a call returns");
 * output ops combine the processes in rank order; ``avg`` weighs each process
   by its rows (the ``combine`` recipe of synkhronos/collectives/ops.py:
@@ -196,6 +197,16 @@ def _show_batch(b) -> str:
 
 
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _over_slices(parts, op: str, weights) -> np.ndarray:
+    """One process's slices combined (docs/tutorial.rst): as :func:`combine`, except that the
+    ``avg`` of slices that all hold the same bits is that value (in avg's result dtype)."""
+    first = np.asarray(parts[0])
+    if op == "avg" and all(np.asarray(p).dtype == first.dtype and np.asarray(p).shape == first.shape
+                           and np.asarray(p).tobytes() == first.tobytes() for p in parts[1:]):
+        return first.astype(np.float64 if first.dtype.kind in "biu" else first.dtype)
+    return combine(parts, op, weights)
 
 
 def combine(parts, op: str, weights=None) -> np.ndarray:
@@ -1014,9 +1025,9 @@ class World:
         if len(slices) == 1:
             return results[0]
         weights = [b - a for a, b in slices]
-        outs = [combine([res[0][i] for res in results], op, weights) for i, op in enumerate(out_ops)]
+        outs = [_over_slices([res[0][i] for res in results], op, weights) for i, op in enumerate(out_ops)]
         upd_ops = upd_ops or ["avg"] * len(upd_names)
-        upds = [cast_into(combine([res[1][j] for res in results], op, weights), self.vars[nm].dtype)
+        upds = [cast_into(_over_slices([res[1][j] for res in results], op, weights), self.vars[nm].dtype)
                 for j, (nm, op) in enumerate(zip(upd_names, upd_ops))]
         return outs, upds
 

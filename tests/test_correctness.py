@@ -209,16 +209,19 @@ def test_outputs_that_are_not_row_wise_are_refused_with_num_slices(forked):
     assert f(value)[1] == value.sum()
 
 
-def test_a_value_the_rows_do_not_change_is_exact_with_num_slices(fork):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_value_the_rows_do_not_change_is_exact_with_num_slices(fork, n):
     """An update or an ``avg`` output that every slice computes alike (a float32 step
     counter, a shared value) is that value with any ``num_slices``, in every process, as
-    PyTensor gives it; the slices' row weights, rounded, need not add up to 1 (a counter
-    ``t + 1`` came back 1 ulp off, differently per process, and drifted over calls)."""
-    fork(2)
+    PyTensor gives it (an integer's avg in float64); the slices' row weights, rounded, need
+    not add up to 1 (a counter ``t + 1`` came back 1 ulp off, differently per process, and
+    drifted over calls)."""
+    fork(n)
     x = pt.fmatrix("x")
     t = pytensor.shared(np.float32(0.5), name="t")
     w = pytensor.shared(np.array([0.1, 0.3, 0.7, 1.0, 3.0, 1e-3], np.float32), name="w")
-    f = synk.function([x], [(x.sum(), "sum"), (w * 1, "avg"), (x.mean(axis=0) * 0 + t, "avg")],
+    c = pytensor.shared(np.array([3, 4], np.int64), name="c")
+    f = synk.function([x], [(x.sum(), "sum"), (w * 1, "avg"), (x.mean(axis=0) * 0 + t, "avg"), (c * 1, "avg")],
                       updates=[(t, t + np.float32(1))], mode=MODE)
     value = np.ones((13, 2), np.float32)  # 7 and 6 rows: slices of 2 and 1 rows
     whole = f(value)  # (the processes' avg, weighted 7/13 and 6/13, may round: alike with slices)
@@ -228,7 +231,8 @@ def test_a_value_the_rows_do_not_change_is_exact_with_num_slices(fork):
             got = f(value, num_slices=k)
             want_t += np.float32(1)
         assert got[1].tobytes() == whole[1].tobytes(), (k, got[1], whole[1])
-        for r in range(2):
+        assert got[3].dtype == np.float64 and got[3].tolist() == [3.0, 4.0], (k, got[3])  # (avg of ints: float64)
+        for r in range(n):
             assert synk.get_value(r, t).tobytes() == np.float32(want_t).tobytes(), (k, r, synk.get_value(r, t))
 
 

@@ -12,7 +12,7 @@ import pytensor
 from .. import _state as state
 from .._arrays import concat
 from .._batching import split
-from ..collectives.ops import cast_to, combine
+from ..collectives.ops import cast_to, combine, result_dtype
 from ..devices.jax_state import host_mode, jax_linker
 from .._integrations.jax_dtypes import typed_jax_mode
 
@@ -209,8 +209,9 @@ def _accumulate(parts, op, weights, var):
     output with one row per input row; anything else is refused, never
     returned different from the unsliced call.
     """
-    if op == "avg" and _all_same(parts):
-        return np.array(parts[0], copy=True)
+    if op == "avg" and _all_same(parts):  # (in avg's result dtype: float64 for integers, as combine's)
+        first = np.asarray(parts[0])
+        return first.astype(result_dtype(first.dtype, op), copy=True)
     if op is not None and op != "gather":
         return combine(parts, op, weights)
     for part, rows in zip(parts, weights):
