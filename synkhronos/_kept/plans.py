@@ -282,9 +282,14 @@ class _CommPlan:
         self.cplan, self.spare, self.receive = cplan, spare, receive
         self.others: tuple = (-1, [])  # (len(proc.shareds), the other variables' storage lists)
 
+    def _may_run(self) -> bool:
+        """Whether the fork is idle with nothing to distribute (else the full path runs)."""
+        s = self.s
+        return len(s.distributed) == len(s.proc.functions) and s.idle()
+
     def run(self) -> bool:
         s = self.s
-        if len(s.distributed) != len(s.proc.functions) or not s.idle():
+        if not self._may_run():
             return False
         values = [storage[0] for storage in self.storages]
         cplan = self.cplan
@@ -302,15 +307,12 @@ class _CommPlan:
 
     def _step(self, values, outs) -> bool:
         done = self.cplan.run(values, outs)
-        if not done or outs is None:
+        if not done or outs is None or all(out is None for out in outs):  # (results in the values)
             return done
-        if self.cplan.out_of_place:
-            for storage, out in zip(self.storages, outs):
+        for sid, storage, out in zip(self.sids, self.storages, outs):
+            if self.cplan.out_of_place:  # (a spare home, swapped in)
                 storage[0] = out
-        elif not any(out is not None for out in outs):
-            return done
-        else:
-            for sid, out in zip(self.sids, outs):
+            else:  # (a broadcast's values that went the long way)
                 self.receive(sid, out)
         self.s.kept.moved()  # variables hold other arrays (the validity rule)
         return done
@@ -349,19 +351,18 @@ class _CommReducePlan(_CommPlan):
 
     def run(self):
         """The results (new arrays, one per variable), or None when the full path must run."""
-        s = self.s
-        if len(s.distributed) != len(s.proc.functions) or not s.idle():
+        if not self._may_run():
             return None
         values = [storage[0] for storage in self.storages]
         outs = [np.empty(shape, dtype) for dtype, shape in self.layout]
-        return outs if s.step_alone("reduce", self.cplan.run, values, outs) else None
+        return outs if self.s.step_alone("reduce", self.cplan.run, values, outs) else None
 
 
-def keep_comm_plan(s, plan_key, kind, vars_, sids, op, comm, step, spare, receive=None) -> None:
+def keep_comm_plan(s, plan_key, kind, vars_, sids, op, comm, step, spare=None, receive=None) -> None:
     """After a full-path all_reduce, broadcast or reduce (``kind``) in a fork of one process:
     keep ``comm``'s plan of it under ``plan_key`` (``Communicator.plan``; none: nothing
     kept), unless an inline plan holds that key. ``step``: its step key and words across
-    nodes; ``spare(sid, value)``: an array for an out-of-place plan's result; ``receive(sid,
+    nodes; ``spare(sid, value)``: an all_reduce's, an array for an out-of-place plan's result; ``receive(sid,
     value)``: a broadcast's, places ``value`` (new memory) as variable ``sid``'s. A reduce
     (across nodes only: its result on every node master) runs an all-reduce plan among
     the node masters."""

@@ -176,8 +176,7 @@ def _broadcast(shared_vars, values, nccl) -> None:
     if plan_key is not None and plan_key[1] is not None and proc.size == 1:  # a fork of one process
         # (across nodes, the communicator's own plan; none elsewhere)
         keep_comm_plan(s, plan_key, "broadcast", vars_, sids, None, proc.device.comm_for(proc, cpu),
-                       _step_of(proc, spec), spare=lambda sid, value: spare_home(proc, sid, value),
-                       receive=lambda sid, value: receive_into(proc, sid, proc.shareds[sid], value))
+                       _step_of(proc, spec), receive=lambda sid, value: receive_into(proc, sid, proc.shareds[sid], value))
 
 
 @nodes.stepped("scatter")
@@ -328,8 +327,7 @@ def _reduce(shared_vars, op, in_place, nccl):
     proc = s.proc
     if plan_key[1] is not None and proc.size == 1 and proc.comm.among_nodes() is not None \
             and not proc.device.keeps_values_on_device:  # a node of one process across nodes
-        keep_comm_plan(s, plan_key, "reduce", vars_, sids, name, proc.comm, _step_of(proc, spec),
-                       spare=lambda sid, value: spare_home(proc, sid, value))
+        keep_comm_plan(s, plan_key, "reduce", vars_, sids, name, proc.comm, _step_of(proc, spec))
     return None if in_place else _ret(res, single)
 
 

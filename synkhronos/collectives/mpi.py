@@ -44,7 +44,7 @@ import functools
 import math
 import pickle
 import zlib
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,33 +58,12 @@ from . import mpi_wire
 from .mpi_plans import BroadcastPlan, CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
-                       Head, HeaderExchange, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into, fold_reduce,
-                       gather_in_pieces, inline_reduce, left_reason, no_failure, payload_fits, pieces, plannable_layout,
-                       read_equal, read_meta, reduce_plan, step_text, steps_differ)
+                       GatherParts, Head, HeaderExchange, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into,
+                       fold_reduce, gather_in_pieces, inline_reduce, left_reason, no_failure, payload_fits, pieces,
+                       plannable_layout, read_equal, read_meta, reduce_plan, step_text, steps_differ)
 from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
-
-class _Parts:
-    """The parts over nodes of one gathered array (see :meth:`MpiCommunicator._start_gather`):
-    ``parts[r]``, node ``r``'s, read where it was received (None where absent), once the
-    gather completed."""
-
-    __slots__ = ("lays", "sizes", "displs", "recv")
-
-    def __init__(self, lays, sizes, displs, recv):
-        self.lays, self.sizes, self.displs, self.recv = lays, sizes, displs, recv
-
-    def __getitem__(self, r):
-        lay = self.lays[r]
-        if lay is None:
-            return None
-        dtype, shape = lay
-        if self.sizes[r] == 0:
-            return np.empty(shape, dtype=dtype)
-        at = self.displs[r]
-        return cast(np.ndarray, self.recv)[at:at + self.sizes[r]].view(dtype).reshape(shape)
-
 
 class MpiCommunicator(Communicator):
     """Collectives over MPI among node masters, one per node.
@@ -639,7 +618,7 @@ class MpiCommunicator(Communicator):
                 reqs.append(self._comm.Iallgatherv([send, MPI.BYTE], spec))
             else:
                 reqs.append(self._comm.Igatherv([send, MPI.BYTE], spec, root))
-        return _Parts(lays, sizes, displs, recv)
+        return GatherParts(lays, sizes, displs, recv)
 
     def reduce(self, arrays, op, root, weight=1.0, failed=False):
         """``op`` over every node's arrays (None: nothing to add); the result on

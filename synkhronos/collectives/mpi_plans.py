@@ -29,6 +29,16 @@ __all__ = ["BroadcastPlan", "CallPlan", "LargePlan", "StepPlan"]
 _NUMBER = 8
 
 
+def _of_layout(arrays, layout, writable: bool = True) -> bool:
+    """Whether ``arrays`` are numpy arrays of ``layout``'s dtypes and shapes (a dtype equal to
+    the plan's but another object too: a value received unpickled), writable if asked."""
+    for a, (dtype, shape) in zip(arrays, layout):
+        if type(a) is not np.ndarray or (a.dtype is not dtype and a.dtype != dtype) or a.shape != shape \
+                or (writable and not a.flags.writeable):
+            return False
+    return True
+
+
 def _blob_with_payload(meta):
     """The full path's pickled ``meta`` (``(layout, weight, flag, True)``) of values that
     travel in the header slot after it, or None when they do not fit there."""
@@ -169,14 +179,8 @@ class StepPlan(_SlotPlan):
         if comm.pre_begun or len(values) != self.count or (outs is not None and len(outs) != self.count):
             return False
         into = values if outs is None else outs
-        # (a dtype equal to the plan's but another object: unpickled, or of another byte order's name)
-        for v, (dtype, shape) in zip(values, self.layout):
-            if type(v) is not np.ndarray or (v.dtype is not dtype and v.dtype != dtype) or v.shape != shape:
-                return False
-        for v, (dtype, shape) in zip(into, self.layout):
-            if type(v) is not np.ndarray or (v.dtype is not dtype and v.dtype != dtype) or v.shape != shape \
-                    or not v.flags.writeable:
-                return False
+        if not _of_layout(values, self.layout, outs is None) or (outs is not None and not _of_layout(outs, self.layout)):
+            return False
         if not self._exchange(values):
             if outs is not None:  # (the long way reduces in place: into copies of the values)
                 for v, out in zip(values, outs):
@@ -366,10 +370,8 @@ class BroadcastPlan(_SlotPlan):
         comm = self.comm
         if comm.pre_begun or len(values) != self.count or outs is None or len(outs) != self.count:
             return False
-        for v, (dtype, shape) in zip(values, self.layout):
-            if type(v) is not np.ndarray or (v.dtype is not dtype and v.dtype != dtype) or v.shape != shape \
-                    or not (self.is_root or v.flags.writeable):  # (an equal dtype: a value received unpickled)
-                return False
+        if not _of_layout(values, self.layout, writable=not self.is_root):
+            return False
         self.number[0] = comm.plan_step(self.mark, self.words, "broadcast")  # numbered before anything can fail
         if self._exchange_slots(values):
             if not self.is_root:

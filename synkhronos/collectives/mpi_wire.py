@@ -1,14 +1,15 @@
 """What the MPI communicator's messages carry: the header slot every node posts for
 a step (its size, the step's number and checksum, the reduce plan; packed and read
 here), the codes of its words, the reduce plans of dtypes and ops and the results
-of reductions, large messages in pieces (Open MPI's wheel speaks MPI 3.1: no
-message over 2**31 - 1 bytes), and the ring of every all-reduce's values
+of reductions, a gather's parts as received (:class:`GatherParts`), large messages
+in pieces (Open MPI's wheel speaks MPI 3.1: no message over 2**31 - 1 bytes), and the ring of every all-reduce's values
 (:func:`ring_all_reduce`)."""
 
 from __future__ import annotations
 
 import pickle
 import struct
+import typing
 import zlib
 from typing import NamedTuple
 
@@ -352,6 +353,27 @@ def no_failure(what: str, metas) -> None:
             if dtype.hasobject:
                 raise TypeError(f"{what}: node {r} gave an array of dtype {dtype}; MPI moves "
                                 "arrays of numbers and booleans only")
+
+
+class GatherParts:
+    """The parts over nodes of one gathered array (see ``MpiCommunicator._start_gather``):
+    ``parts[r]``, node ``r``'s, read where it was received (None where absent), once the
+    gather completed."""
+
+    __slots__ = ("lays", "sizes", "displs", "recv")
+
+    def __init__(self, lays, sizes, displs, recv):
+        self.lays, self.sizes, self.displs, self.recv = lays, sizes, displs, recv
+
+    def __getitem__(self, r):
+        lay = self.lays[r]
+        if lay is None:
+            return None
+        dtype, shape = lay
+        if self.sizes[r] == 0:
+            return np.empty(shape, dtype=dtype)
+        at = self.displs[r]
+        return typing.cast(np.ndarray, self.recv)[at:at + self.sizes[r]].view(dtype).reshape(shape)
 
 
 def gather_in_pieces(comm, MPI, send, recv, sizes, displs, root):
