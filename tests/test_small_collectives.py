@@ -4,6 +4,7 @@ dtype and shape; errors and the switch between small and large values stay right
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -374,6 +375,41 @@ def test_kept_reduces_match_numpy_over_random_cases(fork, n):
             for k in ks:
                 assert_array_equal(synk.get_value(r, vars_[k]), held[r][k])
     assert direct == 60  # every repeat (set_value of the master moves no worker value: the plan holds)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_complex_products_have_the_same_bits_on_every_path(fork, n):
+    """numpy multiplies one complex element by another loop (other last bits) when the
+    output is an operand: a kept all_reduce run directly (into the master's value, the
+    first part) gave other bits than the same one by a command (into new memory) in 2 of 5
+    cases, and 3 processes (a fold into its accumulator) other bits than numpy's fold
+    into new memory. Every path now gives ``functools.reduce(np.multiply, parts)``'s."""
+    rng = np.random.default_rng(40 + n)
+    fork(n)
+    layouts = [("complex128", ()), ("complex64", (1,)), ("complex64", ()), ("complex128", (3,))]
+    vars_ = [pytensor.shared(np.zeros(shape, dtype), name=f"c{k}") for k, (dtype, shape) in enumerate(layouts)]
+    synk.function([], [v.sum() for v in vars_], mode=MODE)
+    synk.distribute()
+    ctl = synk._runtime.running_session().proc.control
+    paths = {True: 0, False: 0}
+    for case in range(48):
+        k = case % len(vars_)
+        v, (dtype, shape) = vars_[k], layouts[k]
+        held = [(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype) for _ in range(n)]
+        for r in range(n):
+            synk.set_value(r, v, held[r])
+        want = np.asarray(functools.reduce(np.multiply, held)).astype(dtype)
+        got = synk.reduce(v, "prod", in_place=False)  # (a read: by command, or directly)
+        assert got.tobytes() == want.tobytes(), f"case {case}: reduce of {v.name} {got!r} {want!r}"
+        for attempt in range(2):  # by a command, then directly from the values the first left
+            before = ctl.commands()
+            synk.all_reduce(v, op="prod")
+            paths[ctl.commands() == before] += 1
+            for r in range(n):
+                got = synk.get_value(r, v)
+                assert got.tobytes() == want.tobytes(), f"case {case} attempt {attempt}: {v.name} on rank {r}"
+            want = np.asarray(functools.reduce(np.multiply, [want] * n)).astype(dtype)
+    assert paths[True] >= 40 and paths[False] >= 40  # both paths were taken
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # prod loops overflow, in numpy as here

@@ -57,10 +57,10 @@ from .base import Communicator
 from . import mpi_wire
 from .mpi_plans import BroadcastPlan, CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
-                       POLL_SLEEP, POLL_SLEEP_MAX, RING_FOLDS, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
+                       POLL_SLEEP, POLL_SLEEP_MAX, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
                        GatherParts, Head, HeaderExchange, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into,
                        fold_reduce, gather_in_pieces, inline_reduce, left_reason, no_failure, payload_fits, pieces,
-                       plannable_layout, read_equal, read_meta, reduce_plan, step_text, steps_differ)
+                       plannable_layout, read_equal, read_meta, reduce_plan, ring_fold, step_text, steps_differ)
 from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
@@ -594,7 +594,7 @@ class MpiCommunicator(Communicator):
             # (the ring must not read what it writes)
             folded[0].append(flat_send.copy() if np.may_share_memory(flat_send, flat_recv) else flat_send)
             folded[1].append(flat_recv)
-            folded[2].append(RING_FOLDS[name])
+            folded[2].append(ring_fold(work, name))
             jobs.append(("mpi", recv))
             keep += [send, recv, flat_send, flat_recv]  # (what MPI reads and writes: the flat views too)
         return reqs, jobs, keep, folded

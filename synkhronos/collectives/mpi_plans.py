@@ -19,9 +19,9 @@ import numpy as np
 
 from .._arrays import packed_views, round_up
 from .base import CommPlan
-from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, RING_FOLDS, WHAT_CODES,
-                       fill_slot, fold_reduce, payload_at, plannable_layout, reduce_plan)
-from .ops import REDUCE_OPS, Reducer
+from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, WHAT_CODES,
+                       fill_slot, fold_reduce, payload_at, plannable_layout, reduce_plan, ring_fold)
+from .ops import Reducer, fold_ufunc
 
 __all__ = ["BroadcastPlan", "CallPlan", "LargePlan", "StepPlan"]
 
@@ -169,7 +169,7 @@ class StepPlan(_SlotPlan):
         if reducer.scalar_path:
             return 0, reducer.scalar, parts
         if self.op != "avg" and len(parts) > 1:  # (ops._fold, into the value)
-            return 1, REDUCE_OPS[self.op], parts
+            return 1, fold_ufunc(self.op, reducer.dtype), parts
         return 2, reducer, parts
 
     def run(self, values, outs=None) -> bool:
@@ -256,7 +256,7 @@ class LargePlan(StepPlan):
             for v, o in zip(values, outs):
                 np.copyto(o, v)
             return True
-        folds = [RING_FOLDS[reduce_plan(dtype, self.op)[1]] for dtype, _ in self.layout]  # (as the full path)
+        folds = [ring_fold(*reduce_plan(dtype, self.op)) for dtype, _ in self.layout]  # (as the full path)
         fold_reduce(comm, (self.MPI, self.mpi_comm), [v.reshape(-1) for v in values], [o.reshape(-1) for o in outs],
                     folds, [values, outs])
         if self.op == "avg":  # (equal weights: the sum times the reciprocal of the count, as the full path)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._arrays import packed_views, round_up
 from ..errors import PeerFailed
-from .ops import cast_to, combine, result_dtype
+from .ops import cast_to, combine, fold_ufunc, result_dtype
 
 __all__: list = []
 
@@ -446,6 +446,15 @@ RING_NODES = 2
 #: MPI op name (reduce_plan's) -> the ufunc a reduction among nodes folds with
 #: (:func:`fold_reduce`), on the work dtype (booleans travel as uint8: MAX an or, MIN an and).
 RING_FOLDS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum}
+
+
+def ring_fold(work, name: str):
+    """What a reduction among nodes folds with: ``RING_FOLDS[name]`` on the work dtype
+    (:func:`reduce_plan`'s pair), a complex ``PROD`` :func:`.ops.fold_ufunc`'s (never
+    written over an operand: the bits of every other path)."""
+    if name == "PROD" and work.kind == "c":
+        return fold_ufunc("prod", work)
+    return RING_FOLDS[name]
 
 
 def ring_all_reduce(comm, lines, sends, recvs, folds, keep, what: str = "all_reduce") -> None:

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .._kept.records import Table
 
 __all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to", "reducer_of",
-           "agreed_layout", "identity", "Reducer", "kept_reducer"]
+           "agreed_layout", "identity", "Reducer", "kept_reducer", "fold_ufunc"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -20,6 +20,31 @@ REDUCE_OPS = {
     "max": np.maximum,
     "min": np.minimum,
 }
+
+
+
+def _complex_product(a, b, out=None):
+    """``np.multiply`` of complex arrays into new memory, copied into ``out`` if given.
+
+    numpy multiplies one complex element by another loop (other last bits: an FMA)
+    when the output is one of the operands than when it is other memory, so a fold
+    that wrote over its accumulator, or over the first part in place, gave other
+    bits than one into new memory: the same all_reduce differed by path (a kept
+    direct run against a command's). Every fold of a complex ``prod`` goes through
+    here, so every path gives the bits of ``functools.reduce(np.multiply, parts)``."""
+    got = np.multiply(a, b)
+    if out is None:
+        return got
+    np.copyto(out, got)
+    return out
+
+
+def fold_ufunc(op: str, dtype):
+    """The function every reduction folds two ``dtype`` contributions with for ``op``:
+    :data:`REDUCE_OPS`'s ufunc, except a complex ``prod``'s (:func:`_complex_product`)."""
+    if op == "prod" and np.dtype(dtype).kind == "c":
+        return _complex_product
+    return REDUCE_OPS[op]
 
 
 #: The reduce ops a user may name (each also with a ``c_`` prefix).
@@ -154,7 +179,7 @@ class Reducer:
         if self.scalar_path:
             return self._scalars
         if self.op != "avg":
-            ufunc = REDUCE_OPS[self.op]
+            ufunc = fold_ufunc(self.op, self.dtype)
             return lambda parts: _fold(ufunc, parts)
         if self.equal and self.convert is None:
             return self._avg_equal
@@ -174,7 +199,7 @@ class Reducer:
     def _general(self, parts, out=None) -> np.ndarray:
         op = self.op
         if op != "avg":
-            return _fold(REDUCE_OPS[op], parts, out)
+            return _fold(fold_ufunc(op, self.dtype), parts, out)
         if self.convert is not None:
             parts = [np.asarray(p, dtype=self.convert) for p in parts]
         if self.equal:
