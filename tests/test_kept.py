@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor
+import pytensor.tensor as pt
 import pytest
 from conftest import MODE
 from numpy.testing import assert_array_equal
 
 import synkhronos as synk
 from synkhronos import _runtime as runtime
+from synkhronos._kept import plans
 from synkhronos._kept.records import Kept, Mode, Table
 from synkhronos.collectives.base import CommPlan
 from synkhronos.collectives.shm import ShmCommunicator
@@ -145,16 +147,17 @@ def test_a_call_weighted_by_its_sliceable_rows_follows_their_lengths(fork, maste
 
 class _RecordingPlan(CommPlan):
     """A communicator's plan that records its runs and does what an all_reduce of one
-    process does (the values stay); ``refuse`` makes it say the values left it."""
+    process does (the values stay); ``refuse`` makes it say the values left it;
+    ``keep_values=False`` records no reference to the values (a real plan keeps none)."""
 
-    def __init__(self, layout, op, out_of_place=False, needs_exclusive=False):
+    def __init__(self, layout, op, out_of_place=False, needs_exclusive=False, keep_values=True):
         self.layout, self.op = layout, op
-        self.out_of_place, self.needs_exclusive = out_of_place, needs_exclusive
+        self.out_of_place, self.needs_exclusive, self.keep_values = out_of_place, needs_exclusive, keep_values
         self.runs, self.refuse = [], False
 
     def run(self, values, outs=None):
         s = runtime.running_session()
-        self.runs.append((list(values), outs, s.in_flight))
+        self.runs.append((list(values) if self.keep_values else None, outs, s.in_flight))
         if self.refuse or tuple((v.dtype, v.shape) for v in values) != self.layout:
             return False
         if outs is not None:
@@ -285,6 +288,41 @@ def test_an_in_place_plan_is_refused_while_another_variable_holds_its_value(fork
     synk.all_reduce([a, b], op="sum")  # one array in two of the plan's own variables: refused as well
     assert made[-1].runs == []
     assert_array_equal(b.get_value(), np.arange(3.0))
+
+
+def test_an_in_place_plan_finds_its_values_alone_without_scanning_every_variable(fork, comm_plans, monkeypatch):
+    """The usual step of an in-place plan: each value referred to only by its variable,
+    its home and the plan's list, told by reference counts; a scan of the fork's other
+    variables only where something else refers to a value (and then the scan decides)."""
+    made, options = comm_plans
+    options.update(needs_exclusive=True, keep_values=False)
+    fork(1)
+    vs = [pytensor.shared(np.arange(3.0) + k, name=f"v{k}") for k in range(30)]
+    a, b = vs[0], vs[1]
+    step = synk.function([], pt.stack([v.sum() for v in vs]).sum(), updates=[(vs[2], vs[2] + 1)], mode=MODE)
+    synk.distribute()
+    verdicts = []
+    held_alone = plans._held_alone
+    monkeypatch.setattr(plans, "_held_alone", lambda values, homed: verdicts.append(held_alone(values, homed))
+                        or verdicts[-1])
+    for other_op, targets in (("max", [a, b]), ("min", a)):
+        synk.all_reduce(targets, op="sum")  # the full path keeps the plan
+        plan = made[-1]
+        # (the shared-memory path keeps its last agreement, which refers to the values it reduced:
+        # a full path of another variable moves it on; across nodes, the one real user of an
+        # in-place plan of one process, MPI's full path keeps no such reference)
+        synk.all_reduce(vs[29], op=other_op)
+        verdicts.clear()
+        for _ in range(3):
+            synk.all_reduce(targets, op="sum")
+            step()  # (a call in between: PyTensor's storage refers to its outputs, not to a or b)
+        assert verdicts == [True] * 3 and len(plan.runs) == 3
+    kept = a.get_value(borrow=True)  # a reference of the caller's: the scan runs, and finds no other variable
+    synk.all_reduce(a, op="sum")
+    assert verdicts[-1] is False and len(plan.runs) == 4
+    vs[20].set_value(kept, borrow=True)  # another variable holds a's array: refused (the full path)
+    synk.all_reduce(a, op="sum")
+    assert len(plan.runs) == 4 and verdicts[-1] is False
 
 
 def test_without_a_communicator_plan_nothing_is_kept(fork, monkeypatch):

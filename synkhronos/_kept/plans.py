@@ -60,6 +60,7 @@ before every answer.
 
 from __future__ import annotations
 
+import sys
 import typing
 
 import numpy as np
@@ -70,6 +71,7 @@ from .._arrays import join
 from ..collectives.inline import reduced
 from ..collectives.mpi_wire import INLINE_BYTES
 from .._protocol.control import Command
+from .._shareds.homes import is_first_home
 from .records import Mode, Published
 
 __all__ = ["PLANNED_KINDS", "planned", "planned_gather", "planned_reduce", "resolve_key", "keep_plan",
@@ -321,12 +323,23 @@ class _CommPlan:
         """Whether two of ``values`` are one array, or another shared variable of the
         fork (``shareds``) holds one of them (JAX forwards inputs to outputs: after
         ``updates=[(b, a)]`` b may hold a's very array); an in-place plan would
-        then change that variable too."""
+        then change that variable too.
+
+        Past :data:`_SCAN_MOST` other variables, values that nothing but ``values``,
+        their variables' storage and their homes refer to (:func:`_held_alone`) are
+        held by no other variable: the usual step checks that alone, whatever the
+        number of variables (a scan of a fork's 1,000 took 37-47 us a step); any other
+        reference (a caller's, PyTensor's output storage after a call) sends them to
+        the scan."""
         count, others = self.others
         if count != len(shareds):  # (variables come only with distribute)
             mine = set(self.sids)
             others = [var.container.storage for sid, var in shareds.items() if sid not in mine]
             self.others = (len(shareds), others)
+        if len(others) > _SCAN_MOST:
+            proc = self.s.proc
+            if _held_alone(values, [is_first_home(proc, sid, values[i]) for i, sid in enumerate(self.sids)]):
+                return False
         if len(values) == 1:  # (the usual case: no set to build)
             value = values[0]
             for storage in others:
@@ -340,6 +353,31 @@ class _CommPlan:
             if id(storage[0]) in ids:
                 return True
         return False
+
+
+#: The most other variables an in-place plan scans at every step (a scan of a few costs
+#: less than the reference counts' check, ~1 us a value)
+_SCAN_MOST = 16
+
+
+def _refs(values, i: int) -> int:
+    """References to ``values[i]``, this call's among them."""
+    return sys.getrefcount(values[i])
+
+
+#: ``_refs`` of an array that one list alone refers to: measured, not assumed (what
+#: getrefcount counts differs between Python versions)
+_ONE_LIST_REFS = _refs([np.empty(0)], 0)
+
+
+def _held_alone(values, homed) -> bool:
+    """Whether each of ``values`` has no reference but ``values``'s, its variable's
+    storage list's and, where ``homed[i]``, its home's (the communicator's resident
+    array): then no other variable's storage holds it, nor does ``values`` twice."""
+    for i, home in enumerate(homed):
+        if _refs(values, i) > _ONE_LIST_REFS + 1 + home:
+            return False
+    return True
 
 
 class _CommReducePlan(_CommPlan):

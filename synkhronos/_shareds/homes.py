@@ -103,6 +103,12 @@ def resident(proc, sids, vars_) -> list:
     return out
 
 
+def is_first_home(proc, sid, value) -> bool:
+    """Whether ``value`` is variable ``sid``'s first home (the communicator's resident
+    array keeps one reference to it)."""
+    return proc.comm.existing(f"sv{sid}", getattr(value, "dtype", None), getattr(value, "shape", None)) is value
+
+
 def spare_home(proc, sid, not_this) -> np.ndarray:
     """An array of ``not_this``'s dtype and shape for variable ``sid`` to take next:
     one of its homes that neither ``not_this`` (its value now) nor any other
