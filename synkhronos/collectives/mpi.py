@@ -487,7 +487,7 @@ class MpiCommunicator(Communicator):
                 if what in ("all_reduce", "reduce"):
                     self._reduce_rest(what, None, pairs, [m[3] for m in metas], op, root)
                 elif what in ("all_gather", "gather"):
-                    self._gather_rest(what, None, pairs, root, None)
+                    self._gather_rest(what, None, pairs, root, None, [m[3] for m in metas])
                 elif what == "broadcast":
                     self._broadcast_rest(None, pairs, root, payload=metas[root][3])
                 elif what == "close":
@@ -648,16 +648,27 @@ class MpiCommunicator(Communicator):
         if root is not None and not 0 <= root < self.size:
             raise ValueError(f"gather: root must be a node rank (0 to {self.size - 1}), got {root!r}")
         arrays = None if arrays is None else [np.asarray(a) for a in arrays]
-        metas = self._agree(what, arrays, 1.0, failed, root=root)
-        return self._gather_rest(what, arrays, metas, root, join)
+        # (each node's values travel in its header where they fit: where every node's did,
+        # that one exchange is the gather)
+        metas, payloads = self._agree(what, arrays, 1.0, failed, inline=True, root=root)
+        return self._gather_rest(what, arrays, metas, root, join, payloads)
 
-    def _gather_rest(self, what, arrays, metas, root, join):
-        """A gather once every node's header is known."""
+    def _gather_rest(self, what, arrays, metas, root, join, payloads):
+        """A gather once every node's header is known; ``payloads``: per node, its values
+        (views of its received header slot) where they travelled there, else None."""
         counts = {len(lay) for lay, _ in metas if lay is not None}
         if len(counts) > 1:
             raise ValueError(f"cannot gather: the nodes hold different numbers of arrays "
                              f"{[None if lay is None else len(lay) for lay, _ in metas]}")
         n = counts.pop() if counts else 0
+        if all(payloads[r] is not None for r, (lay, _) in enumerate(metas) if lay is not None):
+            if root is not None and self.rank != root:
+                return None
+            out = []
+            for i in range(n):  # (copied: the slots serve the next exchange)
+                parts = [None if p is None else np.array(p[i], copy=True) for p in payloads]
+                out.append(parts if join is None else join(i, parts))
+            return out
 
         def start():
             reqs: list = []

@@ -226,11 +226,22 @@ def main() -> int:
         got = comm.all_reduce(many, "sum")
         v.expect(all(int(g[0]) == sum(r * 100 + i for r in range(size)) for i, g in enumerate(got)),
                  "all_reduce of 60 arrays")
-        # -- gathers: uneven rows, None, join, root 0 and last
+        # -- gathers: uneven rows, None, join, root 0 and last; small ones travel in the
+        # headers (no gather of bytes after them), unless a node's values do not fit
+        started = [0]
+        start_gather = comm._start_gather
+
+        def counted(*args):
+            started[0] += 1
+            return start_gather(*args)
+
+        comm._start_gather = counted
         for absent in (None, 1):
-            for large in (False, True) if not quick else (False,):
+            for large in (False, "mixed", True) if not quick else (False, "mixed"):
                 seed += 1
-                rows = [(r + 1) * (LARGE // 16 if large else 1) for r in range(size)]
+                rows = [(r + 1) * (LARGE // 16 if large is True or (large and r == size - 1) else 1)
+                        for r in range(size)]
+                started[0] = 0
                 parts = [[make(seed, r, np.float32, (rows[r], 3)), make(seed, r, np.int64, ()),
                           make(seed, r, np.bool_, (rows[r],))] for r in range(size)]
                 mine = None if rank == absent else parts[rank]
@@ -260,6 +271,10 @@ def main() -> int:
                     v.expect(all(j[0] == "j" and j[1] == i and j[2] == [r == absent for r in range(size)]
                                  and close_enough(j[3], want[i]) for i, j in enumerate(joined)),
                              f"{tag} with join")
+                inline = all(rows[r] == r + 1 for r in range(size) if r != absent)  # (every present node's fits)
+                v.expect((started[0] == 0) == inline,
+                         f"gathers absent={absent} large={large}: {started[0]} gathers of bytes")
+        comm._start_gather = start_gather
         v.expect(comm.all_gather(None) == [], "all_gather of nothing is []")
         # -- broadcast: roots, receive, read-only, 0-d, large, empty
         for root in range(size):
