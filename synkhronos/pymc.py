@@ -78,6 +78,7 @@ class _Split:
     feature_major: frozenset = frozenset()  # positions in rows whose copy is laid out feature-major
     padded: bool = False    # each process's rows padded to a block of BLOCK_ROWS rows
     mask: synk.Data | None = None  # synk.data of the row mask of the padded blocks
+    row_axes: tuple = ()    # the row axis of each of rows' data in its own layout (its copy holds them first)
 
     def bounds(self, n: int) -> list:
         """Each process's ``(lo, hi)`` of a call's ``n`` scattered rows: ``batching.split`` over
@@ -109,8 +110,16 @@ class _Split:
         return feature_major(value, self.bounds(n))
 
     def stored(self, i: int, value) -> np.ndarray:
-        """The value of ``rows[i]`` as its shared-memory copy holds it."""
-        return self.layout(value, i in self.feature_major)
+        """The value of ``rows[i]`` as its shared-memory copy holds it (its rows first)."""
+        return self.layout(self.rows_first(i, value), i in self.feature_major)
+
+    def rows_first(self, i: int, value) -> np.ndarray:
+        """The value of ``rows[i]`` with its rows along axis 0."""
+        return _rows_first(value, self.row_axes[i] if i < len(self.row_axes) else 0)
+
+    def row_count(self, i: int, value) -> int:
+        """The number of rows of a value of ``rows[i]``."""
+        return int(np.shape(value)[self.row_axes[i] if i < len(self.row_axes) else 0])
 
     def row_mask(self, n_rows: int) -> np.ndarray:
         """True at each process's own rows of the padded blocks, False at the copies."""
@@ -178,7 +187,8 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
         rows: names of the data containers (``pm.Data``) that hold one entry
             per row along their first axis. Default: found from the observed
             variables: their data, and every data container or constant in
-            their log-likelihood with as many rows.
+            their log-likelihood with as many rows (along their first axis, or,
+            where that does not split, along another: data stored transposed).
         mode: the PyTensor mode each process compiles its share with; ``"auto"``
             (default) is :func:`default_mode`: JAX where it is installed (one XLA
             thread per process) and renders every op of the share, else PyTensor's
@@ -209,21 +219,17 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
     terms = new.logp(vars=new.observed_RVs, sum=False, jacobian=False)
     values = _values_of_free(new, terms)
     leaves = _data_leaves(terms)
-    n_rows, row_leaves = _rows(new, leaves, rows)
-    _check_no_row_latents(new, values, n_rows)
+    local_terms, n_rows, row_leaves, axes, row_in, masked = _split_by_rows(new, terms, values, leaves, rows, check)
     glob = [leaf for leaf in leaves if leaf not in row_leaves and isinstance(leaf, SharedVariable)]
-    row_in = [_row_type(leaf) for leaf in row_leaves]
-    for leaf, var in zip(row_leaves, row_in):
-        var.name = _leaf_name(new, leaf)
     glob_in = [leaf.type(name=leaf.name) for leaf in glob]
     value_in = [v.type(name=v.name) for v in values]
-    local_terms = _split_terms(new, terms, dict(zip(row_leaves, row_in)), n_rows, check)
     local_terms = graph_replace(local_terms, dict(zip(glob + values, glob_in + value_in)), strict=False)
-    checker = _Checker(new, local_terms, row_in + glob_in + value_in, row_leaves, glob, values) if check else None
+    checker = _Checker(new, local_terms, row_in + glob_in + value_in, row_leaves, axes, glob, values) \
+        if check else None
     if checker is not None:
         checker.check(n_rows)
-    split = _distribute(new, local_terms, row_leaves, glob, values, row_in, glob_in, value_in, n_rows, mode,
-                        check)
+    split = _distribute(new, local_terms, row_leaves, axes, glob, values, row_in, glob_in, value_in, n_rows, mode,
+                        check, masked)
     split.checker = checker
     new.__class__ = type(f"DataParallel{type(new).__name__}", (DataParallelModel, type(new)), {})
     new.synk_split = split
@@ -288,18 +294,70 @@ def _values_of_free(model, terms) -> list:
     return values
 
 
-def _split_terms(model, terms, replace, n_rows, check) -> list:
+def _split_by_rows(model, terms, values, leaves, rows, check) -> tuple:
+    """``(each observed term on a process's rows, n_rows, the per-row data, the row axis of each,
+    a variable of a process's rows of each, rows first, whether a term's rows are those a boolean
+    mask kept)``.
+
+    The rows are an axis of the observed data, axis 0 first, then each other one; the per-row
+    data are first those with as many rows along axis 0 (the layout the docs name), then also
+    those with as many along another axis (data stored transposed, ``X.T``; the first such
+    axis). The first of these choices whose terms :func:`split_rows` proves a sum over the rows
+    is taken: any such choice splits to the whole, whatever the data mean. None: the first
+    choice's refusal (with the others' reasons)."""
+    failures: list = []
+    for n_rows in _row_counts(model, rows):
+        tried = set()
+        for any_axis in (False, True):
+            row_leaves, axes = _row_leaves(model, leaves, rows, n_rows, any_axis)
+            if not row_leaves or (tuple(row_leaves), tuple(axes)) in tried:
+                continue
+            tried.add((tuple(row_leaves), tuple(axes)))
+            try:
+                _check_no_row_latents(model, values, n_rows)
+                row_in = [_row_type(leaf, axis) for leaf, axis in zip(row_leaves, axes)]
+                for leaf, var in zip(row_leaves, row_in):
+                    var.name = _leaf_name(model, leaf)
+                replace = {leaf: _rows_back(var, axis) for leaf, var, axis in zip(row_leaves, row_in, axes)}
+                masked: list = []
+                local = _split_terms(model, terms, replace, n_rows, check, dict(zip(row_leaves, axes)), masked)
+                return local, n_rows, row_leaves, axes, row_in, any(masked)
+            except ValueError as err:
+                failures.append((n_rows, any_axis, str(err)))
+    if not failures:
+        raise ValueError("the observed terms read no data with as many rows as the observed data: there is "
+                         "nothing to split across processes")
+    n_rows, _, why = failures[0]
+    if n_rows == 1:
+        raise ValueError(
+            f"the observed data have 1 row ({why}): there is nothing to split across processes, and "
+            "PyTensor builds the graph of such constant data with its row axis fixed at length 1; use the "
+            "model without data_parallel, or give the data as pm.Data (whose row count is not fixed)") from None
+    others = [f"with {n} rows{' (data along other axes too)' if a else ''}: {w}"
+              for n, a, w in failures[1:] if w != why]
+    raise ValueError(why + ("" if not others else " (also tried " + "; ".join(others) + ")")) from None
+
+
+def _rows_back(var, axis):
+    """A process's rows of a per-row datum (rows first) in the datum's own layout (rows at ``axis``)."""
+    if axis == 0:
+        return var
+    order = [0 if j == axis else j + 1 if j < axis else j for j in range(var.type.ndim)]
+    return var.dimshuffle(order)
+
+
+def _split_terms(model, terms, replace, n_rows, check, axes, masked) -> list:
     """Each observed term on a process's rows (:func:`synkhronos._integrations.row_split.split_rows`), with
     PyMC's rewrite of parameter checks (-inf where a parameter is out of its support)."""
     guard = _guard(model)
     out = []
     for rv, term in zip(model.observed_RVs, terms):
         try:
-            out.append(split_rows([term], replace, n_rows, guard)[0])
+            out.append(split_rows([term], replace, n_rows, guard, axes=axes, masked=masked)[0])
         except Coupling as err:
             if check:
                 raise ValueError(_coupling(rv, str(err))) from None
-            out.append(split_rows([term], replace, n_rows, guard, strict=False)[0])
+            out.append(split_rows([term], replace, n_rows, guard, strict=False, axes=axes, masked=masked)[0])
     return out
 
 
@@ -331,9 +389,15 @@ def _data_leaves(terms) -> list:
     return out
 
 
-def _row_type(leaf):
-    """A variable for a process's rows of ``leaf``: any number of rows."""
-    return pt.TensorType(leaf.type.dtype, shape=(None,) + tuple(leaf.type.shape[1:]))()
+def _row_type(leaf, axis=0):
+    """A variable for a process's rows of ``leaf`` (its ``axis`` first): any number of rows."""
+    rest = [s for j, s in enumerate(leaf.type.shape) if j != axis]
+    return pt.TensorType(leaf.type.dtype, shape=(None, *rest))()
+
+
+def _rows_first(value, axis) -> np.ndarray:
+    """A per-row datum's value with its rows (``axis``) first."""
+    return np.moveaxis(np.asarray(value), axis, 0) if axis else np.asarray(value)
 
 
 def _value(leaf) -> np.ndarray:
@@ -349,43 +413,77 @@ def _leaf_name(model, leaf) -> str:
     return f"constant of shape {_value(leaf).shape}"
 
 
-def _observed_rows(model) -> dict:
-    """``{observed variable's name: its number of rows}`` (its data's first axis)."""
+def _observed_shapes(model) -> dict:
+    """``{observed variable's name: the shape of its data}``."""
     out = {}
     for rv in model.observed_RVs:
         value = model.rvs_to_values[rv]
         data = _value(value) if isinstance(value, (SharedVariable, TensorConstant)) else value.eval()
         if np.ndim(data) == 0:
             raise ValueError(f"observed data of {rv.name!r} is 0-d: it has no rows to split")
-        out[rv.name] = np.shape(data)[0]
+        out[rv.name] = tuple(int(n) for n in np.shape(data))
     return out
 
 
-def _rows(model, leaves, rows) -> tuple:
-    """``(n_rows, the per-row data)``, checked: all have the same rows. The observed data are
-    per row; so are ``rows`` (names), or by default every datum of as many rows."""
-    lengths = {f"observed {name!r}": n for name, n in _observed_rows(model).items()}
-    observed = set(graph_inputs([model.rvs_to_values[rv] for rv in model.observed_RVs]))
-    named = set()
-    if rows is not None:
-        for name in [rows] if isinstance(rows, str) or not isinstance(rows, (list, tuple)) else rows:
-            var = model.named_vars.get(name) if isinstance(name, str) else None
-            if var is None or not isinstance(var, SharedVariable):
-                raise ValueError(f"rows: {name!r} is not a data container (pm.Data) of the model; "
-                                 f"its data containers are {[d.name for d in model.data_vars]}")
-            if np.ndim(_value(var)) == 0:
-                raise ValueError(f"rows: data container {name!r} is 0-d: it has no rows")
-            lengths[f"data {name!r}"] = np.shape(_value(var))[0]
-            named.add(var)
-    counts = sorted(set(lengths.values()))
-    if len(counts) != 1:
-        listed = ", ".join(f"{k}: {n}" for k, n in lengths.items())
+def _named_rows(model, rows) -> dict:
+    """``{container: its number of rows}`` (its first axis) of the data containers ``rows`` names."""
+    named: dict = {}
+    if rows is None:
+        return named
+    for name in [rows] if isinstance(rows, str) or not isinstance(rows, (list, tuple)) else rows:
+        var = model.named_vars.get(name) if isinstance(name, str) else None
+        if var is None or not isinstance(var, SharedVariable):
+            raise ValueError(f"rows: {name!r} is not a data container (pm.Data) of the model; "
+                             f"its data containers are {[d.name for d in model.data_vars]}")
+        if np.ndim(_value(var)) == 0:
+            raise ValueError(f"rows: data container {name!r} is 0-d: it has no rows")
+        named[var] = np.shape(_value(var))[0]
+    return named
+
+
+def _row_counts(model, rows) -> list:
+    """The row counts the split may take, the first axis of the observed data first: each length
+    of an axis of the first observed variable's data that every observed variable's data has
+    along some axis (or, for observed data computed in the model, such as ``t[~censored]``
+    from data containers, one of the data it reads), and every data container ``rows`` names
+    along its first axis."""
+    shapes, named = _observed_shapes(model), _named_rows(model, rows)
+    lengths = {}
+    for rv in model.observed_RVs:
+        value = model.rvs_to_values[rv]
+        found = list(shapes[rv.name])
+        if not isinstance(value, (SharedVariable, TensorConstant)):
+            for leaf in graph_inputs([value]):
+                if isinstance(leaf, (SharedVariable, TensorConstant)) and isinstance(leaf.type, pt.TensorType):
+                    found += [int(n) for n in np.shape(_value(leaf))]
+        lengths[rv.name] = found
+    first = next(iter(lengths.values()))
+    counts = [n for n in dict.fromkeys(first)
+              if all(n in found for found in lengths.values()) and all(c == n for c in named.values())]
+    if not counts:
+        listed = ", ".join([f"observed {k!r}: {v[0]}" + (f" (shape {v})" if len(v) > 1 else "") for k, v in shapes.items()]
+                           + [f"data {v.name!r}: {n}" for v, n in named.items()])
         raise ValueError(f"the per-row data have different row counts ({listed}); expected one count "
                          "for all of them")
-    n_rows = counts[0]
-    if rows is not None:
-        return n_rows, [v for v in leaves if v in named or (v in observed and np.shape(_value(v))[0] == n_rows)]
-    return n_rows, [v for v in leaves if np.shape(_value(v))[0] == n_rows]
+    return counts
+
+
+def _row_leaves(model, leaves, rows, n_rows, any_axis) -> tuple[list, list]:
+    """``(the per-row data, the row axis of each)``: the observed data and the containers ``rows``
+    names, or by default every datum, with ``n_rows`` along its first axis, or (``any_axis``)
+    along its first axis of that length."""
+    observed = set(graph_inputs([model.rvs_to_values[rv] for rv in model.observed_RVs]))
+    named = _named_rows(model, rows)
+    out, axes = [], []
+    for v in leaves:
+        shape = np.shape(_value(v))
+        if v in named:
+            out.append(v)
+            axes.append(0)
+        elif (rows is None or v in observed) and (shape[0] == n_rows or (any_axis and n_rows in shape)):
+            out.append(v)
+            axes.append(shape.index(n_rows))
+    return out, axes
 
 
 def _check_no_row_latents(model, values, n_rows) -> None:
@@ -398,16 +496,20 @@ def _check_no_row_latents(model, values, n_rows) -> None:
         if len(shape) and shape[0] == n_rows:
             raise ValueError(
                 f"free variable {rv.name!r} has one entry per row (shape {tuple(shape)}, {n_rows} rows): a "
-                "per-row latent variable would have to be split with the data, and synkhronos.pymc "
-                "splits data only; sample this model without data_parallel")
+                "per-row latent variable (an observation-level effect) would have to be split with the data, "
+                "each process taking its rows' entries and giving back their gradient, and synkhronos.pymc "
+                "splits data only (nor can it tell such a variable from one whose length merely equals the "
+                "row count); marginalise it where the likelihood allows (y ~ Normal(a + u, s) with u ~ "
+                "Normal(0, su) is y ~ Normal(a, sqrt(s**2 + su**2)); a Poisson with a Gamma effect is a "
+                "NegativeBinomial), or sample this model without data_parallel")
 
 
 class _Checker:
     """Each observed term's value and gradient on all rows against their sum over a split of
     the rows, at a random point: at the split, and after each ``pm.set_data`` of per-row data."""
 
-    def __init__(self, model, local_terms, inputs, row_leaves, glob, values):
-        self.model, self.row_leaves, self.glob, self.values = model, row_leaves, glob, values
+    def __init__(self, model, local_terms, inputs, row_leaves, axes, glob, values):
+        self.model, self.row_leaves, self.axes, self.glob, self.values = model, row_leaves, axes, glob, values
         wrt = [v for v in inputs[len(row_leaves) + len(glob):] if v.type.dtype.startswith("float")]
         sums = [t.sum() for t in local_terms]
         grads = [cast(list, pytensor.grad(s, wrt, disconnected_inputs="ignore")) for s in sums]  # (wrt a list)
@@ -426,7 +528,7 @@ class _Checker:
         if n_rows < 2:
             return
         rest = [_value(g) for g in self.glob] + self._point()
-        whole_rows = [_value(v) for v in self.row_leaves]
+        whole_rows = [_rows_first(_value(v), a) for v, a in zip(self.row_leaves, self.axes)]
         n_terms = len(self.model.observed_RVs)
         evaluated = {}
 
@@ -595,8 +697,8 @@ def _value_and_grad_without_jax(fgraph, node):
     return [o if o.type.dtype == v.type.dtype else pt.cast(o, v.type.dtype) for o, v in zip(outs, node.outputs)]
 
 
-def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, rv_in, n_rows, mode,
-                check) -> _Split:
+def _distribute(model, local_terms, row_leaves, axes, glob, values, row_in, glob_in, rv_in, n_rows, mode,
+                check, masked=False) -> _Split:
     local_terms, hoisted = hoist_data_only(local_terms, row_in)
     derive = pytensor.function(row_in, [g for _, g in hoisted], on_unused_input="ignore",
                                mode="FAST_COMPILE") if hoisted else None
@@ -608,6 +710,14 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
     fm, mask_in = set(), None
+    if masked and _resolve_mode(mode) == "JAX":
+        # a share's rows kept by a boolean mask have a count known at run time only: JAX's jit
+        # takes no boolean index that is not a constant (NonConcreteBooleanIndexError at the call)
+        if mode == "JAX":
+            raise ValueError("mode='JAX': the observed terms keep rows by a per-row boolean mask, which JAX "
+                             "cannot trace (a boolean index of rows is not a constant); give mode=None "
+                             "(PyTensor's default backend) or mode='auto'")
+        mode = None
     in_jax = _resolve_mode(mode) == "JAX"
     if in_jax and "jax" not in sys.modules:
         # the master's share on its own cores, with the workers' flags: set before anything
@@ -615,8 +725,9 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
         # it was set after, so never: the master ran XLA's default threads and vectors)
         os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
     if in_jax and continuous:
+        # (padding needs each term's rows to be its data's: not so where a boolean mask kept some)
         total, row_in, inputs, fm, mask_in = _laid_out_for_xla(local_terms, total, row_in, inputs,
-                                                               len(row_leaves), check)
+                                                               len(row_leaves), check and not masked)
     mode, jax_op = _jax_if_it_renders(mode, inputs, total, [inputs.index(v) for v in continuous])
     if mode == "JAX" and continuous:  # JAX's autodiff: value and gradient in one XLA program
         outs = jax_op(*inputs)
@@ -634,11 +745,11 @@ def _distribute(model, local_terms, row_leaves, glob, values, row_in, glob_in, r
                       bcast_inputs=glob_in + rv_in, name="pymc_observed_logp", **kwargs)
     synk.distribute()
     split = _Split(None, None, [], n_rows, [rv.name for rv in model.observed_RVs], derive=derive,
-                   feature_major=frozenset(fm), padded=mask_in is not None)
+                   feature_major=frozenset(fm), padded=mask_in is not None, row_axes=tuple(axes))
     copies = {var: synk.data(split.stored(i, _value(leaf)), var=var, name=var.name)
               for i, (leaf, var) in enumerate(zip(row_leaves, row_in))}
     if derive is not None:
-        computed = derive(*[_value(leaf) for leaf in row_leaves])
+        computed = derive(*[split.rows_first(i, _value(leaf)) for i, leaf in enumerate(row_leaves)])
         copies.update({var: synk.data(split.layout(v), var=var, name=var.name) for var, v in zip(derived_in, computed)})
     if mask_in is not None:
         copies[mask_in] = split.mask = synk.data(split.row_mask(n_rows), var=mask_in, name=mask_in.name)
@@ -723,7 +834,7 @@ def _follow_data(split: _Split) -> None:
                if isinstance(leaf, SharedVariable) and leaf.get_value(borrow=True) is not seen]
     if not changed:
         return
-    counts = {leaf.name: np.shape(_value(leaf))[0] for leaf, _, _ in split.rows}
+    counts = {leaf.name: split.row_count(i, _value(leaf)) for i, (leaf, _, _) in enumerate(split.rows)}
     if len(set(counts.values())) != 1:
         raise ValueError(f"pm.set_data left the per-row data with different row counts {counts}; set them "
                          "all to the same rows")
@@ -734,7 +845,8 @@ def _follow_data(split: _Split) -> None:
         split.rows[i] = (leaf, data, value)
     split.n_rows = next(iter(counts.values()))
     if split.derive is not None:  # their one rule: computed again from the rows whenever one changes
-        for data, value in zip(split.derived, split.derive(*[_value(leaf) for leaf, _, _ in split.rows])):
+        rows_first = [split.rows_first(i, _value(leaf)) for i, (leaf, _, _) in enumerate(split.rows)]
+        for data, value in zip(split.derived, split.derive(*rows_first)):
             data.set_value(split.layout(value))
     if split.mask is not None:
         split.mask.set_value(split.row_mask(split.n_rows))

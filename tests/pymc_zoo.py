@@ -190,7 +190,8 @@ def data_dims_with_none(rng, n):
 #: The shapes of the findings: on 1, 2 and 3 processes (the rest on 2).
 FINDINGS = ("dims_on_the_observed", "discrete_free_parent", "hierarchical_centred", "hierarchical_groups",
             "studentt_free_nu", "observed_data_container", "integer_data_observed", "normal_mixture",
-            "censored", "data_dims_with_none", "initval_given")
+            "censored", "data_dims_with_none", "initval_given", "transposed_covariates", "table_column_by_group",
+            "censored_by_hand")
 #: In JAX mode (a fresh Python, JAX's compile per model): the shapes JAX mode got wrong or that
 #: go through JAX's own rendering of PyMC's checks and broadcasts.
 JAX_FINDINGS = ("dims_on_the_observed", "discrete_free_parent", "hierarchical_groups", "studentt_free_nu",
@@ -325,7 +326,104 @@ def shape_given_as_int(rng, n):
     return m
 
 
+# --- refused before, though per-row (a hunt's false refusals) ---
+
+@_zoo
+def transposed_covariates(rng, n):
+    """A covariate matrix stored feature-major (rows along axis 1), ``dot(b, X)``."""
+    k = int(rng.integers(2, 5))
+    X = _x(rng, n, k)
+    with pm.Model() as m:
+        XT = pm.Data("XT", X.T.copy())
+        b = pm.Normal("b", 0, 1, shape=k)
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y", pm.math.dot(b, XT), s, observed=X @ np.ones(k) + rng.normal(0, 1, n))
+    return m
+
+
+@_zoo
+def table_column_by_group(rng, n):
+    """``theta[:, g]``: a (K, G) table at a per-row group index, observed (K, rows) (rows along
+    its last axis), and ``theta[0, g]``."""
+    k, groups = int(rng.integers(2, 4)), int(rng.integers(3, 6))
+    g = rng.integers(0, groups, n)
+    with pm.Model() as m:
+        gi = pm.Data("g", g)
+        theta = pm.Normal("theta", 0, 1, shape=(k, groups))
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y", theta[:, gi], s, observed=rng.normal(0, 1, (k, n)))
+        pm.Poisson("c", pm.math.exp(theta[0, gi]), observed=rng.poisson(1.0, n))
+    return m
+
+
+@_zoo
+def censored_by_hand(rng, n):
+    """Censored survival data written by hand: the observed rows selected by a per-row boolean
+    mask in the model (``t[~cens]``), the censored ones in a potential."""
+    x = _x(rng, n)
+    t = rng.exponential(np.exp(-0.5 * x))
+    cens = rng.random(n) < 0.3
+    with pm.Model() as m:
+        xd, td, cd = pm.Data("x", x), pm.Data("t", t), pm.Data("cens", cens)
+        a = pm.Normal("a", 0, 1)
+        b = pm.Normal("b", 0, 1)
+        lam = pm.math.exp(a + b * xd)
+        pm.Exponential("y", lam[~cd], observed=td[~cd])
+        pm.Potential("censored", pm.math.sum(pm.logccdf(pm.Exponential.dist(lam[cd]), td[cd])))
+    return m
+
+
 # --- refused, each with a ValueError naming the variable and the reason ---
+
+@_refused("observed variable 'y' couples its rows")
+def transposed_covariates_centred_over_rows(rng, n):
+    """``dot(b, XT)`` centred by its mean over the rows. (A sum of ``XT`` over its rows alone is
+    no coupling: ``XT`` is then data every process holds whole.)"""
+    with pm.Model() as m:
+        XT = pm.Data("XT", _x(rng, n, 3).T.copy())
+        b = pm.Normal("b", 0, 1, shape=3)
+        mu = pm.math.dot(b, XT)
+        pm.Normal("y", mu - mu.mean(), 1, observed=rng.standard_normal(n))
+    return m
+
+
+@_refused("observed variable 'y' couples its rows: .*combines rows kept by different boolean masks")
+def masks_that_differ(rng, n):
+    cens = rng.random(n) < 0.3
+    with pm.Model() as m:
+        td, c1, c2 = pm.Data("t", rng.exponential(1, n)), pm.Data("c1", cens), pm.Data("c2", rng.permutation(cens))
+        lam = pm.Gamma("lam", 2, 1)
+        pm.Exponential("y", lam * pm.math.ones_like(td)[c1], observed=td[c2])
+    return m
+
+
+@_refused("observed variable 'y' couples its rows: .*a value along the row axis that is not per-row data")
+def selected_in_numpy(rng, n):
+    """The rows selected in NumPy for the observed data (``t[~cens]``) but in the model for the
+    covariates (``lam[~cens]``): the observed data have fewer rows than the covariates."""
+    x, cens = _x(rng, n), rng.random(n) < 0.3
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1)
+        pm.Exponential("y", pm.math.exp(b * x)[~cens], observed=rng.exponential(1, n)[~cens])
+    return m
+
+
+@_refused("free variable 'u' has one entry per row.*marginalise")
+def observation_level_effects(rng, n):
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 1)
+        u = pm.Normal("u", 0, 1, shape=n)
+        pm.Normal("y", a + u, 1, observed=rng.standard_normal(n))
+    return m
+
+
+@_refused("the observed data have 1 row")
+def one_row(rng, n):
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 1)
+        pm.Normal("y", a, 1, observed=rng.standard_normal(1))
+    return m
+
 
 @_refused("observed variable 'y' couples its rows")
 def row_mean_in_the_likelihood(rng, n):

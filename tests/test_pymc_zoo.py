@@ -215,6 +215,17 @@ def test_zoo_in_jax_mode():
                 spm.data_parallel(erfcx, mode="JAX")
             except ValueError as err:
                 assert "JAX backend cannot render" in str(err), err
+            # rows kept by a boolean mask: JAX's jit takes no boolean index that is not a constant, so
+            # "auto" takes PyTensor's default backend there, and mode="JAX" says why it cannot
+            model = Z.censored_by_hand(rng, {ROWS})
+            dp = spm.data_parallel(model)
+            assert "JaxValueAndGrad" not in str(dp.synk_split.op.fn.fn._spec.outputs[0].owner.op)
+            T.assert_same_density(model, dp, rng, n_points=3)
+            try:
+                spm.data_parallel(model, mode="JAX")
+                raise AssertionError("mode='JAX' took a boolean mask of rows")
+            except ValueError as err:
+                assert "boolean mask" in str(err), err
         synk.close()
         print("OK")
     """, timeout=600)
@@ -319,7 +330,7 @@ def test_parts_of_the_data_computed_once_follow_set_data(zoo_fork):
 #: vector products, multivariate rows, two observed variables, a log-sum-exp and StudentT.
 JAX_LAYOUT = ("logistic_regression", "categorical_softmax", "bool_data_observed", "float32_data",
               "robust_regression_shape_from_data", "mvnormal_rows", "two_observed_same_rows",
-              "negative_binomial_glm", "mixture_of_dists")
+              "negative_binomial_glm", "mixture_of_dists", "transposed_covariates", "table_column_by_group")
 
 
 @pytest.mark.slow  # JAX's compile per model: about 10 s; make test keeps test_pymc.py's layout test
@@ -354,3 +365,27 @@ def test_zoo_in_jax_mode_on_three_processes():
         synk.close()
         print("OK")
     """, timeout=900)
+
+
+def test_transposed_and_masked_data_follow_set_data(zoo_fork):
+    """Per-row data stored along another axis (a feature-major matrix, observed data of shape
+    (K, rows)) and rows kept by a per-row boolean mask: after pm.set_data to another row count
+    the shares follow (each container's rows along its own axis), the density stays PyMC's."""
+    if zoo_fork == 1:
+        pytest.skip("on 2 and 3 processes")
+    rng = np.random.default_rng(9)
+    with pm.Model() as transposed:
+        XT, YT = pm.Data("XT", rng.standard_normal((3, ROWS))), pm.Data("YT", rng.standard_normal((2, ROWS)))
+        B = pm.Normal("B", 0, 1, shape=(3, 2))
+        pm.Normal("y", (XT.T @ B).T, 1, observed=YT)
+    for model, new_of in (
+            (transposed, lambda n: {"XT": rng.standard_normal((3, n)), "YT": rng.standard_normal((2, n))}),
+            (Z.censored_by_hand(rng, ROWS),
+             lambda n: {"x": rng.standard_normal(n), "t": rng.exponential(1, n), "cens": rng.random(n) < 0.3})):
+        dp = _spm().data_parallel(model, mode=MODE)
+        for rows in (64, 2):
+            new = new_of(rows)
+            for m in (model, dp):
+                with m:
+                    pm.set_data(new)
+            assert_same_density(model, dp, rng, n_points=3)

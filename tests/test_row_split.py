@@ -38,6 +38,10 @@ def _separable():
         "cumsum across columns": lambda X, y, g, b, a: pt.cumsum(X * b, axis=1)[:, -1] + y,
         "matrix times matrix": lambda X, y, g, b, a: (X @ pt.outer(b, b)).sum(axis=1) + y,
         "rows at their positions": lambda X, y, g, b, a: (X * b)[pt.arange(y.shape[0]), pt.clip(g, 0, 2)],
+        # a table indexed by a per-row group index at its column axis: rows along axis 1
+        "table column by group index": lambda X, y, g, b, a: pt.outer(b, a)[:, g] * y,
+        "table row and group index": lambda X, y, g, b, a: pt.outer(b, a)[1, g] * y + pt.outer(b, a)[2, g],
+        "group index after a slice": lambda X, y, g, b, a: pt.outer(b, a)[1:, g].T * X[:, :2],
     }
 
 
@@ -54,6 +58,12 @@ def _coupled():
         "reshape of rows": lambda X, y, g, b, a: X.reshape((-1,)) * b[0],
         "sort": lambda X, y, g, b, a: pt.sort(y) * b[0],
         "no rows": lambda X, y, g, b, a: b[0] ** 2,
+        # the rule for a table's column read rows along axis 0 there (PyTensor 3): the rows' sum passed
+        "table column by group index, summed over rows": lambda X, y, g, b, a: pt.outer(b, a)[:1, g].sum(axis=1) * y,
+        "rows along two axes": lambda X, y, g, b, a: pt.outer(a, a)[g][:, g].sum(axis=1) + y,
+        "a parameter at the rows' positions": lambda X, y, g, b, a: pt.concatenate([a] * 5)[pt.arange(y.shape[0])] * y,
+        "a value of the rows' length not split": lambda X, y, g, b, a: y * pt.arange(17.0) * b[0],
+        "transposed rows summed": lambda X, y, g, b, a: X.T.sum(axis=1)[0] * y * b[0],
     }
 
 
@@ -141,3 +151,67 @@ def test_costly_parts_of_the_data_alone_are_computed_once():
         yv, m = r.poisson(3.0, 11), float(r.gamma(2.0))
         assert_allclose(after(yv, derive(yv), m), before(yv, m), rtol=1e-14)
     assert hoist_data_only([pt.eq(y, 0) * mu], [y])[1] == []
+
+
+def _split_by(term, leaves, n=N, axes=None):
+    """``term``'s split, each leaf (its rows along ``axes[leaf]``, 0 by default) given as a
+    variable of its rows first; the whole and a part as functions of the parameters."""
+    axes = axes or {}
+    rows = {leaf: leaf.type.clone(shape=(None,) + tuple(s for j, s in enumerate(leaf.type.shape)
+                                                          if j != axes.get(leaf, 0)))() for leaf in leaves}
+    back = {leaf: v if not axes.get(leaf) else v.T for leaf, v in rows.items()}
+    (local,) = split_rows([term], back, n, axes=axes)
+    return local, rows
+
+
+def test_transposed_data_split_to_the_whole():
+    """Data stored feature-major (rows along axis 1, ``X.T``): ``dot(b, XT)`` keeps its rows apart;
+    split along the rows of its second axis, the parts add up to the whole."""
+    XT = pytensor.shared(X_VALUE.T.copy(), name="XT")
+    y = pt.constant(Y_VALUE, name="y")
+    b = pt.dvector("b")
+    term = -0.5 * (y - pt.dot(b, XT)) ** 2 + (XT.T @ b) * y
+    local, rows = _split_by(term, [XT, y], axes={XT: 1})
+    whole = pytensor.function([b], term.sum(), mode="FAST_COMPILE")
+    part = pytensor.function([rows[XT], rows[y], b], local.sum(), mode="FAST_COMPILE")
+    r = np.random.default_rng(3)
+    for _ in range(10):
+        bv, cut = r.standard_normal(3), int(r.integers(1, N))
+        assert_allclose(part(X_VALUE[:cut], Y_VALUE[:cut], bv) + part(X_VALUE[cut:], Y_VALUE[cut:], bv), whole(bv),
+                        rtol=1e-12)
+    with pytest.raises(Coupling, match="reduces over the rows"):
+        _split_by(y * XT.sum(axis=1)[0] * b[0], [XT, y], axes={XT: 1})
+
+
+M_VALUE = rng.random(N) < 0.4
+
+
+def test_rows_kept_by_a_mask_split_to_the_whole():
+    """``lam[mask]`` with ``y[mask]`` (a per-row boolean mask, censored data written by hand):
+    each share keeps its own rows of the mask, and PyMC's broadcast to ``mask.sum()`` rows is
+    the count of those rows. Rows kept by another mask, or by none, do not combine with them."""
+    X, y = pytensor.shared(X_VALUE, name="X"), pytensor.shared(Y_VALUE, name="y")
+    m = pytensor.shared(M_VALUE, name="m")
+    b = pt.dvector("b")
+    lam = pt.exp(X @ b)
+    term = pt.alloc(-lam[~m] * y[~m] + pt.log(lam[~m]), (~m).sum())
+    local, rows = _split_by(term, [X, y, m])
+    whole = pytensor.function([b], term.sum(), mode="FAST_COMPILE")
+    part = pytensor.function([rows[X], rows[y], rows[m], b], local.sum(), mode="FAST_COMPILE")
+    r = np.random.default_rng(4)
+    for _ in range(10):
+        bv, cut = r.standard_normal(3), int(r.integers(1, N))
+        got = part(X_VALUE[:cut], Y_VALUE[:cut], M_VALUE[:cut], bv) + part(X_VALUE[cut:], Y_VALUE[cut:], M_VALUE[cut:], bv)
+        assert_allclose(got, whole(bv), rtol=1e-12)
+    m2 = pytensor.shared(np.random.default_rng(5).permutation(M_VALUE), name="m2")
+    for coupled, match in ((lam[m] * y[m2], "different boolean masks"),
+                           (lam[m] * y[m].sum(), "reduces over the rows"),
+                           (pt.alloc(lam[m], m2.sum()), "another number of rows"),
+                           (pt.alloc(lam[m], y.shape[0]), "another number of rows"),
+                           (pt.cumsum(lam[m]), "boolean mask"),
+                           (b[0] * y[m][1:], "indexes along the rows"),
+                           # the first m.sum() rows of all rows: not the rows m keeps
+                           (b[0] * y[pt.arange(m.sum())], "boolean mask"),
+                           (b[0] * pt.alloc(y, (m.sum() + 0).astype("int64")), "another number of rows")):
+        with pytest.raises(Coupling, match=match):
+            _split_by(coupled, [X, y, m, m2])

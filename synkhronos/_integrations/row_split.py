@@ -21,7 +21,7 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.mode import Mode
 from pytensor.compile.builders import OpFromGraph
-from pytensor.graph.basic import Constant, Variable
+from pytensor.graph.basic import Constant, Variable, equal_computations
 from pytensor.graph.replace import graph_replace
 from pytensor.tensor.basic import Alloc, ARange, Join, Split
 from pytensor.tensor.blockwise import Blockwise
@@ -58,14 +58,17 @@ class _Rows:
     index: bool = False          # the value is the rows' own positions (an arange over them)
     coupled: str | None = None   # why the value mixes rows, if it does
     shape_of: int | None = None  # the value is a shape vector whose entry shape_of is the count
+    selected: Any = None         # the rows are those a per-row boolean mask kept (the mask), or all
 
 
 _NONE = _Rows()
 
 
-def split_rows(outputs, replace, n_rows, guard=None, strict=True) -> list:
-    """``outputs`` (one elementwise term per output, rows along axis 0) with ``replace`` made
-    (each per-row leaf -> a variable of any number of rows: its row axis is 0).
+def split_rows(outputs, replace, n_rows, guard=None, strict=True, axes=None, masked=None) -> list:
+    """``outputs`` (one elementwise term per output) with ``replace`` made (each per-row leaf ->
+    a variable of any number of rows: its row axis is ``axes[leaf]``, 0 where not given). Each
+    output comes back with its rows along axis 0 (transposed where they end up elsewhere: its
+    sum is the same).
 
     Every node that reads rows is built anew (no static shape of the whole survives);
     shape assertions are dropped; a shape entry of ``n_rows`` at a row axis (PyMC's
@@ -73,11 +76,16 @@ def split_rows(outputs, replace, n_rows, guard=None, strict=True) -> list:
     a replacement for a parameter check (its conditions are not a coupling: a failed
     check makes the whole -inf, and so the share that holds the failing row).
 
+    ``masked``, a list, gets for each output whether its rows are those a per-row boolean mask
+    kept (fewer than the data's rows: each process's share has fewer rows than its data).
+
     Raises:
         Coupling: an output's rows are not kept apart (the message says where); not
             raised where ``strict`` is false (the caller vouches for the graph)."""
-    count = next(iter(replace.values())).shape[0]
-    walk = _Walk(dict(replace), {k: _Rows(axis=0) for k in replace}, count, n_rows, guard)
+    axes = axes or {}
+    first = next(iter(replace))
+    count = replace[first].shape[axes.get(first, 0)]
+    walk = _Walk(dict(replace), {k: _Rows(axis=axes.get(k, 0)) for k in replace}, count, n_rows, guard)
     for node in io_toposort(list(graph_inputs(outputs)), outputs):
         walk.visit(node)
     done = []
@@ -86,10 +94,15 @@ def split_rows(outputs, replace, n_rows, guard=None, strict=True) -> list:
         counted = "its value depends on the number of rows, or on their positions (an arange over them as a value)"
         why = rows.coupled or (counted if rows.count else None) or \
             ("it does not read the per-row data (every process would add the whole)" if rows.axis is None
-             else f"its rows end up along axis {rows.axis}, not 0" if rows.axis != 0 else None)
+             else None)
         if why and strict:
             raise Coupling(why)
-        done.append(walk.memo.get(out, out))
+        new = walk.memo.get(out, out)
+        if masked is not None:
+            masked.append(rows.selected is not None or any(r.selected is not None for r in walk.rows.values()))
+        if not why and rows.axis != 0:  # rows first: the terms' sum is the same
+            new = new.dimshuffle([rows.axis] + [a for a in range(new.type.ndim) if a != rows.axis])
+        done.append(new)
     return done
 
 
@@ -152,12 +165,17 @@ class _Walk:
                 raise Coupling(f"{node.op} broadcasts along axis {i} by the number of rows")
         if axis is None:
             return new_inputs, [_NONE]
+        selected = value.selected
         if not shape[axis].count:
-            if not _equals(node.inputs[1 + axis], self.n_rows):
+            if selected is not None or not _equals(node.inputs[1 + axis], self.n_rows):
                 raise Coupling(f"{node.op} broadcasts its rows to {node.inputs[1 + axis]}, not to the rows")
             new_inputs = list(new_inputs)
             new_inputs[1 + axis] = self.count.astype(node.inputs[1 + axis].dtype)
-        return new_inputs, [_Rows(axis=axis, count=value.count)]
+        elif value.axis is None:
+            selected = shape[axis].selected
+        elif not _same_mask(selected, shape[axis].selected):
+            raise Coupling(f"{node.op} broadcasts rows kept by a boolean mask to another number of rows")
+        return new_inputs, [_Rows(axis=axis, count=value.count, selected=selected)]
 
 
 def _equals(var, n) -> bool:
@@ -175,6 +193,8 @@ def _equals(var, n) -> bool:
 def _rule(node, ins) -> list:
     """The rows of ``node``'s outputs from its inputs' rows, or :class:`Coupling`."""
     op = node.op
+    if any(r.selected is not None for r in ins) and not isinstance(op, _SELECTION_SAFE):
+        raise Coupling(f"{op} reads rows kept by a boolean mask and is not known to keep them apart")
     for kind, rule in _RULES:
         if isinstance(op, kind):
             return rule(node, ins)
@@ -194,8 +214,37 @@ def _elemwise(node, ins) -> list:
     if len(axes) > 1:
         raise Coupling(f"{node.op} combines rows along different axes {sorted(axes)}")
     axis = axes.pop() if axes else None
+    # (a count of the rows a mask keeps stays one: it broadcasts only rows that mask keeps)
+    selected = _one_selection(node, [r for r in ins if r.axis is not None or (axis is None and r.count)])
+    if axis is not None:
+        out_ndim = node.outputs[0].type.ndim
+        for v, r in zip(node.inputs, ins):
+            at = axis - (out_ndim - v.type.ndim)
+            if r.axis is None and at >= 0 and not v.type.broadcastable[at]:
+                # a value along the rows that is not split with them: all rows' worth of it in every
+                # share (an error where the shares' row counts differ from it; a silent broadcast
+                # where a share has one row and the backend broadcasts at run time)
+                raise Coupling(f"{node.op} combines the rows with a value along the row axis that is not "
+                               "per-row data (not split with the rows; such as covariates of all the rows "
+                               "against observed data selected from them in NumPy)")
     index = axis is not None and all(r.index or r.axis is None for r in ins) and _is_index_copy(node)
-    return [_Rows(axis=axis, count=_counted(ins) and not index, index=index)] * len(node.outputs)
+    return [_Rows(axis=axis, count=_counted(ins) and not index, index=index, selected=selected)] * len(node.outputs)
+
+
+def _one_selection(node, ins):
+    """The boolean mask that kept the rows of every one of ``ins`` (None: all rows), or
+    :class:`Coupling` where they differ: their rows would not be the same rows."""
+    masks = [r.selected for r in ins]
+    first = masks[0] if masks else None
+    for m in masks[1:]:
+        if not _same_mask(m, first):
+            raise Coupling(f"{node.op} combines rows kept by different boolean masks (or by one and not the other)")
+    return first
+
+
+def _same_mask(a, b) -> bool:
+    """Both all rows, or the same computation of one mask."""
+    return a is b or (a is not None and b is not None and equal_computations([a], [b]))
 
 
 def _is_index_copy(node) -> bool:
@@ -220,9 +269,18 @@ def _reduce(node, ins) -> list:
     axes = range(node.inputs[0].type.ndim) if axis is None else (axis if isinstance(axis, (tuple, list)) else (axis,))
     axes = [a % max(node.inputs[0].type.ndim, 1) for a in axes]
     if r.axis is not None and r.axis in axes:
+        if _counts_a_mask(node, r):  # the number of rows a per-row boolean mask keeps
+            return [_Rows(count=True, selected=node.inputs[0])]
         raise Coupling(f"{node.op} reduces over the rows")
     axis = None if r.axis is None else r.axis - sum(a < r.axis for a in axes)
-    return [_Rows(axis=axis, count=_counted(ins[:1]))] * len(node.outputs)
+    return [_Rows(axis=axis, count=_counted(ins[:1]), selected=r.selected)] * len(node.outputs)
+
+
+def _counts_a_mask(node, r) -> bool:
+    """``node`` sums a per-row boolean vector: the number of the rows it keeps (PyMC broadcasts
+    a term of ``y[mask]`` to that shape), a count of those rows only."""
+    return type(getattr(node.op, "scalar_op", None)).__name__ == "Add" and node.inputs[0].type.ndim == 1 \
+        and node.inputs[0].type.dtype == "bool" and r.axis == 0 and r.selected is None and not _counted([r])
 
 
 def _along_axis(node, ins) -> list:
@@ -255,7 +313,7 @@ def _shape(node, ins) -> list:
 def _arange(node, ins) -> list:
     if _counted(ins[:1]) or _counted(ins[2:]) or not ins[1].count:
         raise Coupling(f"{node.op} of the rows' count does not run over the rows")
-    return [_Rows(axis=0, index=True)]
+    return [_Rows(axis=0, index=True, selected=ins[1].selected)]  # (the positions of the rows a mask keeps)
 
 
 def _join(node, ins) -> list:
@@ -278,7 +336,7 @@ def _split(node, ins) -> list:
 def _subtensor(node, ins) -> list:
     r = ins[0]
     if r.shape_of is not None and _counted(ins[:1]) and not _counted(ins[1:]):
-        return [_shape_entry(node, r.shape_of)]
+        return [_shape_entry(node, r.shape_of, r.selected)]
     if _counted(ins[1:]) or any(x.axis is not None for x in ins[1:]):
         raise Coupling(f"{node.op} slices by the number of rows")
     if r.axis is None:
@@ -291,46 +349,130 @@ def _subtensor(node, ins) -> list:
 
 
 def _advanced(node, ins) -> list:
-    """``x[i, j, ...]`` with index arrays: the rows come from per-row index arrays (a group
-    index) or from ``x``'s rows taken at their own positions (an arange over the rows)."""
-    x, idx = ins[0], ins[1:]
-    arrays = [i for i, v in enumerate(node.inputs[1:]) if isinstance(v.type, pt.TensorType)
-              and v.type.dtype not in ("bool",) and v.type.ndim > 0]
-    if isinstance(node.op, AdvancedSubtensor1):
-        arrays = [0]
-    row_axes = {r.axis for r in idx if r.axis is not None}
-    if len(row_axes) > 1 or any(r.count for r in idx):
-        raise Coupling(f"{node.op} indexes by rows along different axes")
+    """``x[i, j, ...]`` with index arrays (NumPy's advanced indexing: the index arrays broadcast
+    to one block of axes, in place of their own where they are adjacent, first where a slice
+    parts them). The rows of the output are
+
+    * those of per-row index arrays (a group index ``a[g]``, ``tab[:, g]``, ``tab[0, g]``), where
+      ``x`` has no rows and every other index array is one value along them;
+    * ``x``'s rows, where a full slice takes them and no index array reads rows;
+    * ``x``'s rows taken at their own positions (an arange over the rows, ``Categorical``), with
+      per-row index arrays or single values at the other axes;
+    * ``x``'s rows that a per-row boolean mask along them keeps (the only index array), marked
+      with the mask: only values of rows kept by the same mask combine with them."""
+    x = ins[0]
+    entries, used = _index_entries(node)
+    if any(r.count for r in ins[1:]):
+        raise Coupling(f"{node.op} indexes by the number of rows")
+    if any(ins[k].axis is not None for k in range(1, len(node.inputs)) if k not in used):
+        raise Coupling(f"{node.op} slices by the rows' values")
+    adv = [k for k, e in enumerate(entries) if e[0] == "tensor"]
+    arrays = [node.inputs[entries[k][1]] for k in adv]
+    if any(v.type.dtype == "bool" and v.type.ndim != 1 for v in arrays):
+        raise Coupling(f"{node.op} indexes by a boolean mask of more than one axis")
+    if any(v.type.dtype == "bool" for v in arrays) and len(arrays) > 1:
+        raise Coupling(f"{node.op} indexes by a boolean mask with other index arrays")
+    block = max(1 if v.type.dtype == "bool" else v.type.ndim for v in arrays)
+    adjacent = adv == list(range(adv[0], adv[-1] + 1))
+    start = adv[0] if adjacent else 0
+
+    def out_axis(dim):  # the output axis of x's axis ``dim``, taken by a full slice
+        if adjacent:
+            return dim if dim < adv[0] else dim - len(adv) + block
+        return block + dim - sum(a < dim for a in adv)
+
+    row_arrays = [k for k in adv if ins[entries[k][1]].axis is not None]
     if x.axis is not None:
-        at = _index_position(node, x.axis)
-        if at is None or not idx[at].index:
+        entry = entries[x.axis] if x.axis < len(entries) else ("slice", None, True)
+        if entry[0] == "slice":
+            if not entry[2]:
+                raise Coupling(f"{node.op} slices along the rows")
+            if row_arrays:
+                raise Coupling(f"{node.op} indexes the rows by per-row index arrays at another axis")
+            return [_Rows(axis=out_axis(x.axis), count=_counted([x]), selected=x.selected)]
+        mask = node.inputs[entry[1]]
+        r = ins[entry[1]]
+        if mask.type.dtype == "bool":
+            if r.axis != 0 or r.index or x.selected is not None or r.selected is not None:
+                raise Coupling(f"{node.op} indexes along the rows by a boolean mask that is not per-row data")
+            return [_Rows(axis=start, count=_counted([x]), selected=node.inputs[entry[1]])]
+        if not r.index:
             raise Coupling(f"{node.op} indexes along the rows")
-    if not row_axes:
-        return [_Rows(axis=x.axis, count=_counted([x]))] if x.axis is None or not arrays else _unknown(node)
-    if not arrays or min(arrays) != 0 or arrays != list(range(len(arrays))):
-        return _unknown(node)
-    return [_Rows(axis=row_axes.pop(), count=_counted([x]))]
+    elif any(ins[entries[k][1]].axis is not None and node.inputs[entries[k][1]].type.dtype == "bool" for k in adv):
+        raise Coupling(f"{node.op} indexes by a per-row boolean mask something that has no rows")
+    p = _rows_in_block(node, entries, adv, ins, block)
+    if p is None:
+        return [_Rows(axis=None, count=_counted([x]))]
+    selected = _one_selection(node, [ins[entries[k][1]] for k in row_arrays] +
+                              ([x] if x.axis is not None else []))
+    return [_Rows(axis=start + p, count=_counted([x]), selected=selected)]
 
 
-def _shape_entry(node, axis) -> _Rows:
+def _rows_in_block(node, entries, adv, ins, block):
+    """The axis of the index arrays' broadcast block along which the per-row index arrays run
+    (None: no index array reads rows), or :class:`Coupling`: they run along different axes,
+    or an index array that is not per-row has more than one value along them."""
+    where = set()
+    for k in adv:
+        v, r = node.inputs[entries[k][1]], ins[entries[k][1]]
+        if r.axis is not None:
+            if r.index and ins[0].axis is None:
+                raise Coupling(f"{node.op} indexes by the rows' positions something that has no rows")
+            where.add(r.axis + block - v.type.ndim)
+    if not where:
+        return None
+    if len(where) > 1:
+        raise Coupling(f"{node.op} indexes by rows along different axes")
+    p = where.pop()
+    for k in adv:
+        v, r = node.inputs[entries[k][1]], ins[entries[k][1]]
+        at = p - (block - v.type.ndim)
+        if r.axis is None and at >= 0 and not v.type.broadcastable[at]:
+            raise Coupling(f"{node.op} indexes by per-row index arrays and by an index array along the rows "
+                           "that is not per-row data")
+    return p
+
+
+def _index_entries(node) -> tuple[list, set]:
+    """``x[...]``'s index, one entry per axis of ``x`` it names: ``("slice", None, full)`` or
+    ``("tensor", position in node.inputs, None)``; and the positions of the index arrays.
+    PyTensor 3 keeps slices in the op (``idx_list``, its entries positions in the inputs after
+    ``x``), PyTensor 2 as inputs of a slice type."""
+    if isinstance(node.op, AdvancedSubtensor1) and AdvancedSubtensor1 is not AdvancedSubtensor:
+        return [("tensor", 1, None)], {1}
+    entries: list[tuple[str, Any, Any]] = []
+    used: set[int] = set()
+    idx_list = getattr(node.op, "idx_list", None)
+    if idx_list is not None:  # PyTensor 3
+        for e in idx_list:
+            if isinstance(e, slice):
+                entries.append(("slice", None, e == slice(None, None, None)))
+            elif isinstance(e, (int, np.integer)):
+                entries.append(("tensor", 1 + int(e), None))
+                used.add(1 + int(e))
+            else:
+                raise Coupling(f"{node.op}: an index of a kind not known ({e!r})")
+        return entries, used
+    for k, v in enumerate(node.inputs[1:], start=1):
+        if isinstance(v.type, pt.TensorType):
+            entries.append(("tensor", k, None))
+            used.add(k)
+        elif type(v.type).__name__ == "SliceType":
+            entries.append(("slice", None, isinstance(v, Constant) and v.data == slice(None, None, None)))
+        else:
+            raise Coupling(f"{node.op}: an index of a kind not known ({v.type})")
+    return entries, used
+
+
+def _shape_entry(node, axis, selected=None) -> _Rows:
     """An entry of a shape vector: the count only where it is the row axis's entry."""
     idx = list(node.op.idx_list)
     length = node.inputs[0].type.shape[0]
     if len(idx) == 1 and not isinstance(idx[0], slice) and isinstance(node.inputs[1], Constant) \
             and length is not None:
-        return _Rows(count=int(node.inputs[1].data) % length == axis)
-    return _Rows(count=True)
-
-
-def _index_position(node, axis):
-    """Which index applies to ``x``'s ``axis`` (every index taking one axis), or None."""
-    if isinstance(node.op, AdvancedSubtensor1):
-        return 0 if axis == 0 else None
-    return axis if axis < len(node.inputs) - 1 else None
-
-
-def _unknown(node):
-    raise Coupling(f"{node.op} mixes per-row indices with other indices")
+        at = int(node.inputs[1].data) % length == axis
+        return _Rows(count=at, selected=selected if at else None)
+    return _Rows(count=True, selected=selected)
 
 
 def _dot(node, ins) -> list:
@@ -417,14 +559,20 @@ def _first_entry_is_count(shape) -> bool:
 
 
 def _passthrough(node, ins) -> list:
-    return [_Rows(axis=ins[0].axis, count=_counted(ins))] * len(node.outputs)
+    return [_Rows(axis=ins[0].axis, count=_counted(ins), selected=ins[0].selected)] * len(node.outputs)
 
 
 def _values(node, ins) -> list:
     """Shape arithmetic (vectors of shape entries, scalars from tensors): the rows' count flows."""
     if any(r.axis is not None for r in ins):
         raise Coupling(f"{node.op} reads the rows")
-    return [_Rows(count=_counted(ins))] * len(node.outputs)
+    counted = [i for i, r in enumerate(ins) if _counted([r])]
+    if type(node.op).__name__ == "MakeVector" and len(counted) == 1:
+        # a shape built of entries (PyMC 5 broadcasts a term to its value's shape so): the
+        # count at one entry only, as Shape's (the row axis of data stored transposed is not 0)
+        return [_Rows(count=True, shape_of=counted[0], selected=ins[counted[0]].selected)]
+    selected = ins[counted[0]].selected if len(counted) == 1 else None
+    return [_Rows(count=_counted(ins), selected=selected)] * len(node.outputs)
 
 
 class _NamedOps:
@@ -453,6 +601,12 @@ _RULES: tuple[tuple[Any, Callable[..., list]], ...] = (
     (_NamedOps("MakeVector", "ScalarFromTensor", "TensorFromScalar"), _values),
     (_NamedOps("DeepCopyOp", "OutputGuard", "ViewOp"), _passthrough),
 )
+
+#: Ops whose rule follows rows kept by a boolean mask (keeps them apart, combines them only with
+#: rows kept by the same mask); any other op that reads them is a coupling.
+_SELECTION_SAFE: tuple[Any, ...] = (Elemwise, DimShuffle, CAReduce, _NamedOps("LogSumExp"), Softmax, LogSoftmax, Subtensor,
+                   AdvancedSubtensor, AdvancedSubtensor1, _NamedOps("DeepCopyOp", "OutputGuard", "ViewOp"),
+                   _NamedOps("MakeVector", "ScalarFromTensor", "TensorFromScalar"))
 
 
 #: Scalar ops cheaper than reading one more number per row: a part of the graph that reads only
