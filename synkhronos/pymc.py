@@ -33,6 +33,7 @@ from synkhronos._integrations.xla_rewrites import (FeatureMajor, feature_major, 
 try:
     import pymc as pm
     from pymc.model.fgraph import clone_model
+    from pymc.pytensorf import rewrite_pregrad
 except ImportError as err:  # pragma: no cover - the extra is missing
     raise ImportError("synkhronos.pymc needs PyMC: pip install 'synkhronos[pymc]'") from err
 
@@ -504,6 +505,14 @@ def _check_no_row_latents(model, values, n_rows) -> None:
                 "NegativeBinomial), or sample this model without data_parallel")
 
 
+def _pregrad_grads(cost, wrt) -> list:
+    """The gradient of ``cost`` with respect to the list ``wrt`` as PyMC takes it
+    (``Model.dlogp``): of the cost after PyMC's pre-gradient rewrites, which stabilise it
+    (``log1pexp``, ``log(sigmoid)``...). Taken on the graph as written, the gradient of a
+    logistic regression's Bernoulli was NaN where PyMC's is finite (``logit_p`` of -800)."""
+    return cast(list, pytensor.grad(rewrite_pregrad(cost), wrt, disconnected_inputs="ignore"))
+
+
 class _Checker:
     """Each observed term's value and gradient on all rows against their sum over a split of
     the rows, at a random point: at the split, and after each ``pm.set_data`` of per-row data."""
@@ -512,7 +521,7 @@ class _Checker:
         self.model, self.row_leaves, self.axes, self.glob, self.values = model, row_leaves, axes, glob, values
         wrt = [v for v in inputs[len(row_leaves) + len(glob):] if v.type.dtype.startswith("float")]
         sums = [t.sum() for t in local_terms]
-        grads = [cast(list, pytensor.grad(s, wrt, disconnected_inputs="ignore")) for s in sums]  # (wrt a list)
+        grads = [_pregrad_grads(s, wrt) for s in sums]
         self.fn = pytensor.function(inputs, sums + [g for gs in grads for g in gs], mode="FAST_COMPILE",
                                     on_unused_input="ignore")
         self.n_wrt = len(wrt)
@@ -657,7 +666,7 @@ class JaxValueAndGrad(Op):
     def _symbolic_grads(self) -> list:
         """The inner graph's symbolic gradient with respect to ``wrt`` (PyTensor's, as PyMC's own)."""
         wrt = [self.inner_inputs[i] for i in self.wrt]
-        return cast(list, pytensor.grad(self.inner_output, wrt, disconnected_inputs="ignore"))
+        return _pregrad_grads(self.inner_output, wrt)
 
     def perform(self, node, inputs, outputs):
         if self._jitted is None:
@@ -692,7 +701,7 @@ def _value_and_grad_without_jax(fgraph, node):
     ``host_mode``: a share inside an XLA callback, where JAX cannot run."""
     op = node.op
     wrt = [op.inner_inputs[i] for i in op.wrt]
-    grads = cast(list, pytensor.grad(op.inner_output, wrt, disconnected_inputs="ignore")) if wrt else []  # (wrt a list)
+    grads = _pregrad_grads(op.inner_output, wrt) if wrt else []
     outs = clone_replace([op.inner_output, *grads], dict(zip(op.inner_inputs, node.inputs)))
     return [o if o.type.dtype == v.type.dtype else pt.cast(o, v.type.dtype) for o, v in zip(outs, node.outputs)]
 
@@ -735,7 +744,11 @@ def _distribute(model, local_terms, row_leaves, axes, glob, values, row_in, glob
         total.name = "observed_logp"
     else:  # (a layout made for JAX that "auto" then left, its share unrenderable, computes
         # alike: FeatureMajor's perform reads the rows back, the mask leaves the copies out)
-        grads = pytensor.grad(total, continuous) if continuous else []
+        # (PyMC's stabilising rewrites first, as its dlogp: a mode that rewrites little, such as
+        # FAST_COMPILE, would otherwise take a logistic's log1pexp at -800 for -inf)
+        total = rewrite_pregrad(total)
+        total.name = "observed_logp"
+        grads = _pregrad_grads(total, continuous) if continuous else []
     for g, v in zip(grads, continuous):
         g.name = f"d_observed_logp/d_{v.name}"
     kwargs = {"on_unused_input": "ignore"}

@@ -62,18 +62,18 @@ def regression_model(n=57, seed=1):
     return model
 
 
-def _points(model, n, seed):
+def _points(model, n, seed, scale=0.7):
     """Random points in the (transformed) value space, keyed by value variable name."""
     ip = model.initial_point()
     rng = np.random.default_rng(seed)
-    return [{k: rng.normal(0, 0.7, size=np.shape(v)) for k, v in ip.items()} for _ in range(n)]
+    return [{k: rng.normal(0, scale, size=np.shape(v)) for k, v in ip.items()} for _ in range(n)]
 
 
-def _assert_same_density(model, dp, n_points=6, seed=0):
+def _assert_same_density(model, dp, n_points=6, seed=0, mode=MODE, scale=0.7, ref_mode=None):
     # the same PyTensor mode on both sides: the difference left is the order of the sums
-    ref_logp, ref_dlogp = model.compile_logp(mode=MODE), model.compile_dlogp(mode=MODE)
-    got_logp, got_dlogp = dp.compile_logp(mode=MODE), dp.compile_dlogp(mode=MODE)
-    for pt_ in _points(model, n_points, seed):
+    ref_logp, ref_dlogp = model.compile_logp(mode=ref_mode or mode), model.compile_dlogp(mode=ref_mode or mode)
+    got_logp, got_dlogp = dp.compile_logp(mode=mode), dp.compile_dlogp(mode=mode)
+    for pt_ in _points(model, n_points, seed, scale):
         assert_allclose(got_logp(pt_), ref_logp(pt_), rtol=1e-10)
         # dlogp ravels the value variables in each model's order: compare by name
         ref = dict(zip([v.name for v in model.continuous_value_vars], _split(model, ref_dlogp(pt_))))
@@ -108,6 +108,23 @@ def test_logp_and_gradient_equal_pymc(fork, n):
         dp = spm.data_parallel(model, mode=MODE)
         assert isinstance(dp, pm.Model) and isinstance(dp, spm.DataParallelModel)
         _assert_same_density(model, dp)
+
+
+def test_far_from_the_mode_density_equals_pymc_in_pytensor_s_modes(fork):
+    """Far from the mode (a logistic's linear predictor in the hundreds) the share's logp and
+    gradient are PyMC's, taken after PyMC's stabilising rewrites as its dlogp is: without
+    them the gradient was NaN in PyTensor's default mode and the logp -inf in FAST_COMPILE.
+    The reference: PyMC's in the default mode (FAST_COMPILE leaves PyMC's own logp -inf there)."""
+    fork(2)
+    spm = _spm()
+    rng = np.random.default_rng(53)
+    X = rng.standard_normal((53, 3))
+    with pm.Model() as model:
+        b = pm.Normal("b", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=X @ b, observed=(rng.standard_normal(53) > 0).astype("int64"))
+    for mode in ("FAST_RUN", "FAST_COMPILE"):
+        dp = spm.data_parallel(model, mode=mode)
+        _assert_same_density(model, dp, n_points=8, seed=3, mode=mode, scale=10.0, ref_mode="FAST_RUN")
 
 
 def _in_a_fresh_process(code: str, timeout: float = 240) -> str:
