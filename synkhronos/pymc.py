@@ -719,20 +719,7 @@ def _distribute(model, local_terms, row_leaves, axes, glob, values, row_in, glob
     inputs = row_in + glob_in + rv_in
     inputs += [v for v in graph_inputs([total]) if isinstance(v, SharedVariable) and v not in inputs]
     fm, mask_in = set(), None
-    if masked and _resolve_mode(mode) == "JAX":
-        # a share's rows kept by a boolean mask have a count known at run time only: JAX's jit
-        # takes no boolean index that is not a constant (NonConcreteBooleanIndexError at the call)
-        if mode == "JAX":
-            raise ValueError("mode='JAX': the observed terms keep rows by a per-row boolean mask, which JAX "
-                             "cannot trace (a boolean index of rows is not a constant); give mode=None "
-                             "(PyTensor's default backend) or mode='auto'")
-        mode = None
-    in_jax = _resolve_mode(mode) == "JAX"
-    if in_jax and "jax" not in sys.modules:
-        # the master's share on its own cores, with the workers' flags: set before anything
-        # below imports JAX (laying out, rendering), which reads them once (until 2026-11-27
-        # it was set after, so never: the master ran XLA's default threads and vectors)
-        os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
+    mode, in_jax = _share_mode(mode, masked)
     if in_jax and continuous:
         # (padding needs each term's rows to be its data's: not so where a boolean mask kept some)
         total, row_in, inputs, fm, mask_in = _laid_out_for_xla(local_terms, total, row_in, inputs,
@@ -776,6 +763,26 @@ def _distribute(model, local_terms, row_leaves, axes, glob, values, row_in, glob
     op.fn = _Following(op.fn, split)
     split.term = op(*glob, *values)[0] if (glob or values) else op()[0]
     return split
+
+
+def _share_mode(mode, masked) -> tuple:
+    """``(mode, whether it is JAX)`` of a share: ``"auto"`` leaves JAX where a boolean mask keeps
+    rows (``"JAX"`` refuses); in JAX mode, XLA's flags set before JAX is imported."""
+    if masked and _resolve_mode(mode) == "JAX":
+        # a share's rows kept by a boolean mask have a count known at run time only: JAX's jit
+        # takes no boolean index that is not a constant (NonConcreteBooleanIndexError at the call)
+        if mode == "JAX":
+            raise ValueError("mode='JAX': the observed terms keep rows by a per-row boolean mask, which JAX "
+                             "cannot trace (a boolean index of rows is not a constant); give mode=None "
+                             "(PyTensor's default backend) or mode='auto'")
+        mode = None
+    in_jax = _resolve_mode(mode) == "JAX"
+    if in_jax and "jax" not in sys.modules:
+        # the master's share on its own cores, with the workers' flags: set before anything
+        # below imports JAX (laying out, rendering), which reads them once (until 2026-11-27
+        # it was set after, so never: the master ran XLA's default threads and vectors)
+        os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), available_cores())
+    return mode, in_jax
 
 
 def _laid_out_for_xla(local_terms, total, row_in, inputs, n_leaves, check) -> tuple:
