@@ -13,22 +13,19 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.graph.basic import Apply, Variable
+from pytensor.graph.basic import Variable
 from pytensor.graph.fg import FunctionGraph
-from pytensor.graph.op import Op
-from pytensor.graph.rewriting.basic import node_rewriter
-from pytensor.graph.replace import clone_replace, graph_replace
+from pytensor.graph.replace import graph_replace
 from pytensor.tensor.variable import TensorConstant, TensorVariable
 
 import synkhronos as synk
 from synkhronos._batching import split as split_evenly
 from synkhronos._integrations.graph_op import register_jax, register_numba
-from synkhronos.devices.jax_state import HOST_REWRITES
 from synkhronos._integrations.row_split import Coupling, hoist_data_only, split_rows
 from synkhronos._procs.cores import available_cores
 from synkhronos._procs.xla_flags import xla_flags
-from synkhronos._integrations.xla_rewrites import (FeatureMajor, feature_major, feature_major_as_reshape, prepare_for_xla,
-                                                   read_by_dots_only, render_for_xla)
+from synkhronos._integrations.xla_rewrites import (FeatureMajor, feature_major, prepare_for_xla,
+                                                   read_by_dots_only)
 
 try:
     import pymc as pm
@@ -36,6 +33,8 @@ try:
     from pymc.pytensorf import rewrite_pregrad
 except ImportError as err:  # pragma: no cover - the extra is missing
     raise ImportError("synkhronos.pymc needs PyMC: pip install 'synkhronos[pymc]'") from err
+
+from synkhronos._integrations.value_and_grad import JaxValueAndGrad, pregrad_grads  # noqa: E402  (needs PyMC)
 
 try:
     from pytensor.graph.traversal import graph_inputs
@@ -505,14 +504,6 @@ def _check_no_row_latents(model, values, n_rows) -> None:
                 "NegativeBinomial), or sample this model without data_parallel")
 
 
-def _pregrad_grads(cost, wrt) -> list:
-    """The gradient of ``cost`` with respect to the list ``wrt`` as PyMC takes it
-    (``Model.dlogp``): of the cost after PyMC's pre-gradient rewrites, which stabilise it
-    (``log1pexp``, ``log(sigmoid)``...). Taken on the graph as written, the gradient of a
-    logistic regression's Bernoulli was NaN where PyMC's is finite (``logit_p`` of -800)."""
-    return cast(list, pytensor.grad(rewrite_pregrad(cost), wrt, disconnected_inputs="ignore"))
-
-
 class _Checker:
     """Each observed term's value and gradient on all rows against their sum over a split of
     the rows, at a random point: at the split, and after each ``pm.set_data`` of per-row data."""
@@ -521,7 +512,7 @@ class _Checker:
         self.model, self.row_leaves, self.axes, self.glob, self.values = model, row_leaves, axes, glob, values
         wrt = [v for v in inputs[len(row_leaves) + len(glob):] if v.type.dtype.startswith("float")]
         sums = [t.sum() for t in local_terms]
-        grads = [_pregrad_grads(s, wrt) for s in sums]
+        grads = [pregrad_grads(s, wrt) for s in sums]
         self.fn = pytensor.function(inputs, sums + [g for gs in grads for g in gs], mode="FAST_COMPILE",
                                     on_unused_input="ignore")
         self.n_wrt = len(wrt)
@@ -583,129 +574,6 @@ def _coupling(rv, why) -> str:
             "means, no dependence across rows, no multivariate distribution over the row axis)")
 
 
-class JaxValueAndGrad(Op):
-    """A scalar graph's value and its gradient with respect to some of its inputs, by
-    JAX's autodiff (``jax.value_and_grad`` of the graph rendered in JAX).
-
-    Each process's share of a data-parallel model in JAX mode. XLA compiles the
-    backward pass with the forward one: on the benchmark's logistic regression
-    (100,000 rows, one process, an Intel Xeon) this took 3.65 ms where
-    PyTensor's symbolic gradient rendered in JAX took 4.57 ms. The graph is
-    first rewritten to forms XLA runs faster (:mod:`synkhronos._integrations.xla_rewrites`:
-    PyMC's Bernoulli with ``logit_p`` and ``softplus``; 5.9 ms to 3.7 ms there).
-
-    Args:
-        inputs: the graph's inputs (root variables; shared variables too).
-        output: the scalar to differentiate.
-        wrt: positions in ``inputs`` of the variables of the gradient (floats).
-
-    Its outputs are the value, then one gradient per ``wrt``, each of its
-    variable's type. The Op holds the graph itself (it pickles to the workers
-    with the function) and renders it in JAX in each process. Outside JAX
-    mode, ``perform`` runs the same JAX function, except in ``host_mode``
-    (the master's share inside an XLA callback, where JAX cannot run), whose
-    rewrites expand the Op into the value and its symbolic gradient.
-    """
-
-    def __init__(self, inputs, output, wrt):
-        self.inner_inputs = [v.type() for v in inputs]
-        self.inner_output = clone_replace(output, dict(zip(inputs, self.inner_inputs)))
-        self.wrt = tuple(wrt)
-        self._jitted = None
-        super().__init__()
-        _register_value_and_grad()
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_jitted"}
-
-    def __setstate__(self, state):  # in a worker: teach its JAX backend the Op before it compiles
-        self.__dict__.update(state, _jitted=None)
-        _register_value_and_grad()
-
-    def make_node(self, *inputs):
-        if len(inputs) != len(self.inner_inputs):
-            raise ValueError(f"{self}: {len(self.inner_inputs)} inputs expected, got {len(inputs)}")
-        filtered = [t.type.filter_variable(v) for t, v in zip(self.inner_inputs, inputs)]
-        outputs = [self.inner_output.type()] + [self.inner_inputs[i].type() for i in self.wrt]
-        return Apply(self, filtered, outputs)
-
-    def jax_function(self):
-        """The JAX function ``(*inputs) -> (value, *gradients)`` (imports JAX)."""
-        import jax
-        from pytensor.graph.fg import FunctionGraph
-
-        inner = render_for_xla(FunctionGraph(self.inner_inputs, [self.inner_output], clone=True))
-        wrt = self.wrt
-        # PyTensor's symbolic gradient (PyMC's own), for the points where autodiff is not finite
-        symbolic = render_for_xla(FunctionGraph(self.inner_inputs, self._symbolic_grads(), clone=True)) \
-            if wrt else inner  # (without wrt: never called)
-
-        def value_and_grads(*args):
-            def value(*chosen):
-                full = list(args)
-                for i, v in zip(wrt, chosen):
-                    full[i] = v
-                return inner(*full)[0]
-
-            if not wrt:
-                return (value(),)
-            val, grads = jax.value_and_grad(value, argnums=tuple(range(len(wrt))))(*[args[i] for i in wrt])
-            # autodiff through a switch differentiates the branch not taken too: 0 * inf is NaN
-            # there (a normal log-cdf's tail in ExGaussian, truncation, censoring, OrderedProbit)
-            # where the symbolic gradient is finite; XLA's conditional runs that one only then
-            finite = jax.numpy.all(jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(g)) for g in grads]))
-
-            def exact():
-                return tuple(jax.numpy.asarray(s, g.dtype).reshape(g.shape)
-                             for s, g in zip(symbolic(*args), grads))
-
-            return (val, *jax.lax.cond(finite, lambda: tuple(grads), exact))
-
-        return value_and_grads
-
-    def _symbolic_grads(self) -> list:
-        """The inner graph's symbolic gradient with respect to ``wrt`` (PyTensor's, as PyMC's own)."""
-        wrt = [self.inner_inputs[i] for i in self.wrt]
-        return _pregrad_grads(self.inner_output, wrt)
-
-    def perform(self, node, inputs, outputs):
-        if self._jitted is None:
-            import jax
-
-            self._jitted = jax.jit(self.jax_function())
-        for out, value, var in zip(outputs, self._jitted(*inputs), node.outputs):
-            out[0] = np.asarray(value, dtype=var.type.dtype)
-
-    def __str__(self):
-        return f"JaxValueAndGrad{{{self.inner_output.name or 'value'}}}"
-
-
-def _register_value_and_grad() -> None:
-    from pytensor.compile import optdb
-    from pytensor.graph.rewriting.basic import in2out
-    from pytensor.link.jax.dispatch import jax_funcify
-
-    if JaxValueAndGrad not in jax_funcify.registry:
-        jax_funcify.register(JaxValueAndGrad)(lambda op, node=None, **kwargs: op.jax_function())
-    if "synk_value_and_grad_without_jax" not in optdb:  # before the rewrites of the expanded graph
-        optdb.register("synk_value_and_grad_without_jax", in2out(_value_and_grad_without_jax),
-                       HOST_REWRITES, position=0.1)
-        optdb.register("synk_feature_major_as_reshape", in2out(feature_major_as_reshape),
-                       HOST_REWRITES, position=0.2)
-
-
-@node_rewriter([JaxValueAndGrad])
-def _value_and_grad_without_jax(fgraph, node):
-    """:class:`JaxValueAndGrad` as PyTensor's own graph: the value and its symbolic gradient
-    (partial derivatives: taken on the inner graph, whose inputs are independent). Only in
-    ``host_mode``: a share inside an XLA callback, where JAX cannot run."""
-    op = node.op
-    wrt = [op.inner_inputs[i] for i in op.wrt]
-    grads = _pregrad_grads(op.inner_output, wrt) if wrt else []
-    outs = clone_replace([op.inner_output, *grads], dict(zip(op.inner_inputs, node.inputs)))
-    return [o if o.type.dtype == v.type.dtype else pt.cast(o, v.type.dtype) for o, v in zip(outs, node.outputs)]
-
-
 def _distribute(model, local_terms, row_leaves, axes, glob, values, row_in, glob_in, rv_in, n_rows, mode,
                 check, masked=False) -> _Split:
     local_terms, hoisted = hoist_data_only(local_terms, row_in)
@@ -735,7 +603,7 @@ def _distribute(model, local_terms, row_leaves, axes, glob, values, row_in, glob
         # FAST_COMPILE, would otherwise take a logistic's log1pexp at -800 for -inf)
         total = rewrite_pregrad(total)
         total.name = "observed_logp"
-        grads = _pregrad_grads(total, continuous) if continuous else []
+        grads = pregrad_grads(total, continuous) if continuous else []
     for g, v in zip(grads, continuous):
         g.name = f"d_observed_logp/d_{v.name}"
     kwargs = {"on_unused_input": "ignore"}

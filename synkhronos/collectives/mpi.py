@@ -59,8 +59,9 @@ from .mpi_plans import BroadcastPlan, CallPlan, LargePlan, StepPlan
 from .mpi_wire import (FAILED, FIRST_TESTS, HEAD, HEADER_SLOT, JOINED, LEFT, MPI_OPS, NOTICE_BYTES, OPS, OP_CODES,
                        POLL_SLEEP, POLL_SLEEP_MAX, SPIN_SECONDS, STEP_TEXT, WHATS, WHAT_CODES,
                        GatherParts, Head, HeaderExchange, as_bytes, avg_scales, fill_slot, finish_reduce, fit_into,
-                       fold_reduce, gather_in_pieces, inline_reduce, left_reason, no_failure, payload_fits, pieces,
-                       plannable_layout, read_equal, read_meta, reduce_plan, ring_fold, step_text, steps_differ)
+                       fold_reduce, gather_in_pieces, gathered_inline, inline_reduce, left_reason, no_failure,
+                       payload_fits, pieces, plannable_layout, read_equal, read_meta, reduce_plan, ring_fold, step_text,
+                       steps_differ)
 from .ops import agreed_layout, identity
 
 __all__ = ["MpiCommunicator", "NodeFailedError", "reduce_plan"]
@@ -662,13 +663,7 @@ class MpiCommunicator(Communicator):
                              f"{[None if lay is None else len(lay) for lay, _ in metas]}")
         n = counts.pop() if counts else 0
         if all(payloads[r] is not None for r, (lay, _) in enumerate(metas) if lay is not None):
-            if root is not None and self.rank != root:
-                return None
-            out = []
-            for i in range(n):  # (copied: the slots serve the next exchange)
-                parts = [None if p is None else np.array(p[i], copy=True) for p in payloads]
-                out.append(parts if join is None else join(i, parts))
-            return out
+            return None if root is not None and self.rank != root else gathered_inline(payloads, n, join)
 
         def start():
             reqs: list = []

@@ -21,7 +21,7 @@ from .._arrays import packed_views, round_up
 from .base import CommPlan
 from .mpi_wire import (HEAD, HEADER_SLOT, INLINE_BYTES, MPI_OPS, OP_CODES, WHAT_CODES,
                        fill_slot, fold_reduce, payload_at, plannable_layout, reduce_plan, ring_fold)
-from .ops import Reducer, fold_ufunc
+from .ops import Reducer
 
 __all__ = ["BroadcastPlan", "CallPlan", "LargePlan", "StepPlan"]
 
@@ -169,7 +169,7 @@ class StepPlan(_SlotPlan):
         if reducer.scalar_path:
             return 0, reducer.scalar, parts
         if self.op != "avg" and len(parts) > 1:  # (ops._fold, into the value)
-            return 1, fold_ufunc(self.op, reducer.dtype), parts
+            return 1, reducer.fold, parts
         return 2, reducer, parts
 
     def run(self, values, outs=None) -> bool:

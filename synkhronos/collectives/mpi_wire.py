@@ -376,6 +376,17 @@ class GatherParts:
         return typing.cast(np.ndarray, self.recv)[at:at + self.sizes[r]].view(dtype).reshape(shape)
 
 
+def gathered_inline(payloads, n: int, join):
+    """A gather whose every node's ``n`` arrays travelled in its header (``payloads``: per
+    node, views of its received slot, None where it gave none): per array, the parts over
+    nodes, copied (the slots serve the next exchange), or ``join(i, parts)``."""
+    out = []
+    for i in range(n):
+        parts = [None if p is None else np.array(p[i], copy=True) for p in payloads]
+        out.append(parts if join is None else join(i, parts))
+    return out
+
+
 def gather_in_pieces(comm, MPI, send, recv, sizes, displs, root):
     """A gather too large for one MPI call, on the mpi4py communicator ``comm``: for an
     all-gather, each node broadcasts its part piece by piece; for a gather, each node

@@ -22,7 +22,6 @@ REDUCE_OPS = {
 }
 
 
-
 def _complex_product(a, b, out=None):
     """``np.multiply`` of complex arrays into new memory, copied into ``out`` if given.
 
@@ -157,13 +156,14 @@ class Reducer:
     call's overhead (~1 us each); tests check the bytes against the array path.
     """
 
-    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal", "run")
+    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal", "fold", "run")
 
     def __init__(self, op: str, dtype, shape, weights, n: int):
         self.op, self.dtype, self.shape, self.n = op, np.dtype(dtype), tuple(shape), n
         self.weights = None if weights is None else list(weights)
         self.scalar_path = not self.shape and self.dtype.kind in _SCALAR_KINDS.get(op, "")
         self.convert, self.equal = None, True
+        self.fold = fold_ufunc(op, self.dtype)  # (what folds two parts; avg's is np.add)
         self.scales: list = []  # avg: the weights as fractions, scalars of the result's dtype
         if op == "avg":
             rdtype = result_dtype(self.dtype, op)
@@ -179,7 +179,7 @@ class Reducer:
         if self.scalar_path:
             return self._scalars
         if self.op != "avg":
-            ufunc = fold_ufunc(self.op, self.dtype)
+            ufunc = self.fold
             return lambda parts: _fold(ufunc, parts)
         if self.equal and self.convert is None:
             return self._avg_equal
@@ -199,7 +199,7 @@ class Reducer:
     def _general(self, parts, out=None) -> np.ndarray:
         op = self.op
         if op != "avg":
-            return _fold(fold_ufunc(op, self.dtype), parts, out)
+            return _fold(self.fold, parts, out)
         if self.convert is not None:
             parts = [np.asarray(p, dtype=self.convert) for p in parts]
         if self.equal:
