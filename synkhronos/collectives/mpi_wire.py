@@ -40,15 +40,18 @@ POLL_SLEEP_MAX = 1e-3
 #: Bytes of each node's header slot in the agreement all-gather; a larger
 #: header (very many arrays) takes a second, variable-sized round.
 HEADER_SLOT = 512
-#: Reductions of at most this many bytes per node travel inside the agreement
-#: (one MPI exchange instead of two) and are combined on every node.
-INLINE_BYTES = 256
 #: The head of each node's header slot (version 2, 40 bytes): its blob's length, its step's
 #: number and key checksum (or a mark: JOINED, LEFT, FAILED), the blob's fingerprint, and what
 #: exchange follows (see WHATS): its code, the op's code, padding, the root. The blob (the
 #: pickled ``(layout, weight, flag, has_payload)``) follows the head; a small reduction's
 #: payload follows the blob at :func:`payload_at`. Read it through :class:`Head`.
 HEAD = struct.Struct("<qqqqbbhi")
+#: Values (a reduction's, a broadcast's, a gather's parts) of at most this many bytes
+#: per node travel inside the agreement, where they fit in the slot after the head and
+#: the blob (one MPI exchange instead of two; a reduction's are combined on every node).
+#: The slot is the bound: a gather's parts with their pickled layout (a call's gather
+#: output of 8 rows of 4 float64: 80 + 256 bytes) fit where 256 bytes did not.
+INLINE_BYTES = HEADER_SLOT - HEAD.size
 
 
 class Head(NamedTuple):

@@ -237,9 +237,11 @@ def main() -> int:
 
         comm._start_gather = counted
         for absent in (None, 1):
-            for large in (False, "mixed", True) if not quick else (False, "mixed"):
+            for large in (False, "fits", "mixed", True) if not quick else (False, "fits", "mixed"):
                 seed += 1
-                rows = [(r + 1) * (LARGE // 16 if large is True or (large and r == size - 1) else 1)
+                # ("fits": 268 bytes a node, over 256 yet within the slot after the blob)
+                rows = [20 if large == "fits" else
+                        (r + 1) * (LARGE // 16 if large is True or (large and r == size - 1) else 1)
                         for r in range(size)]
                 started[0] = 0
                 parts = [[make(seed, r, np.float32, (rows[r], 3)), make(seed, r, np.int64, ()),
@@ -271,7 +273,7 @@ def main() -> int:
                     v.expect(all(j[0] == "j" and j[1] == i and j[2] == [r == absent for r in range(size)]
                                  and close_enough(j[3], want[i]) for i, j in enumerate(joined)),
                              f"{tag} with join")
-                inline = all(rows[r] == r + 1 for r in range(size) if r != absent)  # (every present node's fits)
+                inline = large == "fits" or all(rows[r] == r + 1 for r in range(size) if r != absent)  # (every present node's fits)
                 v.expect((started[0] == 0) == inline,
                          f"gathers absent={absent} large={large}: {started[0]} gathers of bytes")
         comm._start_gather = start_gather

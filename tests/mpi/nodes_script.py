@@ -69,6 +69,7 @@ Every node master reports ``plan_steps``: the steps its kept MPI plans made.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import time
@@ -1091,6 +1092,7 @@ def _plan_value(seed, step, i, node, dtype, shape):
 def scenario_planned(v, node, node_sizes, seed, count=150):
     """Random all_reduce loops on every node alike, results bit for bit against
     ops.combine of the nodes' values in node order (see the module's docstring)."""
+    from synkhronos.collectives.mpi_wire import payload_fits
     from synkhronos.collectives.ops import cast_to, combine, result_dtype
 
     rng = np.random.default_rng(seed)  # the same draws on every node
@@ -1118,7 +1120,10 @@ def scenario_planned(v, node, node_sizes, seed, count=150):
         except Exception as err:  # noqa: BLE001
             v.expect(False, f"{where}: {type(err).__name__}: {err}")
             return
-        large = sum(result_dtype(kinds[i][0], op).itemsize * int(np.prod(kinds[i][1])) for i in chosen) > 256
+        # (the full path's own test: whether the values travel in the header slot after its blob)
+        values = [np.zeros(kinds[i][1], result_dtype(kinds[i][0], op)) for i in chosen]
+        blob = pickle.dumps(([(a.dtype, a.shape) for a in values], 1.0, False, False), protocol=pickle.HIGHEST_PROTOCOL)
+        large = not payload_fits(values, len(blob))
         if large and inter.plan_steps > before:
             v.info["large_plan_steps"] = v.info.get("large_plan_steps", 0) + 1  # (on the large plan)
         # (values too large to travel in the header: with 3 nodes or more MPI sums and
