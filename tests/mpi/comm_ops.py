@@ -273,7 +273,8 @@ def main() -> int:
                     v.expect(all(j[0] == "j" and j[1] == i and j[2] == [r == absent for r in range(size)]
                                  and close_enough(j[3], want[i]) for i, j in enumerate(joined)),
                              f"{tag} with join")
-                inline = large == "fits" or all(rows[r] == r + 1 for r in range(size) if r != absent)  # (every present node's fits)
+                # (every present node's fits)
+                inline = large == "fits" or all(rows[r] == r + 1 for r in range(size) if r != absent)
                 v.expect((started[0] == 0) == inline,
                          f"gathers absent={absent} large={large}: {started[0]} gathers of bytes")
         comm._start_gather = start_gather
