@@ -82,6 +82,30 @@ def test_int_avg_collectives_round_on_every_path(forked, size, dtype):
         assert_array_equal(got, want, err_msg=f"rank {rank}")
 
 
+@pytest.mark.parametrize("size", [5, LARGE], ids=["small", "chunked"])
+@pytest.mark.parametrize("dtype", ["int64", "uint64"])
+def test_int_avg_at_the_top_of_64_bits_stays_there(forked, size, dtype):
+    """float64 rounds the largest int64 (uint64) up to 2**63 (2**64): the avg of
+    values there landed in the variable wrapped to the smallest (-2**63, 0)."""
+    n = forked
+    top = np.iinfo(dtype).max
+    s = pytensor.shared(np.full(size, top, dtype=dtype), name="s")
+    use(s)
+    got = synk.reduce(s, "avg", in_place=False)
+    assert got.dtype == np.dtype(dtype)
+    assert_array_equal(got, np.full(size, top, dtype=dtype))
+    synk.all_reduce(s, "avg")
+    for rank in range(n):
+        assert_array_equal(synk.get_value(rank, s), np.full(size, top, dtype=dtype), err_msg=f"rank {rank}")
+    # an update accumulated over slices with avg lands the same way
+    x = pt.dvector("x")
+    c = pytensor.shared(np.array(top, dtype=dtype), name="c")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(c, c + pt.constant(np.array(0, dtype=dtype)), "avg")], mode=MODE)
+    f(np.ones(4 * n), num_slices=2)
+    for rank in range(n):
+        assert synk.get_value(rank, c) == top, rank
+
+
 def test_int_counter_with_num_slices_matches_as_pytensor(fork):
     fork(3)
     x = pt.dvector("x")

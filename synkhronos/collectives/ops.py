@@ -91,13 +91,37 @@ def cast_to(value, dtype):
     This is how a reduction lands in a variable of its own dtype: the ``avg``
     of int64 ``[7, 7, 8]`` stored in an int64 variable is 7, and that of
     ``[6, 7, 7, 7]`` is 7 (6.75 rounds up). Works on numpy and CuPy arrays.
+
+    The nearest value of a 64-bit integer dtype to a float at or past 2**63
+    (2**64 unsigned) is its largest: float64 has no value between that and
+    the largest int64 (uint64), so the ``avg`` of int64 values near the top
+    rounds there, and a plain cast wrapped it to the smallest (the ``avg`` of
+    ``[2**63 - 1] * 2`` came back ``-2**63``; of uint64 ``2**64 - 1``, 0).
     """
     dtype = np.dtype(dtype)
     if value.dtype == dtype:
         return value
     if dtype.kind in "biu" and value.dtype.kind in "fc":
         value = value.real.round() if value.dtype.kind == "c" else value.round()
+        if dtype.kind in "iu" and dtype.itemsize == 8:
+            return _saturated(value, dtype)
     return value.astype(dtype)
+
+
+def _saturated(value, dtype):
+    """Rounded floats ``value`` (a new array, numpy or CuPy) as 64-bit integers
+    ``dtype``, those at or past the top (``float(max)``, 2**63 or 2**64) as its
+    largest value. (A float64 average of such integers is never below the smallest.)"""
+    top = np.iinfo(dtype).max
+    over = value >= float(top)
+    if not over.any():
+        return value.astype(dtype)
+    if isinstance(value, np.generic):  # (a 0-d array's round() is a numpy scalar)
+        return np.asarray(top, dtype=dtype)
+    value[over] = 0  # (its own array: round() made it)
+    out = value.astype(dtype)
+    out[over] = top
+    return out
 
 
 def _fold(ufunc, parts, out=None):
