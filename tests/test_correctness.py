@@ -106,6 +106,30 @@ def test_int_avg_at_the_top_of_64_bits_stays_there(forked, size, dtype):
         assert synk.get_value(rank, c) == top, rank
 
 
+@pytest.mark.parametrize("size", [3, LARGE], ids=["small", "chunked"])
+def test_float16_avg_does_not_overflow_where_the_mean_fits(forked, size):
+    """PyTensor's mean of float16 accumulates in float32; the avg summed float16 parts
+    (equal weights: the sum times the reciprocal) and overflowed: 40000 averaged to inf."""
+    n = forked
+    x = pt.matrix("x", dtype="float16")
+    f = synk.function([x], [pt.mean(x, axis=0), (pt.max(x, axis=0), "avg")], mode=MODE)
+    value = np.full((2 * n, size), 40000, dtype=np.float16)
+    value[1::2] = 39936  # (slices of one row differ: their avg is no shortcut)
+    want = f.as_pytensor(value)
+    for g, w in zip(f(value), want):  # (every process's max is 40000: their avg too)
+        assert g.dtype == np.float16
+        assert_array_equal(g, w)
+    mean = f(value, num_slices=2)[0]  # (slices of one row: the avg of 40000 and 39936)
+    assert mean.dtype == np.float16
+    assert_array_equal(mean, want[0])
+    s = pytensor.shared(np.full(size, 40000, dtype=np.float16), name="s")
+    use(s)
+    assert_array_equal(synk.reduce(s, "avg", in_place=False), np.full(size, 40000, np.float16))
+    synk.all_reduce(s, "avg")
+    for rank in range(n):
+        assert_array_equal(synk.get_value(rank, s), np.full(size, 40000, np.float16), err_msg=f"rank {rank}")
+
+
 def test_int_counter_with_num_slices_matches_as_pytensor(fork):
     fork(3)
     x = pt.dvector("x")

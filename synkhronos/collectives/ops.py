@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .._kept.records import Table
 
 __all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to", "reducer_of",
-           "agreed_layout", "identity", "Reducer", "kept_reducer", "fold_ufunc"]
+           "agreed_layout", "identity", "Reducer", "kept_reducer", "fold_ufunc", "avg_work_dtype"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -84,6 +84,21 @@ def result_dtype(dtype, op) -> np.dtype:
     return dtype
 
 
+def avg_work_dtype(dtype) -> np.dtype:
+    """The dtype an ``avg`` over arrays of ``dtype`` is computed in, on every path:
+    float64 for integers and booleans (its result, as PyTensor's ``mean`` of them),
+    float32 for float16 (rounded back to float16 at the end, as PyTensor's ``mean``
+    of float16 accumulates in float32: a sum of float16 overflowed to inf where the
+    mean, 40000, fits), else ``dtype`` itself."""
+    dtype = np.dtype(dtype)
+    if dtype == _FLOAT16:
+        return _FLOAT32
+    return result_dtype(dtype, "avg")
+
+
+_FLOAT16, _FLOAT32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
 def cast_to(value, dtype):
     """``value`` as ``dtype``; floats going into integers or booleans are rounded
     to the nearest value (ties to even), never truncated.
@@ -144,7 +159,8 @@ def combine(parts, op: str, weights=None, out=None):
 
     ``avg`` is ``sum(w_r * x_r) / sum(w_r)``: equal weights give the sum times
     the reciprocal of the count, row counts give the mean over all rows when
-    parts split unevenly. The result has :func:`result_dtype` (float64 for the
+    parts split unevenly, computed in :func:`avg_work_dtype` (float32 for float16
+    parts, rounded back). The result has :func:`result_dtype` (float64 for the
     ``avg`` of integers); an ``out`` of another dtype receives it through
     :func:`cast_to` (rounded, never truncated). A caller that reduces parts
     of the same kind again and again keeps a :class:`Reducer` instead.
@@ -180,22 +196,25 @@ class Reducer:
     call's overhead (~1 us each); tests check the bytes against the array path.
     """
 
-    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal", "fold", "run")
+    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "final", "scales", "equal", "fold",
+                 "run")
 
     def __init__(self, op: str, dtype, shape, weights, n: int):
         self.op, self.dtype, self.shape, self.n = op, np.dtype(dtype), tuple(shape), n
         self.weights = None if weights is None else list(weights)
         self.scalar_path = not self.shape and self.dtype.kind in _SCALAR_KINDS.get(op, "")
-        self.convert, self.equal = None, True
+        self.convert, self.final, self.equal = None, None, True
         self.fold = fold_ufunc(op, self.dtype)  # (what folds two parts; avg's is np.add)
-        self.scales: list = []  # avg: the weights as fractions, scalars of the result's dtype
+        self.scales: list = []  # avg: the weights as fractions, scalars of the dtype it works in
         if op == "avg":
-            rdtype = result_dtype(self.dtype, op)
-            if self.dtype != rdtype:  # integers and booleans: in float64 (PyTensor's mean of ints)
-                self.convert = rdtype
+            work = avg_work_dtype(self.dtype)
+            if self.dtype != work:  # integers and booleans: in float64 (PyTensor's mean of ints)
+                self.convert = work
+            if work != result_dtype(self.dtype, op):  # float16: in float32, then rounded back
+                self.final = self.dtype
             w = _normalized(weights, n)
             self.equal = w.count(w[0]) == n
-            self.scales = [rdtype.type(x) for x in w]
+            self.scales = [work.type(x) for x in w]
         #: ``run(parts)``: the reduction into new memory, by the path chosen here
         self.run = self._run_path()
 
@@ -224,8 +243,19 @@ class Reducer:
         op = self.op
         if op != "avg":
             return _fold(self.fold, parts, out)
+        if self.final is not None:  # (into new memory of the work dtype, then rounded into the result)
+            acc = self._weighted([np.asarray(p, dtype=self.convert) for p in parts], None)
+            if out is None:
+                return acc.astype(self.final)
+            np.copyto(out, acc, casting="same_kind")
+            return out
         if self.convert is not None:
             parts = [np.asarray(p, dtype=self.convert) for p in parts]
+        return self._weighted(parts, out)
+
+    def _weighted(self, parts, out) -> np.ndarray:
+        """``avg`` of ``parts`` of the dtype it works in: the sum times the reciprocal
+        (equal weights), else each part times its share, summed in order."""
         if self.equal:
             acc = _fold(np.add, parts, out)
             acc *= self.scales[0]
@@ -252,6 +282,11 @@ class Reducer:
     def scalar(self, parts):
         """The reduction of 0-d ``parts`` (a reducer on the scalar path) as a numpy
         scalar: the same steps as the array loops, in the same order."""
+        if self.final is not None:
+            return self.final.type(self._scalar_steps(parts))
+        return self._scalar_steps(parts)
+
+    def _scalar_steps(self, parts):
         op, convert = self.op, self.convert
         it = iter(parts)
         acc = next(it)[()]
