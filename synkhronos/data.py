@@ -138,10 +138,12 @@ class Data:
         """``value`` as an array of this dtype and ndim, or a clear error.
 
         Safe casts (no loss) happen silently, as do casts of Python lists and
-        scalars within the same kind; anything else needs ``force_cast``.
+        scalars within the same kind whose numbers the dtype holds (floats
+        rounded to its precision); anything else needs ``force_cast``.
 
         Raises:
-            TypeError: the dtype cannot be cast without ``force_cast``.
+            TypeError: the dtype cannot be cast without ``force_cast``, or a
+                number of a list or scalar is beyond the dtype's range (named).
             ValueError: the number of dimensions differs.
         """
         is_array = isinstance(value, (np.ndarray, Data))
@@ -150,14 +152,32 @@ class Data:
             raise ValueError(f"synk.data {self._label()} has ndim={self._ndim}, but the value has "
                              f"ndim={arr.ndim} (shape {arr.shape})")
         if arr.dtype != self._dtype:
-            ok = np.can_cast(arr.dtype, self._dtype, "safe") or (
-                not is_array and np.can_cast(arr.dtype, self._dtype, "same_kind"))
-            if not (ok or force_cast):
+            safe = np.can_cast(arr.dtype, self._dtype, "safe")
+            same_kind = not safe and not is_array and np.can_cast(arr.dtype, self._dtype, "same_kind")
+            if not (safe or same_kind or force_cast):
                 raise TypeError(f"synk.data {self._label()} has dtype {self._dtype}; a value of dtype "
                                 f"{arr.dtype} would lose information: cast it first or pass "
                                 "force_cast=True")
-            arr = arr.astype(self._dtype)
+            with np.errstate(over="ignore", invalid="ignore"):  # (a lost number is refused just below)
+                cast = arr.astype(self._dtype)
+            if same_kind and not force_cast:
+                self._check_range(arr, cast)
+            arr = cast
         return arr
+
+    def _check_range(self, arr: np.ndarray, cast: np.ndarray) -> None:
+        """TypeError when the same-kind cast of a list or scalar changed a number beyond
+        rounding: an integer wrapped around (300 into int8 became 44), a finite float
+        became infinite (1e300 into float32)."""
+        if cast.dtype.kind in "fc":
+            changed = np.isfinite(arr) & ~np.isfinite(cast)
+        else:
+            changed = cast != arr
+        if np.any(changed):
+            bad, got = arr[changed].flat[0].item(), cast[changed].flat[0].item()
+            raise TypeError(f"synk.data {self._label()} has dtype {self._dtype}, which cannot hold "
+                            f"{bad!r} of the value (it would become {got!r}): cast it first or pass "
+                            "force_cast=True")
 
     def set_value(self, value, force_cast: bool = False, oversize: float | None = None) -> None:
         """Replace the contents (and shape) with ``value``, reallocating if it does not fit."""

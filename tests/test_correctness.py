@@ -82,6 +82,54 @@ def test_int_avg_collectives_round_on_every_path(forked, size, dtype):
         assert_array_equal(got, want, err_msg=f"rank {rank}")
 
 
+@pytest.mark.parametrize("size", [5, LARGE], ids=["small", "chunked"])
+@pytest.mark.parametrize("dtype", ["int64", "uint64"])
+def test_int_avg_at_the_top_of_64_bits_stays_there(forked, size, dtype):
+    """float64 rounds the largest int64 (uint64) up to 2**63 (2**64): the avg of
+    values there landed in the variable wrapped to the smallest (-2**63, 0)."""
+    n = forked
+    top = np.iinfo(dtype).max
+    s = pytensor.shared(np.full(size, top, dtype=dtype), name="s")
+    use(s)
+    got = synk.reduce(s, "avg", in_place=False)
+    assert got.dtype == np.dtype(dtype)
+    assert_array_equal(got, np.full(size, top, dtype=dtype))
+    synk.all_reduce(s, "avg")
+    for rank in range(n):
+        assert_array_equal(synk.get_value(rank, s), np.full(size, top, dtype=dtype), err_msg=f"rank {rank}")
+    # an update accumulated over slices with avg lands the same way
+    x = pt.dvector("x")
+    c = pytensor.shared(np.array(top, dtype=dtype), name="c")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(c, c + pt.constant(np.array(0, dtype=dtype)), "avg")], mode=MODE)
+    f(np.ones(4 * n), num_slices=2)
+    for rank in range(n):
+        assert synk.get_value(rank, c) == top, rank
+
+
+@pytest.mark.parametrize("size", [3, LARGE], ids=["small", "chunked"])
+def test_float16_avg_does_not_overflow_where_the_mean_fits(forked, size):
+    """PyTensor's mean of float16 accumulates in float32; the avg summed float16 parts
+    (equal weights: the sum times the reciprocal) and overflowed: 40000 averaged to inf."""
+    n = forked
+    x = pt.matrix("x", dtype="float16")
+    f = synk.function([x], [pt.mean(x, axis=0), (pt.max(x, axis=0), "avg")], mode=MODE)
+    value = np.full((2 * n, size), 40000, dtype=np.float16)
+    value[1::2] = 39936  # (slices of one row differ: their avg is no shortcut)
+    want = f.as_pytensor(value)
+    for g, w in zip(f(value), want):  # (every process's max is 40000: their avg too)
+        assert g.dtype == np.float16
+        assert_array_equal(g, w)
+    mean = f(value, num_slices=2)[0]  # (slices of one row: the avg of 40000 and 39936)
+    assert mean.dtype == np.float16
+    assert_array_equal(mean, want[0])
+    s = pytensor.shared(np.full(size, 40000, dtype=np.float16), name="s")
+    use(s)
+    assert_array_equal(synk.reduce(s, "avg", in_place=False), np.full(size, 40000, np.float16))
+    synk.all_reduce(s, "avg")
+    for rank in range(n):
+        assert_array_equal(synk.get_value(rank, s), np.full(size, 40000, np.float16), err_msg=f"rank {rank}")
+
+
 def test_int_counter_with_num_slices_matches_as_pytensor(fork):
     fork(3)
     x = pt.dvector("x")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytensor.tensor as pt
 import pytest
@@ -180,6 +182,20 @@ def test_condition_data_dtype_rules(fork):
     assert out.dtype == np.float64
     assert i.condition_data(np.arange(3, dtype=np.int16)).dtype == np.int32
     assert i.condition_data([1, 2, 3]).dtype == np.int32  # Python ints, same kind
+    # ... but never one the dtype cannot hold: it wrapped around (or became inf) unnoticed
+    for d, value, bad in ((synk.data(dtype=np.int8, ndim=1, name="i8"), [300, 1], "300 of the value (it would become 44)"),
+                          (synk.data(dtype=np.int16, ndim=0, name="i16"), 40000, "40000"),
+                          (i, [2**40], str(2**40)),
+                          (synk.data(dtype=np.float32, ndim=1, name="f32"), [1.0, 1e300], "1e+300"),
+                          (synk.data(dtype=np.complex64, ndim=1, name="c64"), [1e300j], "1e+300j")):
+        with pytest.raises(TypeError, match=rf"{d.name!r} has dtype {d.dtype}, which cannot hold {re.escape(bad)}"):
+            d.condition_data(value)
+        with pytest.raises(TypeError, match="force_cast=True"):
+            d.set_value(value)
+    with pytest.raises(TypeError, match="cannot hold 300"):
+        synk.data([300], dtype=np.int8)
+    assert_array_equal(synk.data([300], dtype=np.int8, force_cast=True).data, [44])  # asked for
+    assert synk.data([0.1], dtype=np.float32).data[0] == np.float32(0.1)  # rounding stays allowed
     # lossy casts need force_cast
     with pytest.raises(TypeError, match=r"'i' has dtype int32; a value of dtype float64 would lose"):
         i.condition_data(np.array([1.5, 2.5]))

@@ -23,6 +23,35 @@ def test_empty_batch_is_computed_like_pytensor(forked):
     assert total == 0.0 and count == 0 and rows.shape == (0,)
 
 
+@pytest.mark.parametrize("batch_s", [[], slice(0, 0), "each empty"])
+def test_batch_s_of_no_rows_is_computed_like_pytensor(forked, batch_s):
+    """A batch_s that selects no row in any process: the master computes on its empty
+    selection, as for an empty batch of scattered inputs (every output came back None)."""
+    n = forked
+    xs = pytensor.shared(np.zeros((1, 3)), name="xs")
+    c = pytensor.shared(np.int64(0), name="c")
+    f = synk.function([], [(xs.sum(axis=0), "sum"), (xs.shape[0], "sum"), (xs, "gather"), (xs * 2, None)],
+                      sliceable_shareds=[xs], updates=[(c, c + 1)], mode=MODE)
+    synk.distribute()
+    synk.scatter(xs, np.arange(6.0 * n).reshape(2 * n, 3))
+    total, count, rows, own = f(batch_s=[[]] * n if batch_s == "each empty" else batch_s)
+    assert total.shape == (3,) and not total.any() and count == 0
+    assert rows.shape == (0, 3) and own.shape == (0, 3)
+    assert [int(synk.get_value(r, c)) for r in range(n)] == [1] + [0] * (n - 1)  # the master alone, as PyTensor
+
+
+def test_op_none_output_of_a_master_whose_batch_s_selects_none(fork):
+    """The master's own output (op None) on its own selection, none: not None."""
+    fork(2)
+    xs = pytensor.shared(np.zeros((1, 3)), name="xs")
+    f = synk.function([], [(xs.sum(axis=0), "sum"), (xs * 2, None)], sliceable_shareds=[xs], mode=MODE)
+    synk.distribute()
+    synk.scatter(xs, np.arange(12.0).reshape(4, 3))
+    total, own = f(batch_s=[[], [0]])
+    np.testing.assert_array_equal(total, [6.0, 7.0, 8.0])
+    assert own is not None and own.shape == (0, 3)
+
+
 def test_output_modes_keep_the_cpu_prefix(fork):
     fork(2)
     x = pt.dvector("x")

@@ -332,3 +332,23 @@ def test_without_a_communicator_plan_nothing_is_kept(fork, monkeypatch):
         synk.all_reduce(v, op="sum")
     assert not [k for k in _kept().plans if k[0] == "all_reduce"]
     assert_array_equal(v.get_value(), np.arange(3.0))
+
+
+@pytest.mark.skipif(not pytensor.config.cxx, reason="PyTensor's C linker needs a C++ compiler")
+@pytest.mark.parametrize("dtype,char", [("int64", "q"), ("uint64", "Q")])
+def test_a_planned_call_takes_a_longlong_array_as_the_first_call_does(fork, dtype, char):
+    """np.longlong arrays compare equal to int64 ones but have another type number, which
+    PyTensor's filter converts and its C code refuses: the planned call (no filter) took
+    them as they were, and the second call of a loop raised "expected type_num 7 got 9"."""
+    fork(2)
+    x = pt.matrix("x", dtype=dtype)
+    mode = pytensor.compile.mode.Mode(linker="cvm", optimizer="fast_compile")
+    f = synk.function([x], [(pt.sum(x, axis=0), "sum"), (x * 2, "gather")], mode=mode)
+    a = np.arange(12).reshape(6, 2).astype(char)
+    assert a.dtype == np.dtype(dtype) and a.dtype.num != np.dtype(dtype).num
+    want = f.as_pytensor(a)
+    for _ in range(3):  # the first call is checked in full, the next ones planned
+        got = f(a)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            assert_array_equal(g, w)

@@ -81,6 +81,8 @@ def _reference(parts, op, weights):
     order; avg as the weighted sum in the result dtype, with the weights as
     fractions of their total (the sum times the reciprocal when they are equal)."""
     rdtype = result_dtype(parts[0].dtype, op)
+    if op == "avg" and parts[0].dtype == np.float16:  # in float32, rounded back at the end
+        return np.asarray(_reference([np.asarray(p, dtype=np.float32) for p in parts], op, weights)).astype(rdtype)
     if op != "avg":
         ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
         acc = np.array(parts[0], copy=True)

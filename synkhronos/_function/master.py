@@ -393,7 +393,12 @@ class Function:
         key = []
         for value, (dtype, ndim, static) in zip(args, self._types):
             if type(value) is np.ndarray:
-                if value.dtype != dtype or value.ndim != ndim or not value.flags.aligned:
+                # (a planned input skips PyTensor's filter: it must be what the filter passes as
+                # it is, so also of the dtype's own type number: np.longlong is "== int64" but
+                # number 9, not 7, which the filter converts and C code refuses)
+                vdtype = value.dtype
+                if (vdtype is not dtype and (vdtype != dtype or vdtype.num != dtype.num)) \
+                        or value.ndim != ndim or not value.flags.aligned:
                     return None
                 if static is not None and any(s is not None and s != d for s, d in zip(static, value.shape)):
                     return None

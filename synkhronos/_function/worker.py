@@ -55,7 +55,10 @@ def share_of(proc, call: CallSpec, keep: bool = False, own_keys=()) -> Share:
             weight = float(_sliceable_length(proc, spec))
         else:
             weight = 1.0
-        active = rows is None or len(rows) > 0
+        # a batch_s that selects no row in any process: the master alone computes, as for an
+        # empty batch of scattered inputs (else every output came back None)
+        active = rows is None or len(rows) > 0 or (proc.is_master and proc.comm.within_fork
+                                                   and _selects_none(call.batch_s))
     else:
         lo, hi = split(call.n_rows, proc.size, proc.rank)
         weight = float(hi - lo)
@@ -276,7 +279,8 @@ def execute_call(proc, call: CallSpec, own=None, share: Share | None = None, kep
                 raise as_interrupt(exc) from None
             error = exc
     own_only = None  # a master without rows: its own results (op None) on its empty share
-    if not share.active and error is None and proc.is_master and call.n_rows is not None and None in ops:
+    if not share.active and error is None and proc.is_master and None in ops \
+            and (call.n_rows is not None or share.rows is not None):
         try:
             own_only = _own_results(proc, lf, call, ops, share, own)
         except Exception as exc:  # noqa: BLE001 - its own share failed, as any share may
@@ -305,12 +309,24 @@ def _own_results(proc, lf, call, ops, share, own) -> list:
     outputs alone, on its empty share, its updates not applied (it takes no part)."""
     chosen = range(len(lf.spec.outputs)) if call.subset is None else call.subset
     mine = [j for j, op in enumerate(ops) if op is None]
-    fn = lf.compiled(tuple(chosen[j] for j in mine), values=True)
-    got = fn(*_local_inputs(proc, call, share.lo, share.hi, own))
+    sliced = share.rows is not None  # (batch_s: on its selection of the sliceable variables, none)
+    fn = lf.compiled(tuple(chosen[j] for j in mine), values=True, sliced=sliced)
+    args = _local_inputs(proc, call, share.lo, share.hi, own)
+    got = fn(*args, share.rows) if sliced else fn(*args)
     results = [None] * len(ops)
     for i, j in enumerate(mine):
         results[j] = got[i]
     return results
+
+
+def _selects_none(batch_s) -> bool:
+    """Whether ``batch_s`` (one entry per rank, as the master checked it) selects no row
+    in any process, whatever their lengths: every entry an empty index array, or a slice
+    that leaves no row within any bounds (a process whose rows it exceeds refuses it)."""
+    if not batch_s:
+        return False
+    return all((isinstance(b, slice) and not len(range(*b.indices(1 << 62))))
+               or (isinstance(b, np.ndarray) and b.size == 0) for b in batch_s)
 
 
 def _sliceable_length(proc, spec) -> int:

@@ -28,7 +28,7 @@ from .._protocol.control import SPIN_SECONDS, WAIT_SLICE
 from ..errors import PeerFailed, SynkError
 from .._procs.waits import wait_until
 from .base import CommPlan, Communicator
-from .ops import agreed_layout, identity
+from .ops import agreed_layout, avg_work_dtype, identity
 
 __all__ = ["NcclCommunicator", "new_unique_id", "avg_factors", "reduce_plan"]
 
@@ -89,7 +89,8 @@ def reduce_plan(dtype, op: str):
     as given; refusals are not kept and raise again).
 
     The results match the CPU path (:func:`.ops.result_dtype`): ``avg`` of
-    integers and of booleans is float64;
+    integers and of booleans is float64; that of float16 is summed and scaled in
+    float32 (:func:`.ops.avg_work_dtype`), then rounded to float16;
     ``sum``/``max`` of booleans is a logical or, ``prod``/``min`` a logical and;
     int16 and uint16 reduce exactly in 32 bits; complex numbers sum and
     average as pairs of floats.
@@ -115,7 +116,8 @@ def reduce_plan(dtype, op: str):
             raise bad
         return work, NCCL_DTYPES[work], nccl_op, dtype, 1
     if dtype.kind == "f" and dtype in NCCL_DTYPES:
-        return dtype, NCCL_DTYPES[dtype], nccl_op, dtype, 1
+        work = avg_work_dtype(dtype) if op == "avg" else dtype  # (float16's avg: in float32, as on the CPU)
+        return work, NCCL_DTYPES[work], nccl_op, dtype, 1
     if dtype.kind == "c" and op in ("sum", "avg"):
         part = np.dtype(f"f{dtype.itemsize // 2}")
         if part in NCCL_DTYPES:

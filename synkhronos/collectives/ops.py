@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .._kept.records import Table
 
 __all__ = ["REDUCE_OPS", "REDUCE_OP_NAMES", "OUTPUT_OPS", "check_op", "parse_op", "result_dtype", "cast_to", "reducer_of",
-           "agreed_layout", "identity", "Reducer", "kept_reducer", "fold_ufunc"]
+           "agreed_layout", "identity", "Reducer", "kept_reducer", "fold_ufunc", "avg_work_dtype"]
 
 #: name -> numpy ufunc that combines two contributions; "avg" is a weighted sum.
 REDUCE_OPS = {
@@ -84,6 +84,21 @@ def result_dtype(dtype, op) -> np.dtype:
     return dtype
 
 
+def avg_work_dtype(dtype) -> np.dtype:
+    """The dtype an ``avg`` over arrays of ``dtype`` is computed in, on every path:
+    float64 for integers and booleans (its result, as PyTensor's ``mean`` of them),
+    float32 for float16 (rounded back to float16 at the end, as PyTensor's ``mean``
+    of float16 accumulates in float32: a sum of float16 overflowed to inf where the
+    mean, 40000, fits), else ``dtype`` itself."""
+    dtype = np.dtype(dtype)
+    if dtype == _FLOAT16:
+        return _FLOAT32
+    return result_dtype(dtype, "avg")
+
+
+_FLOAT16, _FLOAT32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
 def cast_to(value, dtype):
     """``value`` as ``dtype``; floats going into integers or booleans are rounded
     to the nearest value (ties to even), never truncated.
@@ -91,13 +106,37 @@ def cast_to(value, dtype):
     This is how a reduction lands in a variable of its own dtype: the ``avg``
     of int64 ``[7, 7, 8]`` stored in an int64 variable is 7, and that of
     ``[6, 7, 7, 7]`` is 7 (6.75 rounds up). Works on numpy and CuPy arrays.
+
+    The nearest value of a 64-bit integer dtype to a float at or past 2**63
+    (2**64 unsigned) is its largest: float64 has no value between that and
+    the largest int64 (uint64), so the ``avg`` of int64 values near the top
+    rounds there, and a plain cast wrapped it to the smallest (the ``avg`` of
+    ``[2**63 - 1] * 2`` came back ``-2**63``; of uint64 ``2**64 - 1``, 0).
     """
     dtype = np.dtype(dtype)
     if value.dtype == dtype:
         return value
     if dtype.kind in "biu" and value.dtype.kind in "fc":
         value = value.real.round() if value.dtype.kind == "c" else value.round()
+        if dtype.kind in "iu" and dtype.itemsize == 8:
+            return _saturated(value, dtype)
     return value.astype(dtype)
+
+
+def _saturated(value, dtype):
+    """Rounded floats ``value`` (a new array, numpy or CuPy) as 64-bit integers
+    ``dtype``, those at or past the top (``float(max)``, 2**63 or 2**64) as its
+    largest value. (A float64 average of such integers is never below the smallest.)"""
+    top = np.iinfo(dtype).max
+    over = value >= float(top)
+    if not over.any():
+        return value.astype(dtype)
+    if isinstance(value, np.generic):  # (a 0-d array's round() is a numpy scalar)
+        return np.asarray(top, dtype=dtype)
+    value[over] = 0  # (its own array: round() made it)
+    out = value.astype(dtype)
+    out[over] = top
+    return out
 
 
 def _fold(ufunc, parts, out=None):
@@ -120,7 +159,8 @@ def combine(parts, op: str, weights=None, out=None):
 
     ``avg`` is ``sum(w_r * x_r) / sum(w_r)``: equal weights give the sum times
     the reciprocal of the count, row counts give the mean over all rows when
-    parts split unevenly. The result has :func:`result_dtype` (float64 for the
+    parts split unevenly, computed in :func:`avg_work_dtype` (float32 for float16
+    parts, rounded back). The result has :func:`result_dtype` (float64 for the
     ``avg`` of integers); an ``out`` of another dtype receives it through
     :func:`cast_to` (rounded, never truncated). A caller that reduces parts
     of the same kind again and again keeps a :class:`Reducer` instead.
@@ -156,22 +196,25 @@ class Reducer:
     call's overhead (~1 us each); tests check the bytes against the array path.
     """
 
-    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "scales", "equal", "fold", "run")
+    __slots__ = ("op", "dtype", "shape", "weights", "n", "scalar_path", "convert", "final", "scales", "equal", "fold",
+                 "run")
 
     def __init__(self, op: str, dtype, shape, weights, n: int):
         self.op, self.dtype, self.shape, self.n = op, np.dtype(dtype), tuple(shape), n
         self.weights = None if weights is None else list(weights)
         self.scalar_path = not self.shape and self.dtype.kind in _SCALAR_KINDS.get(op, "")
-        self.convert, self.equal = None, True
+        self.convert, self.final, self.equal = None, None, True
         self.fold = fold_ufunc(op, self.dtype)  # (what folds two parts; avg's is np.add)
-        self.scales: list = []  # avg: the weights as fractions, scalars of the result's dtype
+        self.scales: list = []  # avg: the weights as fractions, scalars of the dtype it works in
         if op == "avg":
-            rdtype = result_dtype(self.dtype, op)
-            if self.dtype != rdtype:  # integers and booleans: in float64 (PyTensor's mean of ints)
-                self.convert = rdtype
+            work = avg_work_dtype(self.dtype)
+            if self.dtype != work:  # integers and booleans: in float64 (PyTensor's mean of ints)
+                self.convert = work
+            if work != result_dtype(self.dtype, op):  # float16: in float32, then rounded back
+                self.final = self.dtype
             w = _normalized(weights, n)
             self.equal = w.count(w[0]) == n
-            self.scales = [rdtype.type(x) for x in w]
+            self.scales = [work.type(x) for x in w]
         #: ``run(parts)``: the reduction into new memory, by the path chosen here
         self.run = self._run_path()
 
@@ -200,8 +243,19 @@ class Reducer:
         op = self.op
         if op != "avg":
             return _fold(self.fold, parts, out)
+        if self.final is not None:  # (into new memory of the work dtype, then rounded into the result)
+            acc = self._weighted([np.asarray(p, dtype=self.convert) for p in parts], None)
+            if out is None:
+                return acc.astype(self.final)
+            np.copyto(out, acc, casting="same_kind")
+            return out
         if self.convert is not None:
             parts = [np.asarray(p, dtype=self.convert) for p in parts]
+        return self._weighted(parts, out)
+
+    def _weighted(self, parts, out) -> np.ndarray:
+        """``avg`` of ``parts`` of the dtype it works in: the sum times the reciprocal
+        (equal weights), else each part times its share, summed in order."""
         if self.equal:
             acc = _fold(np.add, parts, out)
             acc *= self.scales[0]
@@ -228,6 +282,11 @@ class Reducer:
     def scalar(self, parts):
         """The reduction of 0-d ``parts`` (a reducer on the scalar path) as a numpy
         scalar: the same steps as the array loops, in the same order."""
+        if self.final is not None:
+            return self.final.type(self._scalar_steps(parts))
+        return self._scalar_steps(parts)
+
+    def _scalar_steps(self, parts):
         op, convert = self.op, self.convert
         it = iter(parts)
         acc = next(it)[()]

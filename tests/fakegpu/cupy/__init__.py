@@ -92,6 +92,15 @@ class ndarray:
         self._a *= _unwrap(other)
         return self
 
+    def __ge__(self, other):
+        return ndarray(self._a >= _unwrap(other))
+
+    def any(self):
+        return ndarray(np.asarray(self._a.any()))  # (CuPy's is a 0-d array)
+
+    def __bool__(self):  # (CuPy's of a 0-d or one-element array: its value, read from the device)
+        return bool(self._a)
+
     def __len__(self):
         return len(self._a)
 
