@@ -323,7 +323,7 @@ def _split_by_rows(model, terms, values, leaves, rows, check) -> tuple:
                 replace = {leaf: _rows_back(var, axis) for leaf, var, axis in zip(row_leaves, row_in, axes)}
                 masked: list = []
                 local = _split_terms(model, terms, replace, n_rows, check, dict(zip(row_leaves, axes)), masked)
-                _check_empty_shares(model, local, row_in, n_rows, any(masked))
+                _check_empty_shares(model, local, row_in, n_rows, any(masked), row_leaves)
                 return local, n_rows, row_leaves, axes, row_in, any(masked)
             except ValueError as err:
                 failures.append((n_rows, any_axis, str(err)))
@@ -362,12 +362,13 @@ def _split_or_positions(model, terms, values, rows, check) -> tuple:
     return done, leaves
 
 
-def _check_empty_shares(model, local, row_in, n_rows, masked) -> None:
+def _check_empty_shares(model, local, row_in, n_rows, masked, row_leaves) -> None:
     """A process may hold none of the rows where a boolean mask keeps them (or where the data
-    have one row), and PyTensor's Python implementation of a batched op fails on a batch of
-    none (NumPy's ``vectorize`` of zero size; FAST_COMPILE, and PyTensor 2's default backend
-    where a rewrite does not remove it): refused there."""
-    if not (masked or n_rows == 1):
+    are one row of numbers), and PyTensor's Python implementation of a batched op fails on a
+    batch of none (NumPy's ``vectorize`` of zero size; FAST_COMPILE, and PyTensor 2's default
+    backend where a rewrite does not remove it): refused there. (Data containers of one row
+    are split as before: ``pm.set_data`` may give them more.)"""
+    if not (masked or (n_rows == 1 and not any(isinstance(v, SharedVariable) for v in row_leaves))):
         return
     for rv, term in zip(model.observed_RVs, local):
         if (op := batched_op_of_rows([term], row_in)) is not None:

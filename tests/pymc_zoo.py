@@ -448,6 +448,17 @@ def covariates_at_another_rows_index(rng, n):
     return m
 
 
+@_refused(r"observed variable 'y': a process may hold none of its rows \(they are one row\), and PyTensor's "
+          "batched op .* fails on none")
+def one_row_of_numbers_multivariate(rng, n):
+    """One row of numbers of a multivariate distribution: the processes that hold no row would
+    run its batched op on none, which PyTensor's Python implementation cannot."""
+    with pm.Model() as m:
+        mu = pm.Normal("mu", 0, 1, shape=2)
+        pm.MvNormal("y", mu, cov=np.eye(2), observed=rng.standard_normal((1, 2)))
+    return m
+
+
 @_refused("free variable 'u' has one entry per row.*marginalise")
 def observation_level_effects(rng, n):
     with pm.Model() as m:
