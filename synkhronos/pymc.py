@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -21,7 +22,8 @@ from pytensor.tensor.variable import TensorConstant, TensorVariable
 import synkhronos as synk
 from synkhronos._batching import split as split_evenly
 from synkhronos._integrations.graph_op import register_jax, register_numba
-from synkhronos._integrations.row_split import Coupling, hoist_data_only, split_rows
+from synkhronos._integrations.row_split import (Coupling, batched_op_of_rows, hoist_data_only,
+                                                masks_as_positions, split_rows)
 from synkhronos._procs.cores import available_cores
 from synkhronos._procs.xla_flags import xla_flags
 from synkhronos._integrations.xla_rewrites import (FeatureMajor, feature_major, prepare_for_xla,
@@ -218,8 +220,8 @@ def data_parallel(model, rows=None, *, mode="auto", check=True):
     new = _clone(model)
     terms = new.logp(vars=new.observed_RVs, sum=False, jacobian=False)
     values = _values_of_free(new, terms)
-    leaves = _data_leaves(terms)
-    local_terms, n_rows, row_leaves, axes, row_in, masked = _split_by_rows(new, terms, values, leaves, rows, check)
+    (local_terms, n_rows, row_leaves, axes, row_in, masked), leaves = _split_or_positions(new, terms, values, rows,
+                                                                                        check)
     glob = [leaf for leaf in leaves if leaf not in row_leaves and isinstance(leaf, SharedVariable)]
     glob_in = [leaf.type(name=leaf.name) for leaf in glob]
     value_in = [v.type(name=v.name) for v in values]
@@ -321,6 +323,7 @@ def _split_by_rows(model, terms, values, leaves, rows, check) -> tuple:
                 replace = {leaf: _rows_back(var, axis) for leaf, var, axis in zip(row_leaves, row_in, axes)}
                 masked: list = []
                 local = _split_terms(model, terms, replace, n_rows, check, dict(zip(row_leaves, axes)), masked)
+                _check_empty_shares(model, local, row_in, n_rows, any(masked), row_leaves)
                 return local, n_rows, row_leaves, axes, row_in, any(masked)
             except ValueError as err:
                 failures.append((n_rows, any_axis, str(err)))
@@ -328,14 +331,51 @@ def _split_by_rows(model, terms, values, leaves, rows, check) -> tuple:
         raise ValueError("the observed terms read no data with as many rows as the observed data: there is "
                          "nothing to split across processes")
     n_rows, _, why = failures[0]
-    if n_rows == 1:
-        raise ValueError(
-            f"the observed data have 1 row ({why}): there is nothing to split across processes, and "
-            "PyTensor builds the graph of such constant data with its row axis fixed at length 1; use the "
-            "model without data_parallel, or give the data as pm.Data (whose row count is not fixed)") from None
     others = [f"with {n} rows{' (data along other axes too)' if a else ''}: {w}"
               for n, a, w in failures[1:] if w != why]
     raise ValueError(why + ("" if not others else " (also tried " + "; ".join(others) + ")")) from None
+
+
+def _split_or_positions(model, terms, values, rows, check) -> tuple:
+    """``(_split_by_rows's split, the data the terms read)``: of the terms as PyMC wrote them or,
+    where they do not split, with every NumPy boolean mask that indexes in them taken as the
+    positions it keeps (:func:`masks_as_positions`: observed data selected in NumPy against
+    covariates of all the rows selected in the model, ``(X @ b)[mask]``). There each process
+    computes the covariates of all the rows: a warning says so, and how to split them too."""
+    leaves = _data_leaves(terms)
+    try:
+        return _split_by_rows(model, terms, values, leaves, rows, check), leaves
+    except ValueError as err:
+        indexed = masks_as_positions(terms)
+        if indexed is None:
+            raise
+        leaves = _data_leaves(indexed)
+        try:
+            done = _split_by_rows(model, indexed, values, leaves, rows, check)
+        except ValueError:
+            raise err from None
+    warnings.warn(f"the observed data of {[rv.name for rv in model.observed_RVs]} were selected by a NumPy boolean "
+                  "mask and their covariates in the model (such as (X @ b)[mask]): each process computes the "
+                  "covariates of all the rows and takes its rows' positions of them, so only the observed terms "
+                  "are split; select the covariates in NumPy too (X[mask] @ b) for a split of all the work",
+                  UserWarning, stacklevel=3)
+    return done, leaves
+
+
+def _check_empty_shares(model, local, row_in, n_rows, masked, row_leaves) -> None:
+    """A process may hold none of the rows where a boolean mask keeps them (or where the data
+    are one row of numbers), and PyTensor's Python implementation of a batched op fails on a
+    batch of none (NumPy's ``vectorize`` of zero size; FAST_COMPILE, and PyTensor 2's default
+    backend where a rewrite does not remove it): refused there. (Data containers of one row
+    are split as before: ``pm.set_data`` may give them more.)"""
+    if not (masked or (n_rows == 1 and not any(isinstance(v, SharedVariable) for v in row_leaves))):
+        return
+    for rv, term in zip(model.observed_RVs, local):
+        if (op := batched_op_of_rows([term], row_in)) is not None:
+            raise ValueError(f"observed variable {rv.name!r}: a process may hold none of its rows (they are "
+                             f"{'rows a boolean mask keeps' if masked else 'one row'}), and PyTensor's batched "
+                             f"op {op} fails on none (NumPy's vectorize of zero size); " +
+                             ("give the rows selected in NumPy" if masked else "use the model alone"))
 
 
 def _rows_back(var, axis):
@@ -445,17 +485,17 @@ def _row_counts(model, rows) -> list:
     """The row counts the split may take, the first axis of the observed data first: each length
     of an axis of the first observed variable's data that every observed variable's data has
     along some axis (or, for observed data computed in the model, such as ``t[~censored]``
-    from data containers, one of the data it reads), and every data container ``rows`` names
-    along its first axis."""
+    from data containers, one of the data it reads: their first axes before the observed data's
+    other axes), and every data container ``rows`` names along its first axis."""
     shapes, named = _observed_shapes(model), _named_rows(model, rows)
     lengths = {}
     for rv in model.observed_RVs:
         value = model.rvs_to_values[rv]
         found = list(shapes[rv.name])
-        if not isinstance(value, (SharedVariable, TensorConstant)):
-            for leaf in graph_inputs([value]):
-                if isinstance(leaf, (SharedVariable, TensorConstant)) and isinstance(leaf.type, pt.TensorType):
-                    found += [int(n) for n in np.shape(_value(leaf))]
+        if not isinstance(value, (SharedVariable, TensorConstant)):  # (its data's first axes before its others)
+            read = [np.shape(_value(leaf)) for leaf in graph_inputs([value])
+                    if isinstance(leaf, (SharedVariable, TensorConstant)) and isinstance(leaf.type, pt.TensorType)]
+            found = found[:1] + [int(s[0]) for s in read if s] + found[1:] + [int(n) for s in read for n in s[1:]]
         lengths[rv.name] = found
     first = next(iter(lengths.values()))
     counts = [n for n in dict.fromkeys(first)
@@ -481,6 +521,8 @@ def _row_leaves(model, leaves, rows, n_rows, any_axis) -> tuple[list, list]:
             out.append(v)
             axes.append(0)
         elif (rows is None or v in observed) and (shape[0] == n_rows or (any_axis and n_rows in shape)):
+            if n_rows == 1 and v not in observed and v.type.shape[shape.index(n_rows)] == 1:
+                continue  # (a constant of length 1 broadcasts: sigma=1 as [1], a shape; not a row)
             out.append(v)
             axes.append(shape.index(n_rows))
     return out, axes

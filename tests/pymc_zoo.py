@@ -191,7 +191,7 @@ def data_dims_with_none(rng, n):
 FINDINGS = ("dims_on_the_observed", "discrete_free_parent", "hierarchical_centred", "hierarchical_groups",
             "studentt_free_nu", "observed_data_container", "integer_data_observed", "normal_mixture",
             "censored", "data_dims_with_none", "initval_given", "transposed_covariates", "table_column_by_group",
-            "censored_by_hand")
+            "censored_by_hand", "masked_rows_through_products", "selected_in_numpy", "one_row_of_numbers")
 #: In JAX mode (a fresh Python, JAX's compile per model): the shapes JAX mode got wrong or that
 #: go through JAX's own rendering of PyMC's checks and broadcasts.
 JAX_FINDINGS = ("dims_on_the_observed", "discrete_free_parent", "hierarchical_groups", "studentt_free_nu",
@@ -373,6 +373,45 @@ def censored_by_hand(rng, n):
     return m
 
 
+@_zoo
+def masked_rows_through_products(rng, n):
+    """Rows kept by a per-row boolean mask read through a matrix product (``X[keep] @ b``) and
+    a softmax taken at the kept rows' own positions (``Categorical``)."""
+    X, keep = _x(rng, n, 3), rng.random(n) < 0.6
+    with pm.Model() as m:
+        Xd, kd = pm.Data("X", X), pm.Data("keep", keep)
+        yd, cd = pm.Data("yd", X @ np.ones(3) + rng.normal(0, 1, n)), pm.Data("cd", rng.integers(0, 3, n))
+        b = pm.Normal("b", 0, 1, shape=3)
+        W = pm.Normal("W", 0, 1, shape=(3, 3))
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y", Xd[kd] @ b, s, observed=yd[kd])
+        pm.Categorical("c", p=pm.math.softmax(pm.math.dot(Xd[kd], W), axis=-1), observed=cd[kd])
+    return m
+
+
+@_zoo
+def selected_in_numpy(rng, n):
+    """The rows selected in NumPy for the observed data (``t[~cens]``) but in the model for the
+    covariates (``lam[~cens]``): the mask taken as the positions it keeps (a warning says that
+    each process computes the covariates of all the rows)."""
+    x, cens = _x(rng, n), rng.random(n) < 0.3
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1)
+        pm.Exponential("y", pm.math.exp(b * x)[~cens], observed=rng.exponential(1, n)[~cens])
+    return m
+
+
+@_zoo
+def one_row_of_numbers(rng, n):
+    """Observed data of one row given as numbers (PyTensor fixes the row axis at length 1, and
+    ``sigma=1`` becomes a constant ``[1]``, not a row); one process holds the row."""
+    X = _x(rng, 1, 3)
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=3)
+        pm.Normal("y", X @ b, 1, observed=rng.standard_normal(1))
+    return m
+
+
 # --- refused, each with a ValueError naming the variable and the reason ---
 
 @_refused("observed variable 'y' couples its rows")
@@ -397,14 +436,26 @@ def masks_that_differ(rng, n):
     return m
 
 
-@_refused("observed variable 'y' couples its rows: .*a value along the row axis that is not per-row data")
-def selected_in_numpy(rng, n):
-    """The rows selected in NumPy for the observed data (``t[~cens]``) but in the model for the
-    covariates (``lam[~cens]``): the observed data have fewer rows than the covariates."""
-    x, cens = _x(rng, n), rng.random(n) < 0.3
+@_refused("observed variable 'y' couples its rows: .*indexes along the rows by an index that is neither "
+          r"per-row data.*select them in NumPy: X\[idx\] @ b")
+def covariates_at_another_rows_index(rng, n):
+    """A bootstrap index in NumPy of as many rows as the data: ``(X @ b)[idx]`` reads rows at
+    other rows' positions, which another process may hold."""
+    X, idx = _x(rng, n, 3), rng.integers(0, n, n)
     with pm.Model() as m:
-        b = pm.Normal("b", 0, 1)
-        pm.Exponential("y", pm.math.exp(b * x)[~cens], observed=rng.exponential(1, n)[~cens])
+        b = pm.Normal("b", 0, 1, shape=3)
+        pm.Normal("y", (X @ b)[idx], 1, observed=(X @ np.ones(3) + rng.normal(0, 1, n))[idx])
+    return m
+
+
+@_refused(r"observed variable 'y': a process may hold none of its rows \(they are one row\), and PyTensor's "
+          "batched op .* fails on none")
+def one_row_of_numbers_multivariate(rng, n):
+    """One row of numbers of a multivariate distribution: the processes that hold no row would
+    run its batched op on none, which PyTensor's Python implementation cannot."""
+    with pm.Model() as m:
+        mu = pm.Normal("mu", 0, 1, shape=2)
+        pm.MvNormal("y", mu, cov=np.eye(2), observed=rng.standard_normal((1, 2)))
     return m
 
 
@@ -414,14 +465,6 @@ def observation_level_effects(rng, n):
         a = pm.Normal("a", 0, 1)
         u = pm.Normal("u", 0, 1, shape=n)
         pm.Normal("y", a + u, 1, observed=rng.standard_normal(n))
-    return m
-
-
-@_refused("the observed data have 1 row")
-def one_row(rng, n):
-    with pm.Model() as m:
-        a = pm.Normal("a", 0, 1)
-        pm.Normal("y", a, 1, observed=rng.standard_normal(1))
     return m
 
 

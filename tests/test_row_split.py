@@ -64,6 +64,13 @@ def _coupled():
         "a parameter at the rows' positions": lambda X, y, g, b, a: pt.concatenate([a] * 5)[pt.arange(y.shape[0])] * y,
         "a value of the rows' length not split": lambda X, y, g, b, a: y * pt.arange(17.0) * b[0],
         "transposed rows summed": lambda X, y, g, b, a: X.T.sum(axis=1)[0] * y * b[0],
+        # a batched op's batch axis of rows against a value of the rows' length that is not split
+        # (passed: a share of one row broadcast it)
+        "batched op with a value along the rows not split": lambda X, y, g, b, a: pt.linalg.solve_triangular(
+            pt.alloc(pt.eye(3) + pt.tril(pt.outer(b, b)), 17, 3, 3), X, lower=True, b_ndim=1).sum(axis=1) * y,
+        # split at the rows' count: each piece depends on it (passed: the sizes were not followed)
+        "split at the row count": lambda X, y, g, b, a: pt.split(
+            pt.concatenate([a] * 5), pt.stack([y.shape[0], 20 - y.shape[0]]), n_splits=2)[0].sum() * y,
     }
 
 
@@ -208,10 +215,78 @@ def test_rows_kept_by_a_mask_split_to_the_whole():
                            (lam[m] * y[m].sum(), "reduces over the rows"),
                            (pt.alloc(lam[m], m2.sum()), "another number of rows"),
                            (pt.alloc(lam[m], y.shape[0]), "another number of rows"),
-                           (pt.cumsum(lam[m]), "boolean mask"),
+                           (pt.cumsum(lam[m]), "runs along the rows"),
                            (b[0] * y[m][1:], "indexes along the rows"),
                            # the first m.sum() rows of all rows: not the rows m keeps
                            (b[0] * y[pt.arange(m.sum())], "boolean mask"),
                            (b[0] * pt.alloc(y, (m.sum() + 0).astype("int64")), "another number of rows")):
+        with pytest.raises(Coupling, match=match):
+            _split_by(coupled, [X, y, m, m2])
+
+
+def _masked_separable():
+    """name -> a term over (X, y, g, m, b) of the rows the per-row mask ``m`` keeps, through
+    products (Dot, PyTensor's batched matmul), a softmax at the rows' own positions, a broadcast
+    to the kept rows' shape, a join along the columns, a batched solve and a cumsum along them."""
+    def L(b):  # a lower-triangular matrix of the parameters, invertible
+        return pt.eye(3) * 2 + pt.tril(pt.outer(b, b), -1)
+
+    return {
+        "dot": lambda X, y, g, m, b: -0.5 * (y[m] - pt.dot(X[m], b)) ** 2,
+        "matmul": lambda X, y, g, m, b: -0.5 * (y[m] - X[m] @ b) ** 2,
+        "softmax at the kept rows' positions": lambda X, y, g, m, b: y[m] + pt.log(pt.special.softmax(
+            X[m] @ pt.outer(b, b), axis=-1))[pt.arange(X[m].shape[0]), pt.clip(g[m], 0, 2)],
+        "broadcast to the kept rows' shape": lambda X, y, g, m, b: pt.alloc(y[m] * b[0], y[m].shape[0]),
+        "join along the columns": lambda X, y, g, m, b: pt.concatenate([X[m], y[m][:, None]], axis=1)
+        @ pt.concatenate([b, b[:1]]),
+        "batched solve": lambda X, y, g, m, b: pt.linalg.solve_triangular(L(b), X[m] - b, lower=True,
+                                                                          b_ndim=1).sum(axis=1) * y[m],
+        "cumsum across columns": lambda X, y, g, m, b: pt.cumsum(X[m] * b, axis=1)[:, -1] * y[m],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_masked_separable()))
+def test_rows_kept_by_a_mask_through_products_and_batched_ops(name):
+    """Rows a per-row boolean mask keeps, through ops beyond elementwise ones and indexing (each
+    refused before as not known to keep such rows apart): the parts add up to the whole on
+    random splits; each op's rule carries the mask (values of rows it keeps combine only with
+    values of rows the same mask keeps)."""
+    X, y = pytensor.shared(X_VALUE, name="X"), pytensor.shared(Y_VALUE, name="y")
+    g, m = pytensor.shared(G_VALUE, name="g"), pytensor.shared(M_VALUE, name="m")
+    b = pt.dvector("b")
+    term = _masked_separable()[name](X, y, g, m, b)
+    local, rows = _split_by(term, [X, y, g, m])
+    whole = pytensor.function([b], term.sum(), mode="FAST_COMPILE")
+    part = pytensor.function([rows[X], rows[y], rows[g], rows[m], b], local.sum(), mode="FAST_COMPILE",
+                             on_unused_input="ignore")
+    r = np.random.default_rng(6)
+    for _ in range(10):
+        bv = r.standard_normal(3) * r.choice([0.3, 3.0])
+        bounds = [0, N]
+        while bounds == [0, N] or not all(M_VALUE[lo:hi].any() for lo, hi in zip(bounds, bounds[1:])):
+            # (each part keeps a row: PyTensor's Python Blockwise fails on a batch of none)
+            bounds = [0, *np.sort(r.choice(np.arange(1, N), size=r.integers(1, 4), replace=False)), N]
+        got = sum(part(X_VALUE[lo:hi], Y_VALUE[lo:hi], G_VALUE[lo:hi], M_VALUE[lo:hi], bv)
+                  for lo, hi in zip(bounds, bounds[1:]))
+        assert_allclose(got, whole(bv), rtol=1e-12, err_msg=str(bounds))
+
+
+def test_rows_kept_by_a_mask_coupled_through_products_and_batched_ops():
+    """The same ops where they sum over the kept rows, or combine them with rows kept by another
+    mask, or with all rows: refused."""
+    X, y = pytensor.shared(X_VALUE, name="X"), pytensor.shared(Y_VALUE, name="y")
+    m = pytensor.shared(M_VALUE, name="m")
+    m2 = pytensor.shared(np.random.default_rng(5).permutation(M_VALUE), name="m2")
+    b = pt.dvector("b")
+    eye = pt.eye(3) * 2
+    for coupled, match in ((X[m].T @ y[m] + b[0], "sums over the rows"),
+                           (pt.dot(X[m], b) * y[m2], "different boolean masks"),
+                           ((X[m] @ b) * y, "boolean mask"),
+                           (pt.linalg.solve_triangular(eye, X[m] - b, lower=True, b_ndim=1).sum(axis=1) * y[m2],
+                            "different boolean masks"),
+                           (pt.concatenate([X[m], X[m2]], axis=1) @ pt.concatenate([b, b]), "different boolean masks"),
+                           (pt.cumsum(X[m] @ b), "runs along the rows"),
+                           (pt.alloc(y * b[0], y[m].shape[0]), "another number of rows"),
+                           (b[0] * y[pt.arange(y[m].shape[0])], "boolean mask")):
         with pytest.raises(Coupling, match=match):
             _split_by(coupled, [X, y, m, m2])

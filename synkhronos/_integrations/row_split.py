@@ -43,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - PyTensor 2
     from pytensor.graph.basic import graph_inputs, io_toposort  # type: ignore[no-redef, unused-ignore]  # (the other PyTensor's)
 
-__all__ = ["Coupling", "hoist_data_only", "split_rows"]
+__all__ = ["Coupling", "batched_op_of_rows", "hoist_data_only", "masks_as_positions", "split_rows"]
 
 
 class Coupling(ValueError):
@@ -304,10 +304,13 @@ def _op_axis(node, position):
 
 
 def _shape(node, ins) -> list:
+    """A shape: its row axis's entry is the count of the rows (of those a mask keeps, where one
+    did: the count broadcasts, and counts, only rows that mask keeps)."""
     r = ins[0]
     if isinstance(node.op, Shape_i):
-        return [_Rows(count=r.count or node.op.i == r.axis)]
-    return [_Rows(count=r.count or r.axis is not None, shape_of=None if r.count else r.axis)]
+        at = node.op.i == r.axis
+        return [_Rows(count=r.count or at, selected=r.selected if at else None)]
+    return [_Rows(count=r.count or r.axis is not None, shape_of=None if r.count else r.axis, selected=r.selected)]
 
 
 def _arange(node, ins) -> list:
@@ -322,7 +325,8 @@ def _join(node, ins) -> list:
     axes = {r.axis for r in parts if r.axis is not None}
     if len(axes) > 1 or (axes and (axis is None or axis % node.outputs[0].type.ndim in axes)):
         raise Coupling(f"{node.op} joins along the rows")
-    return [_Rows(axis=axes.pop() if axes else None, count=_counted(parts))]
+    selected = _one_selection(node, [r for r in parts if r.axis is not None or (not axes and r.count)])
+    return [_Rows(axis=axes.pop() if axes else None, count=_counted(parts), selected=selected)]
 
 
 def _split(node, ins) -> list:
@@ -330,7 +334,8 @@ def _split(node, ins) -> list:
     axis, _ = _op_axis(node, 1)
     if r.axis is not None and (axis is None or axis % node.inputs[0].type.ndim == r.axis):
         raise Coupling(f"{node.op} splits along the rows")
-    return [r] * len(node.outputs)
+    # (sizes of the number of rows: each piece's value depends on it)
+    return [dataclasses.replace(r, count=_counted(ins), index=False)] * len(node.outputs)
 
 
 def _subtensor(node, ins) -> list:
@@ -397,7 +402,10 @@ def _advanced(node, ins) -> list:
                 raise Coupling(f"{node.op} indexes along the rows by a boolean mask that is not per-row data")
             return [_Rows(axis=start, count=_counted([x]), selected=node.inputs[entry[1]])]
         if not r.index:
-            raise Coupling(f"{node.op} indexes along the rows")
+            raise Coupling(f"{node.op} indexes along the rows by an index that is neither per-row data nor the "
+                           "rows' own positions (a row read at another row's position, which another process "
+                           "may hold; for covariates of all the rows taken at a NumPy index of the observed "
+                           "rows, (X @ b)[idx] with observed=y[idx], select them in NumPy: X[idx] @ b)")
     elif any(ins[entries[k][1]].axis is not None and node.inputs[entries[k][1]].type.dtype == "bool" for k in adv):
         raise Coupling(f"{node.op} indexes by a per-row boolean mask something that has no rows")
     p = _rows_in_block(node, entries, adv, ins, block)
@@ -487,13 +495,15 @@ def _dot(node, ins) -> list:
     if x.axis is not None and y.axis is not None:
         raise Coupling(f"{node.op} of rows by rows")
     axis = 0 if x.axis is not None else (node.outputs[0].type.ndim - 1 if y.axis is not None else None)
-    return [_Rows(axis=axis)]
+    return [_Rows(axis=axis, selected=(x if x.axis is not None else y).selected)]
 
 
 def _blockwise(node, ins) -> list:
-    """Batched core ops: batch axes as elementwise; a row axis among the core axes stays rows
-    when the output names the same core dimension (a matrix product's rows)."""
+    """Batched core ops: batch axes as elementwise (every other input one value along a batch
+    axis of rows); a row axis among the core axes stays rows when the output names the same
+    core dimension (a matrix product's rows). Rows kept by a boolean mask stay those rows."""
     sig_in, sig_out = node.op.inputs_sig, node.op.outputs_sig
+    n_batch = node.outputs[0].type.ndim - len(sig_out[0])
     axes = set()
     for v, r, core in zip(node.inputs, ins, sig_in):
         if _counted([r]):
@@ -501,22 +511,27 @@ def _blockwise(node, ins) -> list:
         if r.axis is None:
             continue
         batch = v.type.ndim - len(core)
-        if r.axis < batch:
-            axes.add(("batch", r.axis))
-            continue
-        axes.add(("core", core[r.axis - batch]))
+        axes.add(("batch", r.axis + n_batch - batch) if r.axis < batch else ("core", core[r.axis - batch]))
     if len(axes) > 1:
         raise Coupling(f"{node.op} combines rows along different axes")
     if not axes:
         return [_NONE] * len(node.outputs)
     kind, where = axes.pop()
+    selected = _one_selection(node, [r for r in ins if r.axis is not None])
+    if kind == "batch":
+        for v, r, core in zip(node.inputs, ins, sig_in):
+            at = where - (n_batch - (v.type.ndim - len(core)))
+            if r.axis is None and at >= 0 and not v.type.broadcastable[at]:
+                # (as an elementwise op's: a value of every row's length in each share)
+                raise Coupling(f"{node.op} combines the rows with a value along the row axis that is not "
+                               "per-row data (not split with the rows)")
     out = []
     for v, core in zip(node.outputs, sig_out):
         batch = v.type.ndim - len(core)
         if kind == "batch":
-            out.append(_Rows(axis=where))
+            out.append(_Rows(axis=where + batch - n_batch, selected=selected))
         elif where in core:
-            out.append(_Rows(axis=batch + core.index(where)))
+            out.append(_Rows(axis=batch + core.index(where), selected=selected))
         else:
             raise Coupling(f"{node.op} sums over the rows (core dimension {where!r})")
     return out
@@ -530,8 +545,11 @@ def _reshape(node, ins) -> list:
         return [r]
     if r.axis != 0 or not (_first_entry_is_count(node.inputs[1]) or _keeps_first_axis(node)):
         raise Coupling(f"{node.op} reshapes the rows")
+    if (r.selected is not None or shape.selected is not None) and not _keeps_first_axis(node):
+        # (rows a mask keeps: reshaped by a constant (-1, *rest) only, one row to one row)
+        raise Coupling(f"{node.op} reshapes rows kept by a boolean mask to a shape not known to keep them")
     keeps = r.index and node.inputs[0].type.ndim == 1  # (a vector of positions stays one)
-    return [_Rows(axis=0, count=r.count or (r.index and not keeps), index=keeps)]
+    return [_Rows(axis=0, count=r.count or (r.index and not keeps), index=keeps, selected=r.selected)]
 
 
 def _keeps_first_axis(node) -> bool:
@@ -604,9 +622,47 @@ _RULES: tuple[tuple[Any, Callable[..., list]], ...] = (
 
 #: Ops whose rule follows rows kept by a boolean mask (keeps them apart, combines them only with
 #: rows kept by the same mask); any other op that reads them is a coupling.
-_SELECTION_SAFE: tuple[Any, ...] = (Elemwise, DimShuffle, CAReduce, _NamedOps("LogSumExp"), Softmax, LogSoftmax, Subtensor,
-                   AdvancedSubtensor, AdvancedSubtensor1, _NamedOps("DeepCopyOp", "OutputGuard", "ViewOp"),
-                   _NamedOps("MakeVector", "ScalarFromTensor", "TensorFromScalar"))
+_SELECTION_SAFE: tuple[Any, ...] = (Elemwise, DimShuffle, CAReduce, _NamedOps("LogSumExp"), Softmax, LogSoftmax, CumOp,
+                                    Subtensor, AdvancedSubtensor, AdvancedSubtensor1, Shape, Shape_i, ARange, Join,
+                                    Split, Dot, Blockwise, Reshape, _NamedOps("DeepCopyOp", "OutputGuard", "ViewOp"),
+                                    _NamedOps("MakeVector", "ScalarFromTensor", "TensorFromScalar"))
+
+
+def masks_as_positions(outputs) -> list | None:
+    """``outputs`` with each 1-d boolean constant (a NumPy mask) that indexes something replaced
+    by the positions it keeps, a constant of integers: ``x[mask]`` is ``x[np.flatnonzero(mask)]``,
+    the same values and gradient. None: no such mask.
+
+    Observed data selected in NumPy (``observed=t[~cens]``) against covariates of all the rows
+    selected in the model (``lam[~cens]``) then split: the positions are per-row data of the
+    observed data's rows, ``lam`` a value without rows that each share takes at its positions
+    (a group index, :func:`split_rows`'s rule), computed whole in every process."""
+    memo: dict = {}
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        ins = [memo.get(i, i) for i in node.inputs]
+        if isinstance(node.op, (AdvancedSubtensor, AdvancedSubtensor1)):
+            ins[1:] = [pt.constant(np.flatnonzero(v.data), name=f"positions kept by {v.name or 'a mask'}")
+                       if isinstance(v, Constant) and getattr(v.type, "dtype", None) == "bool" and v.type.ndim == 1
+                       else v for v in ins[1:]]
+        if all(a is b for a, b in zip(ins, node.inputs)):
+            continue
+        new = node.op(*ins, return_list=True) if isinstance(node.op, OpFromGraph) else node.op.make_node(*ins).outputs
+        memo.update(zip(node.outputs, new))
+    return [memo.get(o, o) for o in outputs] if memo else None
+
+
+def batched_op_of_rows(outputs, row_inputs):
+    """The first batched op (a Blockwise with batch axes) of ``outputs`` that reads the per-row
+    ``row_inputs``, or None. PyTensor's Python implementation fails on a batch of no rows
+    (NumPy's ``vectorize`` of zero size), which a share holds where a mask keeps none of its
+    rows, or where the data have one row."""
+    reading = set(row_inputs)
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        if any(i in reading for i in node.inputs):
+            reading.update(node.outputs)
+            if isinstance(node.op, Blockwise) and node.outputs[0].type.ndim > len(node.op.outputs_sig[0]):
+                return node.op
+    return None
 
 
 #: Scalar ops cheaper than reading one more number per row: a part of the graph that reads only
