@@ -23,6 +23,7 @@ of its contributing processes' weights, so it equals the flat average.
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import TYPE_CHECKING, Any, Callable, cast
 
@@ -385,7 +386,7 @@ class HierarchicalCommunicator(Communicator):
                         parts[i].append(None)
                         continue
                     dtype, shape = lay
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                    nbytes = math.prod(shape) * np.dtype(dtype).itemsize  # (shape: a tuple of ints)
                     parts[i].append(blob[offset:offset + nbytes].view(dtype).reshape(shape))
                     offset += nbytes
         return [p if join is None else join(i, p) for i, p in enumerate(parts)]

@@ -362,12 +362,13 @@ class MpiCommunicator(Communicator):
         layout = None if arrays is None else [(a.dtype, tuple(int(d) for d in a.shape)) for a in arrays]
         # a failure may come with its reason (a string: what failed where), cut to fit
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
-        meta = (layout, float(weight), flag, False)
+        payload, meta = None, (layout, float(weight), flag, bool(inline and arrays is not None and not failed))
         blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        payload = None
-        if inline and arrays is not None and not failed and payload_fits(arrays, len(blob)):
-            payload, meta = arrays, (layout, float(weight), flag, True)
-            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)  # (True pickles as long as False)
+        if meta[3] and payload_fits(arrays, len(blob)):  # (True pickles as long as False)
+            payload = arrays
+        elif meta[3]:
+            meta = (layout, float(weight), flag, False)
+            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         plan = (WHAT_CODES.get(what, 0), OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, meta, blob, self.step[1], plan, payload)
         try:
