@@ -364,11 +364,12 @@ class MpiCommunicator(Communicator):
         flag = failed[:HEADER_SLOT // 2] if isinstance(failed, str) and failed else bool(failed)
         payload, meta = None, (layout, float(weight), flag, bool(inline and arrays is not None and not failed))
         blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        if meta[3] and payload_fits(arrays, len(blob)):  # (True pickles as long as False)
-            payload = arrays
-        elif meta[3]:
-            meta = (layout, float(weight), flag, False)
-            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        if meta[3]:  # (True pickles as long as False: the fit is known before the values are left out)
+            if payload_fits(arrays, len(blob)):
+                payload = arrays
+            else:
+                meta = (layout, float(weight), flag, False)
+                blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         plan = (WHAT_CODES.get(what, 0), OP_CODES[op], -1 if root is None else root)
         heads, metas = self._headers(what, meta, blob, self.step[1], plan, payload)
         try:

@@ -208,7 +208,7 @@ class Reducer:
         self.scales: list = []  # avg: the weights as fractions, scalars of the dtype it works in
         if op == "avg":
             work = avg_work_dtype(self.dtype)
-            if self.dtype != work:  # integers and booleans: in float64 (PyTensor's mean of ints)
+            if self.dtype != work:  # integers and booleans in float64 (PyTensor's mean of ints), float16 in float32
                 self.convert = work
             if work != result_dtype(self.dtype, op):  # float16: in float32, then rounded back
                 self.final = self.dtype
